@@ -1,0 +1,31 @@
+# The two commands of the contract: `make demo` and `make test`. Both create .venv from constraints.txt
+# when it is missing or older than pyproject.toml / constraints.txt, then run.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-unit test-distributed venv clean
+
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[all,dev]'
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/polyshard launch configs/demo.yaml examples/train_lm.py
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -ra tests
+
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest -q tests/unit
+
+test-distributed: $(STAMP)
+	$(BIN)/python -m pytest -q -ra tests/distributed
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

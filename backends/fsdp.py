@@ -1,0 +1,289 @@
+"""torch FSDP: FSDP2 (`fully_shard`, default) and FSDP1 (`FullyShardedDataParallel`).
+
+`translate` turns the spec into plain keyword arguments (what `polyshard explain` prints); the engines
+turn those into torch objects. On CPU the process group is gloo and FSDP1 gets device_id=cpu.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from itertools import chain
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from parallel.engine import Engine, OptimizerArg, build_optimizer
+from parallel.spec import HYBRID_SHARDS, Spec
+from parallel.specio import SpecError, merge_native
+from parallel.torch_state import read_model_optim, write_model_optim
+from parallel.wrap import plan_wrap
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+FSDP1_STRATEGY = {"full": "FULL_SHARD", "grad_op": "SHARD_GRAD_OP", "none": "NO_SHARD",
+                  "hybrid": "HYBRID_SHARD", "hybrid_grad_op": "_HYBRID_SHARD_ZERO2"}
+
+
+def mesh_shape(spec: Spec) -> tuple[int, ...]:
+    """1-D over all ranks, or (replicas, shard group) for hybrid. `none` on FSDP2 is a hybrid mesh whose
+    shard groups have one rank: every rank keeps everything and gradients are all-reduced (DDP)."""
+    if spec.shard in HYBRID_SHARDS:
+        return (spec.world_size // spec.shard_group_size, spec.shard_group_size)
+    if spec.shard == "none":
+        return (spec.world_size, 1)
+    return (spec.world_size,)
+
+
+def _check_loss_scale(spec: Spec) -> None:
+    deepspeed_only = {"hysteresis", "min_scale"} & spec.loss_scale.model_fields_set
+    if spec.precision == "fp16" and deepspeed_only:
+        raise SpecError([(f"loss_scale.{k}", "torch's ShardedGradScaler has no such knob (it halves "
+                          "the scale on every overflow); remove it or use backend: deepspeed")
+                         for k in sorted(deepspeed_only)])
+
+
+def translate(spec: Spec) -> dict:
+    """The FSDP keyword arguments this spec means, as plain values, with `fsdp.native` merged last."""
+    _check_loss_scale(spec)
+    low = spec.precision if spec.precision in DTYPES else None
+    if spec.fsdp.version == 2:
+        kwargs = {"reshard_after_forward": spec.shard in ("full", "hybrid")}
+        origins = {"reshard_after_forward": "shard"}
+        if low:
+            kwargs["mp_policy"] = {"param_dtype": low, "reduce_dtype": "fp32"}
+        if spec.offload == "params":
+            kwargs["offload_policy"] = "cpu"
+        native = merge_native(kwargs, origins, spec.fsdp.native, "fsdp")
+        return {"api": "fully_shard", "mesh": list(mesh_shape(spec)), "kwargs": native}
+    f = spec.fsdp
+    kwargs = {"sharding_strategy": FSDP1_STRATEGY[spec.shard], "backward_prefetch":
+              None if f.backward_prefetch == "none" else f.backward_prefetch.upper(),
+              "forward_prefetch": f.forward_prefetch, "sync_module_states": f.sync_module_states,
+              "use_orig_params": f.use_orig_params, "limit_all_gathers": f.limit_all_gathers,
+              "cpu_offload": spec.offload == "params"}
+    origins = {"sharding_strategy": "shard", "cpu_offload": "offload"}
+    origins.update({k: f"fsdp.{k}" for k in kwargs if k not in origins})
+    if low:
+        kwargs["mixed_precision"] = {"param_dtype": low, "reduce_dtype": "fp32"}
+        origins["mixed_precision"] = "precision"
+    native = merge_native(kwargs, origins, f.native, "fsdp")
+    mesh = list(mesh_shape(spec)) if spec.shard in HYBRID_SHARDS else None
+    return {"api": "FullyShardedDataParallel", "mesh": mesh, "kwargs": native}
+
+
+def FSDPEngine(spec: Spec) -> Engine:
+    """`fsdp.version` picks the implementation; both share checkpoints, clipping and the loop."""
+    return (FSDP2Engine if spec.fsdp.version == 2 else FSDP1Engine)(spec)
+
+
+class _TorchFSDP(Engine):
+    name = "fsdp"
+
+    def __init__(self, spec: Spec):
+        super().__init__(spec)
+        self.plan = translate(spec)  # fail on a contradicting native key before any work
+        self.units: list[tuple[str, nn.Module]] = []
+        self.scaler = None
+        if spec.precision == "fp16":
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            ls = spec.loss_scale
+            self.scaler = ShardedGradScaler(self.device.type, init_scale=2.0**ls.initial_scale_power,
+                                            growth_interval=ls.growth_interval)
+
+    def _materialise(self, model) -> tuple[nn.Module, bool]:
+        """Build the model; with cpu_ram_efficient_loading only rank 0 holds real weights."""
+        lazy = self.spec.fsdp.cpu_ram_efficient_loading
+        if isinstance(model, nn.Module):
+            if lazy:
+                raise SpecError([("fsdp.cpu_ram_efficient_loading", "needs a model factory: call "
+                                  "prepare(lambda: Model(...)) so ranks other than 0 can build it "
+                                  "on the meta device")])
+        elif lazy and not self.is_main:
+            with torch.device("meta"):
+                model = model()
+        else:
+            model = model()
+        bad = sorted({str(p.dtype) for p in model.parameters() if p.dtype != torch.float32})
+        if bad and not (lazy and not self.is_main):
+            raise ValueError(f"model: parameters are {bad}; every precision keeps fp32 master "
+                             "weights, so pass an fp32 model (torch_dtype=torch.float32) and set "
+                             "`precision: bf16` for bf16 compute")
+        self.units = plan_wrap(model, self.spec.wrap)
+        return model, lazy
+
+    def _sync_context(self, last: bool):
+        return self._no_sync() if not last else super()._sync_context(last)
+
+    def _grad_norm_and_clip(self) -> torch.Tensor:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0, False)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()  # the partial norms of every shard, reduced
+        if self.spec.grad_clip is not None:
+            torch.nn.utils.clip_grads_with_norm_(params, self.spec.grad_clip, norm)
+        return norm
+
+    def _optimizer_step(self):
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)  # clip and report the true gradient
+        norm = self._grad_norm_and_clip()
+        stepped = True
+        if self.scaler is not None:
+            scale = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            stepped = self.scaler.get_scale() >= scale
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm, stepped
+
+    def _backward(self, loss):
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def _save_model_optim(self, tmp: Path) -> None:
+        write_model_optim(tmp, self.model, self.optimizer, self.spec.state_dict == "sharded",
+                          self.rank)
+
+    def _load_model_optim(self, path: Path, manifest: dict) -> None:
+        read_model_optim(path, self.model, self.optimizer)
+
+
+def apply_ac(model: nn.Module, units: list[tuple[str, nn.Module]]) -> None:
+    """Non-reentrant checkpointing on every unit (the same units that become shard units)."""
+    ids = {id(m) for _, m in units}
+    wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper,
+                                   check_fn=lambda m: id(m) in ids)
+
+
+def broadcast_from_rank0(tensors) -> None:
+    for t in tensors:
+        dist.broadcast(t.data, src=0)
+
+
+class FSDP2Engine(_TorchFSDP):
+    def _prepare(self, model, optimizer: OptimizerArg):
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+        model, lazy = self._materialise(model)
+        kwargs = dict(self.plan["kwargs"])
+        if "mp_policy" in kwargs:
+            mp = kwargs["mp_policy"]
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=DTYPES[mp["param_dtype"]],
+                                                       reduce_dtype=torch.float32)
+        if kwargs.get("offload_policy") == "cpu":
+            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
+        _check_kwargs(fully_shard, kwargs)
+        shape = self.plan["mesh"]
+        names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
+        mesh = init_device_mesh(self.device.type, tuple(shape), mesh_dim_names=names)
+        if lazy:
+            full_sd, buffers = {}, None
+            if self.is_main:  # copies: fully_shard and to_empty below replace the originals
+                full_sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                buffers = [b.detach().clone() for b in model.buffers()]
+        elif self.spec.fsdp.sync_module_states:
+            model.to(self.device)
+            broadcast_from_rank0(chain(model.parameters(), model.buffers()))
+        # Checkpoint wrappers go on before fully_shard, so FSDP's hooks sit outside the recomputed
+        # region and each unit's parameters are gathered once for the recomputation too.
+        if self.spec.checkpoint_activations:
+            apply_ac(model, self.units)
+        for _, unit in self.units:  # children first: each unit owns only what no inner unit owns
+            fully_shard(unit, mesh=mesh, **kwargs)
+        fully_shard(model, mesh=mesh, **kwargs)
+        if lazy:
+            self._fill_from_rank0(model, full_sd, buffers)
+        self._set_forward_prefetch()
+        return model, build_optimizer(optimizer, model.parameters())
+
+    def _fill_from_rank0(self, model, full_sd: dict, buffers) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        model.to_empty(device=self.device)
+        set_model_state_dict(model, full_sd, options=StateDictOptions(
+            full_state_dict=True, broadcast_from_rank0=True))
+        for i, b in enumerate(model.buffers()):  # non-persistent buffers are not in state_dict
+            if self.is_main:
+                b.copy_(buffers[i])
+            dist.broadcast(b, src=0)
+
+    def _set_forward_prefetch(self) -> None:
+        if not self.spec.fsdp.forward_prefetch:
+            return
+        forward_order = [m for _, m in reversed(self.units)]
+        for this, nxt in zip(forward_order, forward_order[1:]):
+            this.set_modules_to_forward_prefetch([nxt])
+
+    def _no_sync(self):
+        return _RequiresGradSync(self.model)
+
+
+class _RequiresGradSync:
+    """FSDP2's no_sync: keep unsharded gradients locally until the last micro-batch."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __enter__(self):
+        self.model.set_requires_gradient_sync(False)
+
+    def __exit__(self, *exc):
+        self.model.set_requires_gradient_sync(True)
+
+
+class FSDP1Engine(_TorchFSDP):
+    def _prepare(self, model, optimizer: OptimizerArg):
+        from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
+
+        model, lazy = self._materialise(model)
+        kwargs = dict(self.plan["kwargs"])
+        kwargs["sharding_strategy"] = ShardingStrategy[kwargs["sharding_strategy"]]
+        if kwargs["backward_prefetch"]:
+            kwargs["backward_prefetch"] = BackwardPrefetch[kwargs["backward_prefetch"]]
+        kwargs["cpu_offload"] = CPUOffload(offload_params=kwargs["cpu_offload"])
+        if "mixed_precision" in kwargs:
+            low = DTYPES[kwargs["mixed_precision"]["param_dtype"]]
+            kwargs["mixed_precision"] = MixedPrecision(param_dtype=low, reduce_dtype=torch.float32)
+        if self.plan["mesh"]:
+            kwargs["device_mesh"] = init_device_mesh(self.device.type, tuple(self.plan["mesh"]),
+                                                     mesh_dim_names=("replicate", "shard"))
+        if lazy and not self.is_main:
+            kwargs["param_init_fn"] = lambda m: m.to_empty(device=self.device, recurse=False)
+        _check_kwargs(FSDP.__init__, kwargs)
+        ids = {id(m) for _, m in self.units}
+        policy = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: id(m) in ids)
+        model = FSDP(model, auto_wrap_policy=policy, device_id=self.device, **kwargs)
+        # FSDP1 wraps first and checkpoints the original modules inside their FSDP units afterwards
+        # (torch's recipe): wrapping a CheckpointWrapper instead would hide the layer class.
+        if self.spec.checkpoint_activations:
+            apply_ac(model, self.units)
+        return model, build_optimizer(optimizer, model.parameters())
+
+    def _no_sync(self):
+        return self.model.no_sync()
+
+    def _grad_norm_and_clip(self) -> torch.Tensor:
+        # FSDP1's own clip reduces the norm over flat-parameter shards; inf means "report only".
+        return self.model.clip_grad_norm_(self.spec.grad_clip or float("inf"))
+
+
+def _check_kwargs(fn, kwargs: dict) -> None:
+    accepted = set(inspect.signature(fn).parameters)
+    unknown = sorted(set(kwargs) - accepted)
+    if unknown:
+        raise SpecError([(f"fsdp.native.{k}", f"is not an argument of {fn.__qualname__}; accepted: "
+                          f"{', '.join(sorted(accepted - {'self', 'module'}))}") for k in unknown])

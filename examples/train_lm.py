@@ -1,0 +1,82 @@
+"""Train a small Llama-style model on byte-level text under whatever backend the spec names.
+
+    polyshard launch configs/demo.yaml examples/train_lm.py --steps 30 --save runs/demo/ckpt
+    polyshard launch configs/demo.yaml examples/train_lm.py --steps 60 --resume runs/demo/ckpt
+"""
+
+import argparse
+import math
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+from parallel import create_engine
+from parallel.launch import current_spec
+from parallel.toy import ByteDataset, build_llama, llama_config
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--config", default="configs/demo.yaml", help="spec, when not launched by polyshard")
+parser.add_argument("--steps", type=int, default=60, help="train until this optimizer step")
+parser.add_argument("--lr", type=float, default=3e-3)
+parser.add_argument("--save", help="checkpoint directory to write at the end")
+parser.add_argument("--resume", help="checkpoint directory to continue from")
+args = parser.parse_args()
+
+# 1. The spec (passed by `polyshard launch`) decides backend, sharding, precision and topology.
+spec = current_spec(default=args.config)
+engine = create_engine(spec)
+console = Console(quiet=not engine.is_main)
+
+# 2. Model, optimizer and schedule. The engine builds the optimizer after sharding.
+config = llama_config("demo")
+warmup = 5
+
+
+def schedule(opt):
+    cosine = lambda s: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps))
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * cosine(s))
+
+
+model = engine.prepare(lambda: build_llama(config),
+                       optimizer=(torch.optim.AdamW, {"lr": args.lr, "weight_decay": 0.0}),
+                       scheduler=schedule)
+with torch.device("meta"):  # count parameters without allocating them
+    n_params = sum(p.numel() for p in build_llama(config).parameters())
+
+# 3. Data: a distributed loader whose position is part of the checkpoint.
+dataset = ByteDataset(seq_len=128)
+loader = engine.dataloader(dataset)
+
+if args.resume:
+    engine.load(args.resume)
+    console.print(f"[bold]resumed[/] from {args.resume} at step {engine.step}")
+console.print(f"{spec.backend} ({spec.shard}, {spec.precision}) on {engine.world_size} rank(s), "
+              f"{n_params / 1e6:.2f}M parameters, {len(dataset)} samples of 128 bytes")
+
+# 4. The loop: one train_step is one optimizer step over micro_batch_size x grad_accum_steps samples.
+losses = []
+batches = iter(loader)
+with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
+              TextColumn("{task.completed}/{task.total}"), TimeRemainingColumn(),
+              console=console) as progress:
+    task = progress.add_task("training", total=args.steps, completed=engine.step)
+    while engine.step < args.steps:
+        try:
+            batch = next(batches)
+        except StopIteration:  # next epoch
+            batches = iter(loader)
+            continue
+        result = engine.train_step(batch)
+        losses.append(result.loss)
+        progress.update(task, advance=1, description=f"loss {result.loss:.3f} "
+                        f"|g| {result.grad_norm:.2f} lr {result.lr:.1e} {result.tokens / result.step_time:,.0f} tok/s")
+
+if losses:
+    console.print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over steps "
+                  f"{engine.step - len(losses) + 1}..{engine.step} "
+                  f"({losses[-1] / math.log(2):.2f} bits/byte)")
+if args.save:
+    path = engine.save(args.save)
+    console.print(f"saved step {engine.step} to {path}")
+engine.close()

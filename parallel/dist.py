@@ -1,0 +1,89 @@
+"""Process-group set-up: the one place that reads the launcher's environment (RANK, WORLD_SIZE, ...)."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launched_world() -> tuple[int, int, int]:
+    """(rank, world size, local rank) as torchrun (or any PyTorch-style launcher) exported them."""
+    env = os.environ
+    return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
+
+
+def init_distributed(timeout_s: float) -> DistContext:
+    """Join (or create) the default process group: NCCL on CUDA with gloo for CPU tensors, else gloo.
+
+    A single process without a launcher still gets a world of size 1, so FSDP and DCP code paths are
+    the same whether one rank or many run them.
+    """
+    rank, world, local_rank = launched_world()
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "cpu:gloo,cuda:nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        if "MASTER_ADDR" not in os.environ:  # one process started by hand: a private rendezvous
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        dist.init_process_group(backend, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s))
+    return DistContext(rank, world, local_rank, device)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def all_mean(value: torch.Tensor) -> torch.Tensor:
+    """Mean over ranks. gloo has no ReduceOp.AVG, so sum then divide."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        value /= dist.get_world_size()
+    return value

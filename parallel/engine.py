@@ -1,0 +1,256 @@
+"""The interface every backend implements, and the training loop they share.
+
+`train_step` is a template: split the step's batch into micro-batches, forward/backward each, then one
+optimizer step. Backends fill in only what differs (how to wrap the model, how to run backward, how to
+clip and step), so the loop reads top to bottom in one place.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader
+
+from parallel import __version__
+from parallel import dist as pdist
+from parallel.checkpoint import save_rank_file, verify_on_rank0, write_checkpoint
+from parallel.data import ResumableLoader, ResumableSampler
+from parallel.spec import Spec
+
+OptimizerArg = Callable[..., torch.optim.Optimizer] | tuple[type, dict[str, Any]]
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step did. Tensors stay on device until read, so logging decides when the
+    host waits (the loss is a global mean over ranks, as a single process would compute it)."""
+
+    step: int
+    loss_tensor: torch.Tensor
+    grad_norm_tensor: torch.Tensor | None
+    lr: float
+    tokens: int
+    step_time: float
+    stepped: bool = True  # False when fp16 loss scaling skipped the update
+
+    @property
+    def loss(self) -> float:
+        return float(self.loss_tensor)
+
+    @property
+    def grad_norm(self) -> float | None:
+        return None if self.grad_norm_tensor is None else float(self.grad_norm_tensor)
+
+
+def build_optimizer(optimizer: OptimizerArg, params) -> torch.optim.Optimizer:
+    """Optimizers are built after sharding (they must see the sharded parameters)."""
+    if isinstance(optimizer, tuple):
+        cls, kwargs = optimizer
+        return cls(params, **kwargs)
+    return optimizer(params)
+
+
+class Engine(ABC):
+    """prepare -> train_step / eval_step -> save / load -> close."""
+
+    name: str = "base"
+
+    def __init__(self, spec: Spec):
+        self.spec = spec
+        self.ctx = pdist.init_distributed(spec.timeout_s)
+        self._check_world()
+        pdist.seed_everything(spec.seed)
+        self.step = 0
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler = None
+        self.loss_fn: LossFn | None = None
+        self.loaders: list[ResumableLoader] = []
+
+    # ---- facts ----
+    rank = property(lambda self: self.ctx.rank)
+    world_size = property(lambda self: self.ctx.world_size)
+    device = property(lambda self: self.ctx.device)
+    is_main = property(lambda self: self.ctx.is_main)
+
+    def _check_world(self) -> None:
+        if self.ctx.world_size != self.spec.world_size:
+            raise RuntimeError(
+                f"topology: the spec describes {self.spec.world_size} ranks (nodes "
+                f"{self.spec.topology.nodes} x procs_per_node {self.spec.topology.procs_per_node}) "
+                f"but {self.ctx.world_size} processes were launched; launch with "
+                f"`polyshard launch` (it reads the topology) or fix topology.procs_per_node")
+
+    # ---- set-up ----
+    def prepare(self, model: nn.Module | Callable[[], nn.Module], optimizer: OptimizerArg,
+                scheduler: Callable | None = None, loss_fn: LossFn | None = None) -> nn.Module:
+        """Shard `model` (a module, or a factory for memory-efficient loading), then build the
+        optimizer over the sharded parameters and the scheduler over the optimizer."""
+        self.loss_fn = loss_fn
+        self.model, self.optimizer = self._prepare(model, optimizer)
+        self.scheduler = scheduler(self.optimizer) if scheduler else None
+        return self.model
+
+    @abstractmethod
+    def _prepare(self, model, optimizer: OptimizerArg) -> tuple[nn.Module, torch.optim.Optimizer]:
+        ...
+
+    def dataloader(self, dataset, batch_size: int | None = None, shuffle: bool = True,
+                   collate_fn=None) -> ResumableLoader:
+        """Per-rank loader of step batches (micro_batch_size * grad_accum_steps samples each) whose
+        position is saved and restored with the checkpoint."""
+        size = batch_size or self.spec.micro_batch_size * self.spec.grad_accum_steps
+        sampler = ResumableSampler(len(dataset), self.world_size, self.rank, self.spec.seed, shuffle)
+        loader = DataLoader(dataset, batch_size=size, sampler=sampler, collate_fn=collate_fn,
+                            drop_last=True)
+        self.loaders.append(ResumableLoader(loader, sampler))
+        return self.loaders[-1]
+
+    # ---- the step ----
+    def train_step(self, batch) -> StepResult:
+        start = time.perf_counter()
+        self.model.train()
+        micro_batches = self._split(batch)
+        total = torch.zeros((), device=self.device)
+        for i, micro in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            with self._sync_context(last):  # skip gradient reduction until the last micro-batch
+                loss = self._loss(self._to_device(micro))
+                self._backward(loss / len(micro_batches))
+            total += loss.detach().float()
+        grad_norm, stepped = self._optimizer_step()
+        if self.scheduler is not None and stepped:
+            self.scheduler.step()
+        self.step += 1
+        return StepResult(
+            step=self.step,
+            loss_tensor=pdist.all_mean(total / len(micro_batches)),
+            grad_norm_tensor=grad_norm,
+            lr=self.optimizer.param_groups[0]["lr"],
+            tokens=self._count_tokens(batch) * self.world_size,
+            step_time=time.perf_counter() - start,
+            stepped=stepped,
+        )
+
+    @torch.no_grad()
+    def eval_step(self, batch) -> float:
+        self.model.eval()
+        return float(pdist.all_mean(self._loss(self._to_device(batch)).detach().float()))
+
+    def _loss(self, batch) -> torch.Tensor:
+        with self._autocast():
+            if self.loss_fn is not None:
+                return self.loss_fn(self.model, batch)
+            return self.model(**batch).loss
+
+    def _autocast(self):
+        return nullcontext()  # backends that cast by themselves (FSDP, DeepSpeed) need none
+
+    def _sync_context(self, last: bool):
+        return nullcontext()
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    @abstractmethod
+    def _optimizer_step(self) -> tuple[torch.Tensor | None, bool]:
+        """Clip (if the spec says so), step, zero gradients; return (grad norm, whether it stepped)."""
+
+    def _split(self, batch) -> list:
+        accum, micro = self.spec.grad_accum_steps, self.spec.micro_batch_size
+        rows = _rows(batch)
+        if rows != accum * micro:
+            raise ValueError(
+                f"batch: rank {self.rank} got {rows} samples; one step takes micro_batch_size "
+                f"({micro}) x grad_accum_steps ({accum}) = {micro * accum}; build the loader "
+                f"with engine.dataloader(dataset) or fix the spec")
+        if accum == 1:
+            return [batch]
+        if isinstance(batch, dict):
+            parts = {k: torch.tensor_split(v, accum) for k, v in batch.items()}
+            return [{k: v[i] for k, v in parts.items()} for i in range(accum)]
+        return list(zip(*(torch.tensor_split(v, accum) for v in batch)))
+
+    def _to_device(self, batch):
+        if isinstance(batch, dict):
+            return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        return type(batch)(v.to(self.device, non_blocking=True) for v in batch)
+
+    @staticmethod
+    def _count_tokens(batch) -> int:
+        first = batch["input_ids"] if isinstance(batch, dict) and "input_ids" in batch else (
+            next(iter(batch.values())) if isinstance(batch, dict) else batch[0])
+        return first.numel()
+
+    # ---- checkpoints ----
+    def save(self, path) -> Path:
+        """Write model, optimizer, scheduler, step, RNG and data position under `path`, atomically."""
+        def write(tmp: Path) -> None:
+            self._save_model_optim(tmp)
+            save_rank_file(pdist.rng_state(), tmp, "rng", self.rank)
+            if self.is_main:
+                torch.save(self.trainer_state(), tmp / "trainer.pt")
+
+        meta = {"backend": self.name, "world_size": self.world_size, "step": self.step,
+                "state_dict": self.spec.state_dict, "spec": self.spec.model_dump(mode="json"),
+                "versions": {"torch": torch.__version__, "polyshard": __version__}}
+        return write_checkpoint(path, self.rank, write, meta)
+
+    def load(self, path) -> dict:
+        """Verify `path` (manifest, sizes, sha256), then restore everything `save` wrote."""
+        path = Path(path)
+        manifest = verify_on_rank0(path)
+        self._load_model_optim(path, manifest)
+        self.load_trainer_state(torch.load(path / "trainer.pt", weights_only=False))
+        rng_file = path / "rng" / f"rank{self.rank}.pt"
+        if manifest["world_size"] == self.world_size and rng_file.is_file():
+            pdist.set_rng_state(torch.load(rng_file, weights_only=False))
+        return manifest
+
+    @abstractmethod
+    def _save_model_optim(self, tmp: Path) -> None:
+        """Write this rank's part of the model and optimizer state into `tmp`."""
+
+    @abstractmethod
+    def _load_model_optim(self, path: Path, manifest: dict) -> None:
+        """Restore model and optimizer state from a verified checkpoint."""
+
+    def trainer_state(self) -> dict:
+        return {"step": self.step,
+                "scheduler": self.scheduler.state_dict() if self.scheduler else None,
+                "loaders": [loader.state_dict() for loader in self.loaders]}
+
+    def load_trainer_state(self, state: dict) -> None:
+        self.step = state["step"]
+        if self.scheduler is not None and state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if len(state["loaders"]) != len(self.loaders):
+            raise ValueError(f"checkpoint recorded {len(state['loaders'])} data loaders, this run "
+                             f"created {len(self.loaders)}; create loaders before load()")
+        for loader, loader_state in zip(self.loaders, state["loaders"]):
+            loader.load_state_dict(loader_state)
+
+    # ---- collectives and shutdown ----
+    def barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def _rows(batch) -> int:
+    first = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
+    return first.shape[0]

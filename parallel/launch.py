@@ -1,0 +1,68 @@
+"""Starting processes: `polyshard launch` runs torchrun with the spec's topology and hands the validated
+spec to every rank through POLYSHARD_SPEC (a JSON file), so a script never re-parses flags."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from parallel.registry import BACKENDS
+from parallel.spec import Spec
+from parallel.specio import load_spec
+
+SPEC_ENV = "POLYSHARD_SPEC"
+
+
+def current_spec(default: str | Path | dict | None = None, overrides: list[str] = ()) -> Spec:
+    """The spec this process runs under: the one `polyshard launch` passed, else `default`."""
+    passed = os.environ.get(SPEC_ENV)
+    return load_spec(Path(passed) if passed else default, list(overrides))
+
+
+@dataclass
+class LaunchArgs:
+    """torchrun's flags beyond the topology (which comes from the spec)."""
+
+    node_rank: int | None = None
+    rdzv_endpoint: str | None = None
+    max_restarts: int = 0
+    extra: list[str] = field(default_factory=list)
+
+
+def torchrun_command(spec: Spec, args: LaunchArgs, script: str, script_args: list[str]) -> list[str]:
+    nnodes = spec.topology.nodes
+    cmd = [sys.executable, "-m", "torch.distributed.run",
+           "--nproc-per-node", str(spec.topology.procs_per_node),
+           "--nnodes", str(nnodes), "--max-restarts", str(args.max_restarts)]
+    if nnodes == 1 and not args.rdzv_endpoint:
+        cmd.append("--standalone")  # a private rendezvous on a free port: parallel jobs never clash
+    else:
+        if not args.rdzv_endpoint:
+            raise ValueError("--rdzv-endpoint HOST:PORT is required with more than one node")
+        cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint]
+        if args.node_rank is not None:
+            cmd += ["--node-rank", str(args.node_rank)]
+    return cmd + args.extra + [script, *script_args]
+
+
+def launch_env(spec: Spec, spec_file: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    for key, value in BACKENDS[spec.backend].env.items():
+        env.setdefault(key, value)  # a value the user exported wins
+    env[SPEC_ENV] = str(spec_file)
+    env.setdefault("OMP_NUM_THREADS", "1")  # ranks share the host's cores; torchrun warns otherwise
+    return env
+
+
+def launch(spec: Spec, args: LaunchArgs, script: str, script_args: list[str]) -> int:
+    """Run `script` on every rank under `spec`; return the launcher's exit code."""
+    with tempfile.TemporaryDirectory(prefix="polyshard-") as tmp:
+        spec_file = Path(tmp) / "spec.json"
+        spec_file.write_text(json.dumps(spec.model_dump(mode="json", exclude_unset=True)))
+        cmd = torchrun_command(spec, args, script, script_args)
+        return subprocess.call(cmd, env=launch_env(spec, spec_file))

@@ -1,0 +1,52 @@
+"""The one place that maps `backend` to code. Backends are imported only when asked for, so `import
+parallel` and `polyshard validate` work without deepspeed or torch_xla installed."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import get_args
+
+from parallel.capabilities import CAPABILITIES
+from parallel.spec import Backend, Spec
+
+
+@dataclass(frozen=True)
+class BackendEntry:
+    module: str  # import path of the adapter
+    engine: str  # callable in it: Spec -> Engine
+    extra: str  # the pip extra that installs its dependency
+    # Environment every process of this backend starts with (set by `polyshard launch`).
+    env: dict[str, str] = field(default_factory=dict)
+
+
+# accelerate and transformers import torch_xla whenever it is installed, and accelerate then picks XLA
+# even under torchrun unless USE_TORCH_XLA=0: the non-XLA backends pin it off.
+BACKENDS: dict[str, BackendEntry] = {
+    "fsdp": BackendEntry("backends.fsdp", "FSDPEngine", "", {"USE_TORCH_XLA": "0"}),
+    "deepspeed": BackendEntry("backends.deepspeed", "DeepSpeedEngine", "deepspeed",
+                              {"USE_TORCH_XLA": "0"}),
+    "xla_fsdp": BackendEntry("backends.xla", "XlaEngine", "xla"),
+}
+assert set(BACKENDS) == set(get_args(Backend)) == set(CAPABILITIES), "registry out of sync"
+
+
+def load_backend(name: str):
+    entry = BACKENDS[name]
+    try:
+        return importlib.import_module(entry.module)
+    except ImportError as err:
+        hint = f"pip install 'polyshard[{entry.extra}]'" if entry.extra else "reinstall polyshard"
+        raise RuntimeError(f"backend: {name!r} needs {err.name or entry.module}, which is not "
+                           f"importable ({err}); {hint}") from err
+
+
+def create_engine(spec: Spec):
+    """The Engine for `spec.backend`."""
+    entry = BACKENDS[spec.backend]
+    return getattr(load_backend(spec.backend), entry.engine)(spec)
+
+
+def explain(spec: Spec) -> dict:
+    """What the spec becomes on its backend, as plain data (the backend's `translate`)."""
+    return {"backend": spec.backend, **load_backend(spec.backend).translate(spec)}

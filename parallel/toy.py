@@ -1,0 +1,48 @@
+"""A small, download-free job: byte-level text and a Llama-style model built from a config.
+
+Shared by the demo, the tests and `polyshard bench`, so all of them train the same thing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+CORPUS = Path(__file__).resolve().parent.parent / "examples" / "data" / "corpus.txt"
+
+
+class ByteDataset(Dataset):
+    """Non-overlapping windows of `seq_len` bytes; labels are the inputs (the model shifts them)."""
+
+    def __init__(self, text: bytes | None = None, seq_len: int = 128):
+        data = text if text is not None else CORPUS.read_bytes()
+        tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+        n = len(tokens) // seq_len
+        self.blocks = tokens[: n * seq_len].view(n, seq_len)
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.blocks[i], "labels": self.blocks[i]}
+
+
+def llama_config(size: str = "demo", **overrides):
+    """`demo`: ~3.2M parameters; `tiny`: ~0.1M, for tests."""
+    from transformers import LlamaConfig
+
+    dims = {"demo": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2),
+            "tiny": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)}[size]
+    return LlamaConfig(vocab_size=256, max_position_embeddings=512, tie_word_embeddings=False,
+                       attn_implementation="eager", **{**dims, **overrides})
+
+
+def build_llama(config):
+    """A fresh LlamaForCausalLM in fp32 (the seed decides the weights)."""
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM(config).float()
