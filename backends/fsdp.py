@@ -26,7 +26,7 @@ from parallel.engine import Engine, OptimizerArg, build_optimizer
 from parallel.spec import HYBRID_SHARDS, Spec
 from parallel.specio import SpecError, merge_native
 from parallel.torch_state import read_model_optim, write_model_optim
-from parallel.wrap import plan_wrap
+from parallel.wrap import disable_kv_cache, plan_wrap
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 FSDP1_STRATEGY = {"full": "FULL_SHARD", "grad_op": "SHARD_GRAD_OP", "none": "NO_SHARD",
@@ -65,6 +65,13 @@ def translate(spec: Spec) -> dict:
         native = merge_native(kwargs, origins, spec.fsdp.native, "fsdp")
         return {"api": "fully_shard", "mesh": list(mesh_shape(spec)), "kwargs": native}
     f = spec.fsdp
+    if spec.shard in HYBRID_SHARDS and spec.shard_group_size == 1:
+        # Measured (docs/fsdp.md): FSDP1 clamps a 1-rank process group to NO_SHARD, and in hybrid
+        # mode that group is the shard group, so gradients are never all-reduced across replicas.
+        raise SpecError([("topology.shard_group_size", "1 with FSDP1 hybrid sharding silently "
+                          "trains each replica alone (torch clamps a 1-rank shard group to NO_SHARD "
+                          "and skips the replica all-reduce); use `shard: none` for pure replication, "
+                          "a shard_group_size > 1, or `fsdp.version: 2`")])
     kwargs = {"sharding_strategy": FSDP1_STRATEGY[spec.shard], "backward_prefetch":
               None if f.backward_prefetch == "none" else f.backward_prefetch.upper(),
               "forward_prefetch": f.forward_prefetch, "sync_module_states": f.sync_module_states,
@@ -153,7 +160,7 @@ class _TorchFSDP(Engine):
 
     def _save_model_optim(self, tmp: Path) -> None:
         write_model_optim(tmp, self.model, self.optimizer, self.spec.state_dict == "sharded",
-                          self.rank)
+                          self.rank, on_cpu=self.device.type == "cpu")
 
     def _load_model_optim(self, path: Path, manifest: dict) -> None:
         read_model_optim(path, self.model, self.optimizer)
@@ -161,6 +168,7 @@ class _TorchFSDP(Engine):
 
 def apply_ac(model: nn.Module, units: list[tuple[str, nn.Module]]) -> None:
     """Non-reentrant checkpointing on every unit (the same units that become shard units)."""
+    disable_kv_cache(model)
     ids = {id(m) for _, m in units}
     wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
     apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper,
@@ -254,14 +262,24 @@ class FSDP1Engine(_TorchFSDP):
         kwargs["sharding_strategy"] = ShardingStrategy[kwargs["sharding_strategy"]]
         if kwargs["backward_prefetch"]:
             kwargs["backward_prefetch"] = BackwardPrefetch[kwargs["backward_prefetch"]]
-        kwargs["cpu_offload"] = CPUOffload(offload_params=kwargs["cpu_offload"])
+        # torch 2.9's FSDP1 pins offloaded shards, which needs a CUDA driver; on a CPU device the
+        # parameters already live in CPU memory, which is what `offload: params` asks for.
+        on_cpu = self.device.type == "cpu"
+        kwargs["cpu_offload"] = CPUOffload(offload_params=kwargs["cpu_offload"] and not on_cpu)
         if "mixed_precision" in kwargs:
             low = DTYPES[kwargs["mixed_precision"]["param_dtype"]]
             kwargs["mixed_precision"] = MixedPrecision(param_dtype=low, reduce_dtype=torch.float32)
         if self.plan["mesh"]:
             kwargs["device_mesh"] = init_device_mesh(self.device.type, tuple(self.plan["mesh"]),
                                                      mesh_dim_names=("replicate", "shard"))
-        if lazy and not self.is_main:
+        if self.device.type == "cpu" and kwargs["sync_module_states"]:
+            # torch 2.9's FSDP1 rejects sync_module_states for CPU tensors (it broadcasts over the
+            # GPU); on CPU the same broadcast from rank 0 happens here, before wrapping.
+            kwargs["sync_module_states"] = False
+            if lazy and not self.is_main:
+                model.to_empty(device=self.device)
+            broadcast_from_rank0(chain(model.parameters(), model.buffers()))
+        elif lazy and not self.is_main:
             kwargs["param_init_fn"] = lambda m: m.to_empty(device=self.device, recurse=False)
         _check_kwargs(FSDP.__init__, kwargs)
         ids = {id(m) for _, m in self.units}

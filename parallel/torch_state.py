@@ -17,13 +17,16 @@ from torch.distributed.checkpoint.state_dict import (
 SHARDED_DIR, FULL_FILE = "model_optim", "model_optim.pt"
 
 
-def write_model_optim(tmp: Path, model, optimizer, sharded: bool, rank: int) -> None:
+def write_model_optim(tmp: Path, model, optimizer, sharded: bool, rank: int,
+                      on_cpu: bool = False) -> None:
     if sharded:
         msd, osd = get_state_dict(model, optimizer)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp / SHARDED_DIR)
         return
-    # Gathered onto rank 0's CPU only (cpu_offload), so other ranks never hold a full copy.
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    # On accelerators the full state is gathered onto rank 0's CPU only (cpu_offload). On a CPU
+    # device torch 2.9's FSDP1 segfaults in that path (measured, docs/fsdp.md), and the tensors are
+    # in CPU memory anyway, so every rank gathers and only rank 0 writes.
+    options = StateDictOptions(full_state_dict=True, cpu_offload=not on_cpu)
     msd, osd = get_state_dict(model, optimizer, options=options)
     if rank == 0:
         torch.save({"model": msd, "optim": osd}, tmp / FULL_FILE)

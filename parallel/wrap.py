@@ -50,10 +50,22 @@ def _size_units(model: nn.Module, min_num_params: int) -> list[tuple[str, nn.Mod
         remaining = sum(p.numel() for p in module.parameters(recurse=False))
         for child_name, child in module.named_children():
             remaining += visit(f"{name}.{child_name}" if name else child_name, child)
-        if name and remaining >= min_num_params:
+        # Containers have no forward of their own: FSDP2 cannot wrap them and FSDP1's size policy
+        # excludes them, so their parameters count towards the parent.
+        container = isinstance(module, (nn.ModuleList, nn.ModuleDict))
+        if name and not container and remaining >= min_num_params:
             units.append((name, module))
             return 0
         return remaining
 
     visit("", model)
     return units
+
+
+def disable_kv_cache(model: nn.Module) -> None:
+    """Activation checkpointing re-runs each layer's forward; a Hugging Face model with `use_cache`
+    on would append the keys/values twice and fail on shape. HF's own gradient_checkpointing_enable
+    turns the cache off for the same reason; the cache only serves generation, never training."""
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        config.use_cache = False

@@ -1,0 +1,55 @@
+"""Launch a parity worker under torchrun, bounded by a timeout, and read back its results."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+WORKER = Path(__file__).with_name("parity_worker.py")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def torchrun(nproc: int, args: list[str], timeout: float = 240, env: dict | None = None):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(nproc), *args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "USE_TORCH_XLA": "0",
+                "TORCH_CPP_LOG_LEVEL": "ERROR", "PYTHONPATH": str(ROOT), **(env or {})}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env,
+                          cwd=ROOT)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    return proc
+
+
+def run_parity(tmp: Path, cases: list[dict], nproc: int = 2, timeout: float = 240):
+    """Both phases, each a fresh launch; returns {case: {"train": ..., "resume": ...}}."""
+    (tmp / "cases.json").write_text(json.dumps(cases))
+    results = {}
+    for phase in ("train", "resume"):
+        out = tmp / f"{phase}.json"
+        torchrun(nproc, [str(WORKER), "--cases", str(tmp / "cases.json"), "--phase", phase,
+                         "--ckpt-root", str(tmp / "ckpt"), "--out", str(out)], timeout)
+        for name, res in json.loads(out.read_text()).items():
+            results.setdefault(name, {})[phase] = res
+    return results
+
+
+def case(name, spec, optimizer="sgd", steps=5, save_at=3, **extra):
+    return {"name": name, "spec": spec, "optimizer": optimizer, "steps": steps, "save_at": save_at,
+            **extra}
+
+
+def check_parity(name, res, tol=1e-5, norm_tol=1e-4):
+    """fp32 losses within tol of the single-process run; the resumed steps identical."""
+    train, resume = res["train"], res["resume"]
+    assert "error" not in train, f"{name} train:\n{train['error']}"
+    assert "error" not in resume, f"{name} resume:\n{resume['error']}"
+    diffs = [abs(a - b) for a, b in zip(train["loss"], train["ref_loss"])]
+    assert len(diffs) == len(train["ref_loss"]) and max(diffs) <= tol, (
+        f"{name}: losses {train['loss']} vs reference {train['ref_loss']} (max diff {max(diffs):.2e})")
+    ndiffs = [abs(a - b) / max(1.0, b) for a, b in zip(train["norm"], train["ref_norm"])]
+    assert max(ndiffs) <= norm_tol, f"{name}: grad norms {train['norm']} vs {train['ref_norm']}"
+    start = resume["start"]
+    assert resume["loss"] == train["loss"][start:], (
+        f"{name}: resumed at step {start}: {resume['loss']} vs uninterrupted {train['loss'][start:]}")
+    return max(diffs)

@@ -1,0 +1,110 @@
+"""Runs parity cases inside one launch (start-up costs ~5 s, so cases are grouped).
+
+phase "train": for each case, a single-process reference (plain PyTorch, the whole global batch) and the
+engine run (each rank its slice), 5 steps, saving after step `save_at`.
+phase "resume": a fresh engine over a differently-initialised model loads that checkpoint and runs the
+remaining steps. Rank 0 writes every number to --out; the pytest side asserts.
+"""
+
+import argparse
+import json
+import traceback
+
+import torch
+
+from parallel import create_engine, load_spec
+from parallel.toy import build_llama, llama_config
+
+SEQ, ROWS = 16, 2  # per rank and micro-batch: ROWS samples of SEQ tokens
+
+
+def optimizer_arg(name):
+    if name == "sgd":
+        return (torch.optim.SGD, {"lr": 0.5, "momentum": 0.9})
+    return (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
+
+
+def global_batches(steps, world, rows, seed=1234):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (world * rows, SEQ), generator=g) for _ in range(steps)]
+
+
+def reference(spec, case, batches):
+    """What one process computes on the global batch: the numbers every backend must reproduce."""
+    torch.manual_seed(spec.seed)
+    model = build_llama(llama_config("tiny"))
+    cls, kw = optimizer_arg(case["optimizer"])
+    opt = cls(model.parameters(), **kw)
+    losses, norms = [], []
+    for ids in batches:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.grad_clip or float("inf"))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        norms.append(norm.item())
+    return losses, norms
+
+
+def rank_slice(ids, rank, rows):
+    mine = ids[rank * rows:(rank + 1) * rows]
+    return {"input_ids": mine, "labels": mine}
+
+
+def run_case(case, phase, ckpt_root):
+    spec = load_spec(case["spec"])
+    rows = spec.micro_batch_size * spec.grad_accum_steps
+    engine = create_engine(spec)
+    batches = global_batches(case["steps"], engine.world_size, rows)
+    out = {}
+    if phase == "train":
+        out["ref_loss"], out["ref_norm"] = reference(spec, case, batches)
+        torch.manual_seed(spec.seed)
+        factory = lambda: build_llama(llama_config("tiny"))  # noqa: E731
+    else:
+        def factory():  # different weights: only a working load() can reproduce the losses
+            torch.manual_seed(spec.seed + 99)
+            return build_llama(llama_config("tiny"))
+    engine.prepare(factory if case.get("factory") else factory(), optimizer_arg(case["optimizer"]))
+    ckpt = f"{ckpt_root}/{case['name']}"
+    start = 0
+    if phase == "resume":
+        engine.load(ckpt)
+        start = engine.step
+    losses, norms = [], []
+    for step in range(start, case["steps"]):
+        result = engine.train_step(rank_slice(batches[step], engine.rank, rows))
+        losses.append(result.loss)
+        norms.append(result.grad_norm)
+        if phase == "train" and engine.step == case["save_at"]:
+            engine.save(ckpt)
+    out.update(loss=losses, norm=norms, start=start)
+    out.update(getattr(engine, "parity_facts", lambda: {})())
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--cases", required=True)
+    p.add_argument("--phase", choices=["train", "resume"], required=True)
+    p.add_argument("--ckpt-root", required=True)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    results = {}
+    engine_rank = 0
+    for case in json.load(open(args.cases)):
+        try:
+            results[case["name"]] = run_case(case, args.phase, args.ckpt_root)
+        except Exception:  # record it and go on: one broken case must not hide the others
+            results[case["name"]] = {"error": traceback.format_exc()}
+    if torch.distributed.is_initialized():
+        engine_rank = torch.distributed.get_rank()
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    if engine_rank == 0:
+        json.dump(results, open(args.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
