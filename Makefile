@@ -15,8 +15,11 @@ $(STAMP): pyproject.toml constraints.txt
 
 venv: $(STAMP)
 
+# Train 30 steps and save; then resume in fresh processes and finish the 60-step schedule.
 demo: $(STAMP)
-	$(BIN)/polyshard launch configs/demo.yaml examples/train_lm.py
+	rm -rf runs/demo
+	$(BIN)/polyshard launch configs/demo.yaml examples/train_lm.py --stop-at 30 --save runs/demo/ckpt
+	$(BIN)/polyshard launch configs/demo.yaml examples/train_lm.py --resume runs/demo/ckpt --save runs/demo/final
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -ra tests

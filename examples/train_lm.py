@@ -1,7 +1,7 @@
 """Train a small Llama-style model on byte-level text under whatever backend the spec names.
 
-    polyshard launch configs/demo.yaml examples/train_lm.py --steps 30 --save runs/demo/ckpt
-    polyshard launch configs/demo.yaml examples/train_lm.py --steps 60 --resume runs/demo/ckpt
+    polyshard launch configs/demo.yaml examples/train_lm.py --stop-at 30 --save runs/demo/ckpt
+    polyshard launch configs/demo.yaml examples/train_lm.py --resume runs/demo/ckpt
 """
 
 import argparse
@@ -17,7 +17,8 @@ from parallel.toy import ByteDataset, build_llama, llama_config
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--config", default="configs/demo.yaml", help="spec, when not launched by polyshard")
-parser.add_argument("--steps", type=int, default=60, help="train until this optimizer step")
+parser.add_argument("--steps", type=int, default=60, help="length of the schedule, in optimizer steps")
+parser.add_argument("--stop-at", type=int, help="stop early at this step (then --save, and resume later)")
 parser.add_argument("--lr", type=float, default=3e-3)
 parser.add_argument("--save", help="checkpoint directory to write at the end")
 parser.add_argument("--resume", help="checkpoint directory to continue from")
@@ -60,8 +61,9 @@ batches = iter(loader)
 with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
               TextColumn("{task.completed}/{task.total}"), TimeRemainingColumn(),
               console=console) as progress:
-    task = progress.add_task("training", total=args.steps, completed=engine.step)
-    while engine.step < args.steps:
+    stop = args.stop_at or args.steps
+    task = progress.add_task("training", total=stop, completed=engine.step)
+    while engine.step < stop:
         try:
             batch = next(batches)
         except StopIteration:  # next epoch

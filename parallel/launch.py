@@ -56,6 +56,7 @@ def launch_env(spec: Spec, spec_file: Path) -> dict[str, str]:
         env.setdefault(key, value)  # a value the user exported wins
     env[SPEC_ENV] = str(spec_file)
     env.setdefault("OMP_NUM_THREADS", "1")  # ranks share the host's cores; torchrun warns otherwise
+    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # gloo's per-connection chatter
     return env
 
 

@@ -4,6 +4,7 @@ so the keys are the original model's parameter names and any world size can read
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -15,6 +16,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 SHARDED_DIR, FULL_FILE = "model_optim", "model_optim.pt"
+# DCP's own writer calls the deprecated tensor.storage(); the warning is torch's, not the user's.
+warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
 
 
 def write_model_optim(tmp: Path, model, optimizer, sharded: bool, rank: int,
