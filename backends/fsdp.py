@@ -14,19 +14,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    CheckpointImpl,
-    apply_activation_checkpointing,
-    checkpoint_wrapper,
-)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from parallel.engine import Engine, OptimizerArg, build_optimizer
+from parallel.engine import Engine, OptimizerArg, build_optimizer, require_fp32
 from parallel.spec import HYBRID_SHARDS, Spec
 from parallel.specio import SpecError, merge_native
 from parallel.torch_state import read_model_optim, write_model_optim
-from parallel.wrap import disable_kv_cache, plan_wrap
+from parallel.wrap import apply_ac, plan_wrap
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 FSDP1_STRATEGY = {"full": "FULL_SHARD", "grad_op": "SHARD_GRAD_OP", "none": "NO_SHARD",
@@ -120,11 +115,7 @@ class _TorchFSDP(Engine):
                 model = model()
         else:
             model = model()
-        bad = sorted({str(p.dtype) for p in model.parameters() if p.dtype != torch.float32})
-        if bad and not (lazy and not self.is_main):
-            raise ValueError(f"model: parameters are {bad}; every precision keeps fp32 master "
-                             "weights, so pass an fp32 model (torch_dtype=torch.float32) and set "
-                             "`precision: bf16` for bf16 compute")
+        require_fp32(model)
         self.units = plan_wrap(model, self.spec.wrap)
         return model, lazy
 
@@ -155,7 +146,8 @@ class _TorchFSDP(Engine):
         self.optimizer.zero_grad(set_to_none=True)
         return norm, stepped
 
-    def _backward(self, loss):
+    def _backward(self, loss, micro_batches):
+        loss = loss / micro_batches
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
     def _save_model_optim(self, tmp: Path) -> None:
@@ -164,15 +156,6 @@ class _TorchFSDP(Engine):
 
     def _load_model_optim(self, path: Path, manifest: dict) -> None:
         read_model_optim(path, self.model, self.optimizer)
-
-
-def apply_ac(model: nn.Module, units: list[tuple[str, nn.Module]]) -> None:
-    """Non-reentrant checkpointing on every unit (the same units that become shard units)."""
-    disable_kv_cache(model)
-    ids = {id(m) for _, m in units}
-    wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
-    apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper,
-                                   check_fn=lambda m: id(m) in ids)
 
 
 def broadcast_from_rank0(tensors) -> None:

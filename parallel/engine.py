@@ -60,6 +60,16 @@ def build_optimizer(optimizer: OptimizerArg, params) -> torch.optim.Optimizer:
     return optimizer(params)
 
 
+def require_fp32(model: nn.Module) -> None:
+    """Every precision keeps fp32 master weights; a model loaded in 16 bits would silently not."""
+    bad = sorted({str(p.dtype) for p in model.parameters()
+                  if p.dtype != torch.float32 and p.device.type != "meta"})
+    if bad:
+        raise ValueError(f"model: parameters are {bad}; every precision keeps fp32 master weights, "
+                         "so pass an fp32 model (torch_dtype=torch.float32) and set "
+                         "`precision: bf16` for bf16 compute")
+
+
 class Engine(ABC):
     """prepare -> train_step / eval_step -> save / load -> close."""
 
@@ -126,7 +136,7 @@ class Engine(ABC):
             last = i == len(micro_batches) - 1
             with self._sync_context(last):  # skip gradient reduction until the last micro-batch
                 loss = self._loss(self._to_device(micro))
-                self._backward(loss / len(micro_batches))
+                self._backward(loss, len(micro_batches))
             total += loss.detach().float()
         grad_norm, stepped = self._optimizer_step()
         if self.scheduler is not None and stepped:
@@ -159,8 +169,9 @@ class Engine(ABC):
     def _sync_context(self, last: bool):
         return nullcontext()
 
-    def _backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+    def _backward(self, loss: torch.Tensor, micro_batches: int) -> None:
+        """The step's loss is the mean over micro-batches, so each contributes loss / count."""
+        (loss / micro_batches).backward()
 
     @abstractmethod
     def _optimizer_step(self) -> tuple[torch.Tensor | None, bool]:

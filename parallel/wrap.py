@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+)
 
 from parallel.sections import Wrap
 from parallel.specio import SpecError
@@ -69,3 +75,13 @@ def disable_kv_cache(model: nn.Module) -> None:
     config = getattr(model, "config", None)
     if getattr(config, "use_cache", False):
         config.use_cache = False
+
+
+def apply_ac(model: nn.Module, units: list[tuple[str, nn.Module]]) -> None:
+    """Non-reentrant activation checkpointing on every unit (the same units that become shard units),
+    so `activation_checkpointing: true` recomputes the same regions on every backend."""
+    disable_kv_cache(model)
+    ids = {id(m) for _, m in units}
+    wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper,
+                                   check_fn=lambda m: id(m) in ids)

@@ -1,0 +1,183 @@
+"""DeepSpeed ZeRO: the spec becomes a DeepSpeed config, then `deepspeed.initialize` drives training.
+
+`translate` needs no deepspeed import (so `polyshard validate/explain` work without it); the engine
+imports deepspeed when it is built. Every value DeepSpeed would otherwise default is written
+explicitly: `gradient_clipping` defaults to 1.0 in DeepSpeed 0.19.8 (docs/deepspeed.md).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from parallel.engine import Engine, OptimizerArg, build_optimizer, require_fp32
+from parallel.spec import Spec
+from parallel.specio import SpecError
+from parallel.wrap import apply_ac, plan_wrap
+
+STAGES = {"none": 0, "optimizer": 1, "grad_op": 2, "full": 3, "hybrid": 3}
+TAG = "deepspeed"  # sub-directory of a polyshard checkpoint holding DeepSpeed's own files
+
+
+def translate(spec: Spec) -> dict:
+    """The DeepSpeed config this spec means, with `deepspeed.native` merged last."""
+    config, origins = _config(spec)
+    native = _native(spec.deepspeed.native)
+    merged = _merge(config, origins, native, "deepspeed.native")
+    return {"config": merged}
+
+
+def _config(spec: Spec) -> tuple[dict, dict]:
+    stage = STAGES[spec.shard]
+    ds = spec.deepspeed
+    zero: dict = {"stage": stage}
+    origins = {"zero_optimization.stage": "shard", "gradient_clipping": "grad_clip",
+               "train_micro_batch_size_per_gpu": "micro_batch_size",
+               "gradient_accumulation_steps": "grad_accum_steps",
+               "train_batch_size": "micro_batch_size x grad_accum_steps x world size",
+               "bf16.enabled": "precision", "fp16.enabled": "precision"}
+    if spec.offload != "none":
+        if stage == 0:
+            raise SpecError([("offload", f"{spec.offload!r} needs ZeRO (stage >= 1) on deepspeed; "
+                              "use shard: optimizer, grad_op or full")])
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+        origins["zero_optimization.offload_optimizer.device"] = "offload"
+    if spec.offload == "params":
+        if stage != 3:
+            raise SpecError([("offload", "'params' on deepspeed offloads ZeRO-3 partitions only; "
+                              "use shard: full, or offload: optimizer")])
+        zero["offload_param"] = {"device": "cpu", "pin_memory": False}
+        origins["zero_optimization.offload_param.device"] = "offload"
+    if spec.shard == "hybrid":
+        zero["zero_hpz_partition_size"] = spec.shard_group_size
+        origins["zero_optimization.zero_hpz_partition_size"] = "topology.shard_group_size"
+    if ds.reduce_bucket_size:
+        zero["reduce_bucket_size"] = ds.reduce_bucket_size
+    if stage == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = ds.gather_16bit_weights_on_model_save
+        if ds.prefetch_bucket_size:
+            zero["stage3_prefetch_bucket_size"] = ds.prefetch_bucket_size
+        if ds.param_persistence_threshold is not None:
+            zero["stage3_param_persistence_threshold"] = ds.param_persistence_threshold
+    ls = spec.loss_scale
+    config = {
+        "train_micro_batch_size_per_gpu": spec.micro_batch_size,
+        "gradient_accumulation_steps": spec.grad_accum_steps,
+        "train_batch_size": spec.micro_batch_size * spec.grad_accum_steps * spec.world_size,
+        # Written even when off: DeepSpeed's default is 1.0, which changes every update silently.
+        "gradient_clipping": spec.grad_clip or 0.0,
+        "zero_optimization": zero,
+        "bf16": {"enabled": spec.precision == "bf16"},
+        "fp16": {"enabled": spec.precision == "fp16", "loss_scale": 0,
+                 "initial_scale_power": ls.initial_scale_power, "loss_scale_window":
+                 ls.growth_interval, "hysteresis": ls.hysteresis, "min_loss_scale": ls.min_scale},
+        # The client optimizer is kept (same optimizer on every backend); these two let ZeRO accept
+        # it with offload and when it is not Adam.
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 2**31 - 1,  # polyshard reports the numbers; DeepSpeed stays quiet
+        "wall_clock_breakdown": False,
+    }
+    if spec.precision != "fp32":  # mixed precision reduces gradients in fp32 on every backend
+        config["communication_data_type"] = "fp32"
+        origins["communication_data_type"] = "precision"
+    if spec.precision != "fp16":
+        config["fp16"] = {"enabled": False}
+    return config, origins
+
+
+def _native(native: dict | str) -> dict:
+    if isinstance(native, dict):
+        return native
+    path = Path(native)
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise SpecError([("deepspeed.native", f"{native!r} is not a readable DeepSpeed JSON file "
+                          f"({err}); give a dict or a path to a JSON config")]) from None
+
+
+def _merge(config: dict, origins: dict, native: dict, where: str, prefix: str = "") -> dict:
+    """Deep-merge `native` into `config`; a leaf the spec decided with another value is an error,
+    and "auto" takes the spec's value (as in Accelerate and HF Trainer)."""
+    out, problems = dict(config), []
+    for key, value in native.items():
+        path = f"{prefix}{key}"
+        mine = config.get(key)
+        if isinstance(value, dict) and isinstance(mine, dict):
+            out[key] = _merge(mine, origins, value, where, f"{path}.")
+        elif value == "auto":
+            if key not in config:
+                problems.append((f"{where}.{path}", "is \"auto\" but the spec has no value for it; "
+                                 "give a number or remove the key"))
+        elif key in config and mine != value and path in origins:
+            problems.append((f"{where}.{path}", f"{value!r} contradicts {origins[path]}, which sets "
+                             f"{mine!r}; change {origins[path]} instead or drop the key"))
+        else:
+            out[key] = value
+    if problems:
+        raise SpecError(problems)
+    return out
+
+
+class DeepSpeedEngine(Engine):
+    name = "deepspeed"
+
+    def __init__(self, spec: Spec):
+        super().__init__(spec)
+        self.config = translate(spec)["config"]
+        self.ds = None
+
+    def _prepare(self, model, optimizer: OptimizerArg):
+        import deepspeed
+
+        if not isinstance(model, nn.Module):
+            if self.spec.deepspeed.zero_init and STAGES[self.spec.shard] == 3:
+                # Parameters are partitioned as each module is constructed: no rank holds them all.
+                with deepspeed.zero.Init(config_dict_or_path=self.config):
+                    model = model()
+            else:
+                model = model()
+        require_fp32(model)
+        units = plan_wrap(model, self.spec.wrap)
+        if self.spec.checkpoint_activations:
+            apply_ac(model, units)
+        self.ds, ds_optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=lambda params: build_optimizer(optimizer, params),
+            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            config=self.config, dist_init_required=False)
+        return self.ds, ds_optimizer
+
+    def _backward(self, loss, micro_batches):
+        # DeepSpeed divides by gradient_accumulation_steps itself, and counts micro-steps in step():
+        # step() is called after every micro-batch and only updates at the accumulation boundary.
+        self.ds.backward(loss)
+        if not self.ds.is_gradient_accumulation_boundary():
+            self.ds.step()
+
+    def _optimizer_step(self):
+        norm = None
+        if not self.ds.zero_optimization() and self.spec.precision == "fp32":
+            # Plain data parallel in fp32 records no norm; the gradients are whole and reduced here.
+            grads = [p.grad for p in self.ds.module.parameters() if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        skipped = self.ds.skipped_steps
+        self.ds.step()
+        recorded = self.ds.get_global_grad_norm()
+        if recorded is not None:
+            norm = torch.as_tensor(float(recorded))
+        return norm, self.ds.skipped_steps == skipped
+
+    def _save_model_optim(self, tmp: Path) -> None:
+        self.ds.save_checkpoint(str(tmp), tag=TAG, save_latest=False)
+
+    def _load_model_optim(self, path: Path, manifest: dict) -> None:
+        if manifest["world_size"] != self.world_size:
+            raise RuntimeError(f"{path}: DeepSpeed ZeRO checkpoints hold one partition per rank; "
+                               f"written by {manifest['world_size']} ranks, loading on "
+                               f"{self.world_size}")
+        self.ds.load_checkpoint(str(path), tag=TAG, load_optimizer_states=True,
+                                load_lr_scheduler_states=False)
