@@ -108,7 +108,10 @@ def _merge(config: dict, origins: dict, native: dict, where: str, prefix: str = 
         path = f"{prefix}{key}"
         mine = config.get(key)
         if isinstance(value, dict) and isinstance(mine, dict):
-            out[key] = _merge(mine, origins, value, where, f"{path}.")
+            try:
+                out[key] = _merge(mine, origins, value, where, f"{path}.")
+            except SpecError as err:  # keep going: report every contradiction at once
+                problems.extend(err.problems)
         elif value == "auto":
             if key not in config:
                 problems.append((f"{where}.{path}", "is \"auto\" but the spec has no value for it; "
