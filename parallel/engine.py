@@ -74,6 +74,9 @@ class Engine(ABC):
     """prepare -> train_step / eval_step -> save / load -> close."""
 
     name: str = "base"
+    # Devices one process feeds. 1 except under SPMD, where one process drives every local device
+    # and its step batch holds micro_batch_size x grad_accum_steps samples for each of them.
+    devices_per_process: int = 1
 
     def __init__(self, spec: Spec):
         self.spec = spec
@@ -119,12 +122,17 @@ class Engine(ABC):
                    collate_fn=None) -> ResumableLoader:
         """Per-rank loader of step batches (micro_batch_size * grad_accum_steps samples each) whose
         position is saved and restored with the checkpoint."""
-        size = batch_size or self.spec.micro_batch_size * self.spec.grad_accum_steps
+        size = batch_size or self.samples_per_step
         sampler = ResumableSampler(len(dataset), self.world_size, self.rank, self.spec.seed, shuffle)
         loader = DataLoader(dataset, batch_size=size, sampler=sampler, collate_fn=collate_fn,
                             drop_last=True)
         self.loaders.append(ResumableLoader(loader, sampler))
         return self.loaders[-1]
+
+    @property
+    def samples_per_step(self) -> int:
+        """Samples this process feeds per optimizer step."""
+        return self.spec.micro_batch_size * self.spec.grad_accum_steps * self.devices_per_process
 
     # ---- the step ----
     def train_step(self, batch) -> StepResult:
@@ -179,12 +187,13 @@ class Engine(ABC):
 
     def _split(self, batch) -> list:
         accum, micro = self.spec.grad_accum_steps, self.spec.micro_batch_size
-        rows = _rows(batch)
-        if rows != accum * micro:
+        rows, devices = _rows(batch), self.devices_per_process
+        if rows != self.samples_per_step:
             raise ValueError(
                 f"batch: rank {self.rank} got {rows} samples; one step takes micro_batch_size "
-                f"({micro}) x grad_accum_steps ({accum}) = {micro * accum}; build the loader "
-                f"with engine.dataloader(dataset) or fix the spec")
+                f"({micro}) x grad_accum_steps ({accum}) x devices per process ({devices}) = "
+                f"{self.samples_per_step}; build the loader with engine.dataloader(dataset) "
+                f"or fix the spec")
         if accum == 1:
             return [batch]
         if isinstance(batch, dict):

@@ -21,14 +21,15 @@ def torchrun(nproc: int, args: list[str], timeout: float = 240, env: dict | None
     return proc
 
 
-def run_parity(tmp: Path, cases: list[dict], nproc: int = 2, timeout: float = 240):
+def run_parity(tmp: Path, cases: list[dict], nproc: int = 2, timeout: float = 240,
+               env: dict | None = None):
     """Both phases, each a fresh launch; returns {case: {"train": ..., "resume": ...}}."""
     (tmp / "cases.json").write_text(json.dumps(cases))
     results = {}
     for phase in ("train", "resume"):
         out = tmp / f"{phase}.json"
         torchrun(nproc, [str(WORKER), "--cases", str(tmp / "cases.json"), "--phase", phase,
-                         "--ckpt-root", str(tmp / "ckpt"), "--out", str(out)], timeout)
+                         "--ckpt-root", str(tmp / "ckpt"), "--out", str(out)], timeout, env)
         for name, res in json.loads(out.read_text()).items():
             results.setdefault(name, {})[phase] = res
     return results

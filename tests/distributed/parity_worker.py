@@ -9,6 +9,7 @@ remaining steps. Rank 0 writes every number to --out; the pytest side asserts.
 import argparse
 import json
 import traceback
+from pathlib import Path
 
 import torch
 
@@ -54,8 +55,8 @@ def rank_slice(ids, rank, rows):
 
 def run_case(case, phase, ckpt_root):
     spec = load_spec(case["spec"])
-    rows = spec.micro_batch_size * spec.grad_accum_steps
     engine = create_engine(spec)
+    rows = engine.samples_per_step  # per process: all its devices' samples under SPMD
     batches = global_batches(case["steps"], engine.world_size, rows)
     out = {}
     if phase == "train":
@@ -80,6 +81,14 @@ def run_case(case, phase, ckpt_root):
         if phase == "train" and engine.step == case["save_at"]:
             engine.save(ckpt)
     out.update(loss=losses, norm=norms, start=start)
+    consolidated = Path(ckpt) / "model_consolidated.pt"
+    if phase == "train" and consolidated.is_file() and engine.is_main:
+        # A plain PyTorch model with the consolidated weights of step save_at must see the loss the
+        # engine saw at the next step.
+        plain = build_llama(llama_config("tiny"))
+        plain.load_state_dict(torch.load(consolidated, weights_only=True))
+        ids = batches[case["save_at"]]
+        out["consolidated_loss"] = plain(input_ids=ids, labels=ids).loss.item()
     out.update(getattr(engine, "parity_facts", lambda: {})())
     return out
 

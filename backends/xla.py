@@ -1,0 +1,248 @@
+"""PyTorch/XLA FSDP: `xla.fsdp_version: 1` (XlaFullyShardedDataParallel, one process per device) and
+`2` (SPMD SpmdFullyShardedDataParallel, one process per host over a device mesh).
+
+`translate` is plain data (no torch_xla import). The engine imports torch_xla when built. The step is
+`optimizer.step()` then `xm.mark_step()`: FSDP has already reduce-scattered the gradients, so
+`xm.optimizer_step` (which all-reduces them again) would be wrong. Nothing in the step reads a value
+back to the host; `StepResult.loss` does when it is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from parallel.engine import Engine, OptimizerArg, build_optimizer, require_fp32
+from parallel.spec import Spec
+from parallel.specio import SpecError, merge_native
+from parallel.wrap import disable_kv_cache, plan_wrap
+
+DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def translate(spec: Spec) -> dict:
+    x = spec.xla
+    settings = {k: v for k, v in x.xla_fsdp_settings.items() if k != "xla_fsdp_grad_ckpt"}
+    if x.fsdp_version == 2:
+        if spec.shard != "full":
+            raise SpecError([("shard", f"{spec.shard!r} needs xla.fsdp_version: 1: SPMD FSDPv2 "
+                              "shards parameters and lets the compiler schedule the gathers; use "
+                              "shard: full")])
+        return {"api": "SpmdFullyShardedDataParallel", "mesh": x.mesh_shape or "all devices x 1",
+                "mesh_axes": ["fsdp", "model"], "autocast": DTYPE_NAMES[spec.precision],
+                "activation_checkpointing": spec.checkpoint_activations,
+                "kwargs": {**settings, **x.native}}
+    mixed = spec.precision != "fp32"
+    kwargs = {"reshard_after_forward": spec.shard == "full",
+              "flatten_parameters": x.flatten_parameters,
+              "compute_dtype": DTYPE_NAMES[spec.precision],
+              "buffer_dtype": "float32",
+              "fp32_reduce_scatter": mixed}  # gradients reduced in fp32, as on every backend
+    origins = {"reshard_after_forward": "shard", "flatten_parameters": "xla.flatten_parameters",
+               "compute_dtype": "precision", "fp32_reduce_scatter": "precision"}
+    kwargs = merge_native(kwargs, origins, settings, "xla.xla_fsdp_settings")
+    kwargs = merge_native(kwargs, origins, x.native, "xla")
+    return {"api": "XlaFullyShardedDataParallel", "kwargs": kwargs,
+            "activation_checkpointing": spec.checkpoint_activations}
+
+
+def XlaEngine(spec: Spec) -> Engine:
+    return (XlaSpmdEngine if spec.xla.fsdp_version == 2 else XlaFsdpEngine)(spec)
+
+
+class _Xla(Engine):
+    name = "xla_fsdp"
+
+    def __init__(self, spec: Spec):
+        self.plan = translate(spec)
+        self._before_runtime()
+        super().__init__(spec)
+        import torch_xla
+
+        self.ctx = dataclasses.replace(self.ctx, device=torch_xla.device())
+        self._check_runtime()
+
+    def _before_runtime(self) -> None:
+        pass
+
+    def _check_runtime(self) -> None:
+        pass
+
+    def _build(self, model) -> tuple[nn.Module, list]:
+        model = model if isinstance(model, nn.Module) else model()
+        require_fp32(model)
+        units = plan_wrap(model, self.spec.wrap)
+        if self.spec.checkpoint_activations:
+            disable_kv_cache(model)
+        return model.to(self.device), units
+
+    def _wrap_units(self, model: nn.Module, units, wrap) -> nn.Module:
+        """Wrap each unit (children first) in place, then the root."""
+        from torch_xla.distributed.fsdp import checkpoint_module
+
+        for name, unit in units:
+            inner = checkpoint_module(unit) if self.spec.checkpoint_activations else unit
+            model.set_submodule(name, wrap(inner))
+        return wrap(model)
+
+    def _finish_step(self, norm):
+        import torch_xla.core.xla_model as xm
+
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        xm.mark_step()  # one compiled graph per step: forward, backward, update
+        return norm, True
+
+
+class XlaFsdpEngine(_Xla):
+    def _check_runtime(self) -> None:
+        import torch_xla.runtime as xr
+
+        if xr.device_type() == "CPU" and (self.world_size > 1 or
+                                          xr.global_runtime_device_count() > 1):
+            raise RuntimeError(
+                "xla.fsdp_version: 1 on PJRT_DEVICE=CPU runs on one device only: torch_xla 2.9's CPU "
+                "client is single-process (2 devices in one process abort in rendezvous; 2 "
+                "processes each get a world of size 1). Use xla.fsdp_version: 2 with "
+                "CPU_NUM_DEVICES=N for sharding on CPU, or a TPU for v1 (docs/xla.md)")
+
+    def _prepare(self, model, optimizer: OptimizerArg):
+        from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as XFSDP
+
+        model, units = self._build(model)
+        kwargs = dict(self.plan["kwargs"])
+        for key in ("compute_dtype", "buffer_dtype"):
+            if isinstance(kwargs.get(key), str):
+                kwargs[key] = getattr(torch, kwargs[key])
+        model = self._wrap_units(model, units, lambda m: XFSDP(m, **kwargs))
+        return model, build_optimizer(optimizer, model.parameters())
+
+    def _optimizer_step(self):
+        # XLA FSDP reduces the norm over the flat shards; inf means "report only".
+        return self._finish_step(self.model.clip_grad_norm_(self.spec.grad_clip or float("inf")))
+
+    def _save_model_optim(self, tmp: Path) -> None:
+        import torch_xla.core.xla_model as xm
+
+        (tmp / "xla").mkdir(exist_ok=True)
+        state = {"model": self.model.state_dict(), "optim": self.optimizer.state_dict(),
+                 "shard_metadata": self.model.get_shard_metadata()}
+        xm.save(state, tmp / "xla" / f"rank{self.rank}.pt", master_only=False)
+        self.barrier()
+        if self.is_main:  # a plain state dict with the original names, loadable without XLA
+            torch.save(consolidate(tmp / "xla", self.world_size), tmp / "model_consolidated.pt")
+
+    def _load_model_optim(self, path: Path, manifest: dict) -> None:
+        if manifest["world_size"] != self.world_size:
+            raise RuntimeError(f"{path}: XLA FSDP v1 shards are per rank; written by "
+                               f"{manifest['world_size']}, loading on {self.world_size}")
+        state = torch.load(path / "xla" / f"rank{self.rank}.pt", weights_only=False)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optim"])
+
+
+def consolidate(shard_dir: Path, world_size: int) -> dict:
+    """Full state dict (original parameter names) from every rank's v1 shard file."""
+    from torch_xla.distributed.fsdp import consolidate_sharded_state_dicts
+
+    states = [torch.load(shard_dir / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+    return consolidate_sharded_state_dicts([s["model"] for s in states],
+                                           states[0]["shard_metadata"])
+
+
+def shard_output(output, mesh) -> None:
+    """FSDPv2 needs the batch dimension of a module's output marked; Hugging Face modules return
+    objects and tuples, so mark the first tensor (logits, hidden states) found."""
+    import torch_xla.distributed.spmd as xs
+
+    tensor = getattr(output, "logits", None)
+    if tensor is None:
+        items = output if isinstance(output, (tuple, list)) else (output,)
+        tensor = next((t for t in items if isinstance(t, torch.Tensor)), None)
+    if tensor is not None and tensor.dim() > 0:
+        xs.mark_sharding(tensor, mesh, ("fsdp",) + (None,) * (tensor.dim() - 1))
+
+
+class XlaSpmdEngine(_Xla):
+    def _before_runtime(self) -> None:
+        import torch_xla.runtime as xr
+
+        xr.use_spmd()  # must precede every XLA tensor: it changes how the runtime is set up
+
+    def _check_runtime(self) -> None:
+        import torch_xla.distributed.spmd as xs
+        import torch_xla.runtime as xr
+
+        n = xr.global_runtime_device_count()
+        shape = tuple(self.spec.xla.mesh_shape or (n, 1))
+        if int(np.prod(shape)) != n or len(shape) != 2:
+            raise SpecError([("xla.mesh_shape", f"{list(shape)} must be 2-D (fsdp, model) with "
+                              f"{n} devices in all")])
+        self.mesh = xs.Mesh(np.arange(n), shape, ("fsdp", "model"))
+        xs.set_global_mesh(self.mesh)
+        self.devices_per_process = shape[0]
+
+    def _prepare(self, model, optimizer: OptimizerArg):
+        from torch_xla.experimental.spmd_fully_sharded_data_parallel import (
+            SpmdFullyShardedDataParallel as FSDPv2,
+        )
+
+        model, units = self._build(model)
+        model = self._wrap_units(model, units, lambda m: FSDPv2(
+            m, mesh=self.mesh, shard_output=shard_output, **self.plan["kwargs"]))
+        return model, build_optimizer(optimizer, model.parameters())
+
+    def parity_facts(self) -> dict:
+        """How the parameters are laid out over the mesh (the tests assert real sharding)."""
+        import torch_xla
+
+        matrices = [p for p in self.model.parameters() if p.dim() == 2]
+        specs = [torch_xla._XLAC._get_xla_sharding_spec(p) for p in matrices]
+        return {"devices": int(self.mesh.size()), "matrix_params": len(matrices),
+                "sharded_params": sum("devices=[" in s for s in specs), "example_spec": specs[0]}
+
+    def _to_device(self, batch):
+        import torch_xla.distributed.spmd as xs
+
+        batch = super()._to_device(batch)
+        for t in (batch.values() if isinstance(batch, dict) else batch):
+            xs.mark_sharding(t, self.mesh, ("fsdp",) + (None,) * (t.dim() - 1))
+        return batch
+
+    def _autocast(self):
+        if self.spec.precision == "bf16":
+            return torch.autocast("xla", dtype=torch.bfloat16)
+        return super()._autocast()
+
+    def _optimizer_step(self):
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+        if self.spec.grad_clip is not None:
+            torch.nn.utils.clip_grads_with_norm_(params, self.spec.grad_clip, norm)
+        return self._finish_step(norm)
+
+    def _save_model_optim(self, tmp: Path) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner
+
+        state = {"model": self.model.state_dict(), "optim": self.optimizer.state_dict()}
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp / "spmd")),
+                 planner=SPMDSavePlanner())
+
+    def _load_model_optim(self, path: Path, manifest: dict) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import _init_optim_state
+        from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner
+
+        # DCP loads into existing tensors: a fresh optimizer has no state yet (measured: "Missing
+        # key in checkpoint state_dict: optim."), so create it with a zero-lr step first.
+        _init_optim_state(self.optimizer)
+        state = {"model": self.model.state_dict(), "optim": self.optimizer.state_dict()}
+        dcp.load(state, storage_reader=dcp.FileSystemReader(str(path / "spmd")),
+                 planner=SPMDLoadPlanner())
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optim"])
