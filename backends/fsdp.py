@@ -57,7 +57,7 @@ def translate(spec: Spec) -> dict:
             kwargs["mp_policy"] = {"param_dtype": low, "reduce_dtype": "fp32"}
         if spec.offload == "params":
             kwargs["offload_policy"] = "cpu"
-        native = merge_native(kwargs, origins, spec.fsdp.native, "fsdp")
+        native = merge_native(kwargs, origins, spec.fsdp.native, "fsdp.native")
         return {"api": "fully_shard", "mesh": list(mesh_shape(spec)), "kwargs": native}
     f = spec.fsdp
     if spec.shard in HYBRID_SHARDS and spec.shard_group_size == 1:
@@ -77,7 +77,7 @@ def translate(spec: Spec) -> dict:
     if low:
         kwargs["mixed_precision"] = {"param_dtype": low, "reduce_dtype": "fp32"}
         origins["mixed_precision"] = "precision"
-    native = merge_native(kwargs, origins, f.native, "fsdp")
+    native = merge_native(kwargs, origins, f.native, "fsdp.native")
     mesh = list(mesh_shape(spec)) if spec.shard in HYBRID_SHARDS else None
     return {"api": "FullyShardedDataParallel", "mesh": mesh, "kwargs": native}
 

@@ -28,6 +28,10 @@ def translate(spec: Spec) -> dict:
     x = spec.xla
     settings = {k: v for k, v in x.xla_fsdp_settings.items() if k != "xla_fsdp_grad_ckpt"}
     if x.fsdp_version == 2:
+        if spec.topology.procs_per_node != 1:
+            raise SpecError([("topology.procs_per_node", f"{spec.topology.procs_per_node} with "
+                              "xla.fsdp_version: 2: SPMD runs one process per host that drives all "
+                              "its devices; set procs_per_node: 1")])
         if spec.shard != "full":
             raise SpecError([("shard", f"{spec.shard!r} needs xla.fsdp_version: 1: SPMD FSDPv2 "
                               "shards parameters and lets the compiler schedule the gathers; use "
@@ -45,7 +49,7 @@ def translate(spec: Spec) -> dict:
     origins = {"reshard_after_forward": "shard", "flatten_parameters": "xla.flatten_parameters",
                "compute_dtype": "precision", "fp32_reduce_scatter": "precision"}
     kwargs = merge_native(kwargs, origins, settings, "xla.xla_fsdp_settings")
-    kwargs = merge_native(kwargs, origins, x.native, "xla")
+    kwargs = merge_native(kwargs, origins, x.native, "xla.native")
     return {"api": "XlaFullyShardedDataParallel", "kwargs": kwargs,
             "activation_checkpointing": spec.checkpoint_activations}
 
@@ -59,6 +63,12 @@ class _Xla(Engine):
 
     def __init__(self, spec: Spec):
         self.plan = translate(spec)
+        if spec.xla.compilation_cache:
+            import torch_xla
+            import torch_xla.runtime as xr
+
+            if not torch_xla._XLAC._xla_computation_cache_is_initialized():  # once per process
+                xr.initialize_cache(spec.xla.compilation_cache)
         self._before_runtime()
         super().__init__(spec)
         import torch_xla

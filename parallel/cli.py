@@ -45,6 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--node-rank", type=int, help="this node's rank (multi-node)")
     p.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous (multi-node)")
     p.add_argument("--max-restarts", type=int, default=0, help="elastic restarts on failure")
+    p.add_argument("--emit", choices=["tpu-vm"], help="print the command that runs this job on a "
+                   "cluster instead of running it here")
+    p.add_argument("--tpu", default="TPU_NAME", help="TPU VM name (--emit tpu-vm)")
+    p.add_argument("--zone", default="ZONE", help="TPU VM zone (--emit tpu-vm)")
+    p.add_argument("--workdir", default="~/polyshard", help="checkout on the workers (--emit tpu-vm)")
     _add_spec_args(p)
     p.add_argument("script", help="training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -93,12 +98,16 @@ def _explain(args) -> int:
 
 
 def _launch(args) -> int:
-    from parallel.launch import LaunchArgs, launch
+    from parallel.launch import LaunchArgs, launch, tpu_vm_command
 
     spec = _spec(args)
+    script_args = [a for a in args.script_args if a != "--"]
+    if args.emit == "tpu-vm":
+        print(tpu_vm_command(args.config, args.overrides, args.script, script_args, args.tpu,
+                             args.zone, args.workdir))
+        return 0
     launch_args = LaunchArgs(node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
                              max_restarts=args.max_restarts)
-    script_args = [a for a in args.script_args if a != "--"]
     try:
         return launch(spec, launch_args, args.script, script_args)
     except ValueError as err:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -52,12 +53,24 @@ def torchrun_command(spec: Spec, args: LaunchArgs, script: str, script_args: lis
 
 def launch_env(spec: Spec, spec_file: Path) -> dict[str, str]:
     env = dict(os.environ)
-    for key, value in BACKENDS[spec.backend].env.items():
+    for key, value in BACKENDS[spec.backend].env().items():
         env.setdefault(key, value)  # a value the user exported wins
     env[SPEC_ENV] = str(spec_file)
     env.setdefault("OMP_NUM_THREADS", "1")  # ranks share the host's cores; torchrun warns otherwise
     env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # gloo's per-connection chatter
     return env
+
+
+def tpu_vm_command(spec_path: str, overrides: list[str], script: str, script_args: list[str],
+                   tpu: str, zone: str, workdir: str) -> str:
+    """The gcloud command that runs this job on every worker of a TPU VM pod slice: one process per
+    host (PJRT drives the host's chips), each running `polyshard launch` with the same spec."""
+    sets = " ".join(f"--set {shlex.quote(o)}" for o in overrides)
+    remote = (f"cd {shlex.quote(workdir)} && PJRT_DEVICE=TPU polyshard launch {sets} "
+              f"{shlex.quote(spec_path)} {shlex.quote(script)} "
+              + " ".join(shlex.quote(a) for a in script_args)).replace("  ", " ").strip()
+    return (f"gcloud compute tpus tpu-vm ssh {shlex.quote(tpu)} --zone={shlex.quote(zone)} "
+            f"--worker=all --command={shlex.quote(remote)}")
 
 
 def launch(spec: Spec, args: LaunchArgs, script: str, script_args: list[str]) -> int:

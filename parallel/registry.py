@@ -4,9 +4,11 @@ parallel` and `polyshard validate` work without deepspeed or torch_xla installed
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import get_args
 
+from parallel.envinfo import detect_pjrt_device
 from parallel.capabilities import CAPABILITIES
 from parallel.spec import Backend, Spec
 
@@ -16,17 +18,19 @@ class BackendEntry:
     module: str  # import path of the adapter
     engine: str  # callable in it: Spec -> Engine
     extra: str  # the pip extra that installs its dependency
-    # Environment every process of this backend starts with (set by `polyshard launch`).
-    env: dict[str, str] = field(default_factory=dict)
+    # Environment every process of this backend starts with (set by `polyshard launch`; a value
+    # the user exported wins).
+    env: Callable[[], dict[str, str]] = field(default=dict)
 
 
 # accelerate and transformers import torch_xla whenever it is installed, and accelerate then picks XLA
 # even under torchrun unless USE_TORCH_XLA=0: the non-XLA backends pin it off.
 BACKENDS: dict[str, BackendEntry] = {
-    "fsdp": BackendEntry("backends.fsdp", "FSDPEngine", "", {"USE_TORCH_XLA": "0"}),
+    "fsdp": BackendEntry("backends.fsdp", "FSDPEngine", "", lambda: {"USE_TORCH_XLA": "0"}),
     "deepspeed": BackendEntry("backends.deepspeed", "DeepSpeedEngine", "deepspeed",
-                              {"USE_TORCH_XLA": "0"}),
-    "xla_fsdp": BackendEntry("backends.xla", "XlaEngine", "xla"),
+                              lambda: {"USE_TORCH_XLA": "0"}),
+    "xla_fsdp": BackendEntry("backends.xla", "XlaEngine", "xla",
+                             lambda: {"PJRT_DEVICE": detect_pjrt_device(), "USE_TORCH_XLA": "1"}),
 }
 assert set(BACKENDS) == set(get_args(Backend)) == set(CAPABILITIES), "registry out of sync"
 

@@ -197,6 +197,11 @@ class XlaOptions(Section):
         list[int] | None,
         Field(description="v2: device mesh shape (default: all devices on the `fsdp` axis).")
     ] = None
+    compilation_cache: Annotated[
+        str | None,
+        Field(description="Directory for XLA's persistent compilation cache: a relaunch (resume, "
+              "restart) reuses compiled graphs instead of compiling them again."),
+    ] = None
     xla_fsdp_settings: Annotated[
         dict[str, Any],
         Field(description="Accelerate's passthrough of XlaFullyShardedDataParallel arguments "

@@ -126,14 +126,14 @@ def _closest(word: str, options: list[str]) -> str | None:
 
 
 
-def merge_native(computed: dict, origins: dict[str, str], native: dict, section: str) -> dict:
+def merge_native(computed: dict, origins: dict[str, str], native: dict, where: str) -> dict:
     """Merge a backend's `native:` passthrough last. A native key that the spec already decided, with a
     different value, is an error naming both; an equal value or a new key is accepted."""
     problems = []
     for key, value in native.items():
         if key in computed and computed[key] != value and value != "auto":
             origin = origins.get(key, "the spec")
-            problems.append((f"{section}.native.{key}", f"{value!r} contradicts {origin}, which "
+            problems.append((f"{where}.{key}", f"{value!r} contradicts {origin}, which "
                              f"sets {key}={computed[key]!r}; change {origin} instead or drop the key"))
     if problems:
         raise SpecError(problems)

@@ -33,7 +33,7 @@ def test_v1_world_size_1(tmp_path):
     cases = [case(f"v1-{shard}-{opt}", {**V1, "shard": shard}, optimizer=opt)
              for shard in ("full", "grad_op") for opt in ("sgd", "adamw")]
     cases += [
-        case("v1-grad-ckpt", {**V1, "xla": {"fsdp_version": 1, "xla_fsdp_grad_ckpt": True}},
+        case("v1-grad-ckpt", {**V1, "xla": {**V1["xla"], "xla_fsdp_grad_ckpt": True}},
              optimizer="adamw"),
         case("v1-accum-clip", {**V1, "micro_batch_size": 1, "grad_accum_steps": 2,
                                "grad_clip": 0.5}, optimizer="adamw"),

@@ -1,0 +1,76 @@
+"""XLA translation pinned; launcher environment per backend; the TPU VM command."""
+
+import shlex
+
+import pytest
+
+from backends.xla import translate
+from parallel import SpecError, load_spec
+from parallel.launch import launch_env, tpu_vm_command
+
+
+def xla(**data):
+    xla_section = data.pop("xla", {})
+    return translate(load_spec({"backend": "xla_fsdp", "xla": xla_section, **data}))
+
+
+def test_v1_kwargs():
+    out = xla()
+    assert out["api"] == "XlaFullyShardedDataParallel"
+    assert out["kwargs"] == {"reshard_after_forward": True, "flatten_parameters": True,
+                             "compute_dtype": "float32", "buffer_dtype": "float32",
+                             "fp32_reduce_scatter": False}
+    assert xla(shard="grad_op")["kwargs"]["reshard_after_forward"] is False
+    bf16 = xla(precision="bf16")["kwargs"]
+    assert bf16["compute_dtype"] == "bfloat16" and bf16["fp32_reduce_scatter"] is True
+
+
+def test_grad_ckpt_spellings():
+    assert xla(activation_checkpointing=True)["activation_checkpointing"]
+    assert xla(xla={"xla_fsdp_grad_ckpt": True})["activation_checkpointing"]
+    settings = xla(xla={"xla_fsdp_settings": {"xla_fsdp_grad_ckpt": True, "shard_param_on_dim_0":
+                                              True}})
+    assert settings["activation_checkpointing"]
+    assert settings["kwargs"]["shard_param_on_dim_0"] is True
+    assert "xla_fsdp_grad_ckpt" not in settings["kwargs"]
+
+
+def test_settings_and_native_conflicts():
+    with pytest.raises(SpecError, match="xla.xla_fsdp_settings.reshard_after_forward"):
+        xla(xla={"xla_fsdp_settings": {"reshard_after_forward": False}})
+    with pytest.raises(SpecError, match="contradicts precision"):
+        xla(xla={"native": {"compute_dtype": "bfloat16"}})
+    assert xla(xla={"native": {"pin_layout_in_collective_ops": False}})["kwargs"][
+        "pin_layout_in_collective_ops"] is False
+
+
+def test_v2_rules():
+    out = xla(xla={"fsdp_version": 2}, precision="bf16")
+    assert out["api"] == "SpmdFullyShardedDataParallel" and out["autocast"] == "bfloat16"
+    with pytest.raises(SpecError, match="needs xla.fsdp_version: 1"):
+        xla(xla={"fsdp_version": 2}, shard="grad_op")
+    with pytest.raises(SpecError, match="one process per host"):
+        xla(xla={"fsdp_version": 2}, topology={"procs_per_node": 4})
+
+
+def test_launch_env_keeps_accelerate_off_xla_for_other_backends(tmp_path, monkeypatch):
+    monkeypatch.delenv("USE_TORCH_XLA", raising=False)
+    monkeypatch.delenv("PJRT_DEVICE", raising=False)
+    env = launch_env(load_spec({}), tmp_path / "s.json")
+    assert env["USE_TORCH_XLA"] == "0" and env["POLYSHARD_SPEC"].endswith("s.json")
+    xenv = launch_env(load_spec({"backend": "xla_fsdp"}), tmp_path / "s.json")
+    assert xenv["PJRT_DEVICE"] in ("CPU", "TPU") and xenv["USE_TORCH_XLA"] == "1"
+    monkeypatch.setenv("PJRT_DEVICE", "TPU")  # an exported value wins
+    assert launch_env(load_spec({"backend": "xla_fsdp"}), tmp_path / "s.json")["PJRT_DEVICE"] == "TPU"
+
+
+def test_tpu_vm_command_runs_the_same_spec_on_every_worker():
+    cmd = tpu_vm_command("configs/xla-v2-tpu.yaml", ["precision=bf16"], "examples/train_lm.py",
+                         ["--steps", "100"], "my-v5e", "us-west4-a", "~/repo")
+    words = shlex.split(cmd)
+    assert words[:6] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "my-v5e"]
+    assert "--worker=all" in words and "--zone=us-west4-a" in words
+    remote = next(w for w in words if w.startswith("--command=")).removeprefix("--command=")
+    inner = shlex.split(remote)
+    assert inner[inner.index("polyshard"):][:4] == ["polyshard", "launch", "--set", "precision=bf16"]
+    assert "PJRT_DEVICE=TPU" in inner and inner[-3:] == ["examples/train_lm.py", "--steps", "100"]
