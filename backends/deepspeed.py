@@ -176,6 +176,18 @@ class DeepSpeedEngine(Engine):
 
     def _save_model_optim(self, tmp: Path) -> None:
         self.ds.save_checkpoint(str(tmp), tag=TAG, save_latest=False)
+        self.barrier()  # every rank's partition is on disk before rank 0 reads them all
+        if self.is_main:  # fp32 weights with the original names, loadable without DeepSpeed
+            torch.save(self._consolidated(tmp), tmp / "model_consolidated.pt")
+
+    def _consolidated(self, tmp: Path) -> dict:
+        if self.ds.zero_optimization():
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+            state = get_fp32_state_dict_from_zero_checkpoint(str(tmp), tag=TAG)
+        else:  # ZeRO-0 keeps whole fp32 parameters in the module
+            state = {k: v.detach().float().cpu() for k, v in self.ds.module.state_dict().items()}
+        return {k.replace("_checkpoint_wrapped_module.", ""): v for k, v in state.items()}
 
     def _load_model_optim(self, path: Path, manifest: dict) -> None:
         if manifest["world_size"] != self.world_size:
