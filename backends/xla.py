@@ -82,6 +82,15 @@ class _Xla(Engine):
     def _check_runtime(self) -> None:
         pass
 
+    def _device_loader(self, loader):
+        """Batches reach the device through MpDeviceLoader: host-to-device copies overlap the step."""
+        import torch_xla.distributed.parallel_loader as pl
+
+        return pl.MpDeviceLoader(loader, self.device, **self._input_sharding())
+
+    def _input_sharding(self) -> dict:
+        return {}
+
     def _build(self, model) -> tuple[nn.Module, list]:
         model = model if isinstance(model, nn.Module) else model()
         require_fp32(model)
@@ -214,6 +223,11 @@ class XlaSpmdEngine(_Xla):
         specs = [torch_xla._XLAC._get_xla_sharding_spec(p) for p in matrices]
         return {"devices": int(self.mesh.size()), "matrix_params": len(matrices),
                 "sharded_params": sum("devices=[" in s for s in specs), "example_spec": specs[0]}
+
+    def _input_sharding(self) -> dict:
+        import torch_xla.distributed.spmd as xs
+
+        return {"input_sharding": xs.ShardingSpec(self.mesh, ("fsdp", None))}
 
     def _to_device(self, batch):
         import torch_xla.distributed.spmd as xs

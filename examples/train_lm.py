@@ -20,6 +20,7 @@ parser.add_argument("--config", default="configs/demo.yaml", help="spec, when no
 parser.add_argument("--steps", type=int, default=60, help="length of the schedule, in optimizer steps")
 parser.add_argument("--stop-at", type=int, help="stop early at this step (then --save, and resume later)")
 parser.add_argument("--lr", type=float, default=3e-3)
+parser.add_argument("--model-size", default="demo", choices=["demo", "tiny"])
 parser.add_argument("--save", help="checkpoint directory to write at the end")
 parser.add_argument("--resume", help="checkpoint directory to continue from")
 args = parser.parse_args()
@@ -30,7 +31,7 @@ engine = create_engine(spec)
 console = Console(quiet=not engine.is_main)
 
 # 2. Model, optimizer and schedule. The engine builds the optimizer after sharding.
-config = llama_config("demo")
+config = llama_config(args.model_size)
 warmup = 5
 
 

@@ -11,7 +11,7 @@ from parallel.specio import SpecError, dump_spec, json_schema, load_spec
 
 EXAMPLES = {
     "validate": "polyshard validate configs/demo.yaml --set backend=deepspeed",
-    "explain": "polyshard explain configs/demo.yaml --set fsdp.version=1",
+    "explain": "polyshard explain configs/demo.yaml --set fsdp.version=1 --model toy:demo",
     "launch": "polyshard launch --nproc 2 configs/demo.yaml examples/train_lm.py --steps 40",
     "schema": "polyshard schema -o polyshard.schema.json",
 }
@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--full", action="store_true", help="print every field, defaults included")
     p = command("explain", "print what a spec becomes on its backend, as JSON")
     _add_spec_args(p)
+    p.add_argument("--model", help="also list the shard units: a Hugging Face config.json, or "
+                   "toy:demo / toy:tiny (built on the meta device: nothing is allocated)")
     p = command("launch", "start the processes of a job (torchrun semantics)")
     p.add_argument("--nproc", type=int, help="processes per node (sets topology.procs_per_node)")
     p.add_argument("--nnodes", type=int, help="number of nodes (sets topology.nodes)")
@@ -93,8 +95,27 @@ def _validate(args) -> int:
 def _explain(args) -> int:
     from parallel.registry import explain
 
-    print(json.dumps(explain(_spec(args)), indent=2))
+    spec = _spec(args)
+    plan = explain(spec)
+    if args.model:
+        from parallel.wrap import plan_wrap
+
+        plan["wrap_units"] = [name for name, _ in plan_wrap(_meta_model(args.model), spec.wrap)]
+    print(json.dumps(plan, indent=2))
     return 0
+
+
+def _meta_model(source: str):
+    import torch
+
+    from parallel.toy import build_llama, llama_config
+
+    with torch.device("meta"):
+        if source.startswith("toy:"):
+            return build_llama(llama_config(source.removeprefix("toy:")))
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source))
 
 
 def _launch(args) -> int:

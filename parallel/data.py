@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import Sampler
 
 
 class ResumableSampler(Sampler[int]):
@@ -41,16 +41,18 @@ class ResumableSampler(Sampler[int]):
 class ResumableLoader:
     """Iterates a DataLoader over a ResumableSampler and records (epoch, batches handed out)."""
 
-    def __init__(self, loader: DataLoader, sampler: ResumableSampler):
-        self.loader, self.sampler = loader, sampler
+    def __init__(self, loader, sampler: ResumableSampler, batch_size: int):
+        # `loader` iterates batches (a DataLoader, or a device loader wrapping one, e.g. XLA's
+        # MpDeviceLoader); counting happens here, when a batch reaches the caller.
+        self.loader, self.sampler, self.batch_size = loader, sampler, batch_size
         self.epoch, self.batches_done = 0, 0
 
     def __len__(self) -> int:
         per_rank = self.sampler.size // self.sampler.num_replicas
-        return per_rank // self.loader.batch_size - self.batches_done  # drop_last=True
+        return per_rank // self.batch_size - self.batches_done  # drop_last=True
 
     def __iter__(self):
-        self.sampler.set_position(self.epoch, self.batches_done * self.loader.batch_size)
+        self.sampler.set_position(self.epoch, self.batches_done * self.batch_size)
         for batch in self.loader:
             self.batches_done += 1  # counted when handed out: a saved position includes this batch
             yield batch
@@ -58,10 +60,10 @@ class ResumableLoader:
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "batches_done": self.batches_done,
-                "batch_size": self.loader.batch_size}
+                "batch_size": self.batch_size}
 
     def load_state_dict(self, state: dict) -> None:
-        if state["batch_size"] != self.loader.batch_size:
+        if state["batch_size"] != self.batch_size:
             raise ValueError(f"checkpoint's loader used batch_size {state['batch_size']}, this one "
-                             f"{self.loader.batch_size}; resume with the same batch size")
+                             f"{self.batch_size}; resume with the same batch size")
         self.epoch, self.batches_done = state["epoch"], state["batches_done"]

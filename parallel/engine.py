@@ -126,8 +126,12 @@ class Engine(ABC):
         sampler = ResumableSampler(len(dataset), self.world_size, self.rank, self.spec.seed, shuffle)
         loader = DataLoader(dataset, batch_size=size, sampler=sampler, collate_fn=collate_fn,
                             drop_last=True)
-        self.loaders.append(ResumableLoader(loader, sampler))
+        self.loaders.append(ResumableLoader(self._device_loader(loader), sampler, size))
         return self.loaders[-1]
+
+    def _device_loader(self, loader: DataLoader):
+        """Where batches meet the device; backends with their own input pipeline wrap `loader`."""
+        return loader
 
     @property
     def samples_per_step(self) -> int:

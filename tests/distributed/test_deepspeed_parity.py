@@ -39,8 +39,16 @@ def option_cases():
         case("zero3-ac", spec(3, activation_checkpointing=True), optimizer="adamw"),
         case("zero2-offload-optimizer", spec(2, offload="optimizer"), optimizer="adamw"),
         case("zero3-offload-params", spec(3, offload="params"), optimizer="adamw"),
-        case("zero1-bf16", spec(1, precision="bf16"), optimizer="adamw", tol=MIXED),
-        case("zero3-bf16", spec(3, precision="bf16"), optimizer="adamw", tol=MIXED),
+        case("zero2-cpu-adam", spec(2, offload="optimizer", deepspeed={"cpu_adam": True}),
+             optimizer="adamw"),
+        # zero.Init draws the initial weights in another order (same distribution, other numbers:
+        # docs/deepspeed.md), so it is held to the mixed-precision tolerance, resume still exact.
+        case("zero3-zero-init", spec(3, deepspeed={"zero_init": True}), optimizer="adamw",
+             factory=True, tol=MIXED, norm_tol=0.5),
+        # ZeRO-0 bf16 (DeepSpeed's BF16_Optimizer) drifts further in grad norm than the ZeRO stages
+        # (13% vs <10% by step 5, docs/deepspeed.md): a stated, wider norm tolerance.
+        *[case(f"zero{s}-bf16", spec(s, precision="bf16"), optimizer="adamw", tol=MIXED,
+               norm_tol=0.2 if s == 0 else 0.1) for s in range(4)],
     ]
 
 
@@ -51,6 +59,6 @@ def test_options_keep_parity(tmp_path):
     for c in cases:
         tol = c.get("tol", 1e-5)
         diff = check_parity(c["name"], results[c["name"]], tol=tol,
-                            norm_tol=1e-4 if tol <= 1e-5 else 0.1)
+                            norm_tol=c.get("norm_tol", 1e-4 if tol <= 1e-5 else 0.1))
         if tol > 1e-5:
             assert diff > 1e-6, f"{c['name']}: identical to fp32; was bf16 applied?"
