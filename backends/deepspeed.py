@@ -187,6 +187,12 @@ class DeepSpeedEngine(Engine):
         cls, kwargs = optimizer
         return lambda params: DeepSpeedCPUAdam(params, adamw_mode=cls is torch.optim.AdamW, **kwargs)
 
+    def _scheduled_optimizer(self):
+        # ZeRO's wrapper is no torch Optimizer (LambdaLR rejects it); it reads the lr from the
+        # client optimizer's param_groups, so the scheduler drives that one.
+        inner = getattr(self.optimizer, "optimizer", None)
+        return inner if isinstance(inner, torch.optim.Optimizer) else self.optimizer
+
     def _backward(self, loss, micro_batches):
         # DeepSpeed divides by gradient_accumulation_steps itself, and counts micro-steps in step():
         # step() is called after every micro-batch and only updates at the accumulation boundary.

@@ -57,7 +57,7 @@ console.print(f"{spec.backend} ({spec.shard}, {spec.precision}) on {engine.world
               f"{n_params / 1e6:.2f}M parameters, {len(dataset)} samples of 128 bytes")
 
 # 4. The loop: one train_step is one optimizer step over micro_batch_size x grad_accum_steps samples.
-losses = []
+losses, lrs = [], []
 batches = iter(loader)
 with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
               TextColumn("{task.completed}/{task.total}"), TimeRemainingColumn(),
@@ -72,13 +72,14 @@ with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(
             continue
         result = engine.train_step(batch)
         losses.append(result.loss)
+        lrs.append(result.lr)
         progress.update(task, advance=1, description=f"loss {result.loss:.3f} "
                         f"|g| {result.grad_norm:.2f} lr {result.lr:.1e} {result.tokens / result.step_time:,.0f} tok/s")
 
 if losses:
     console.print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over steps "
                   f"{engine.step - len(losses) + 1}..{engine.step} "
-                  f"({losses[-1] / math.log(2):.2f} bits/byte)")
+                  f"({losses[-1] / math.log(2):.2f} bits/byte), lr {lrs[0]:.1e} -> {lrs[-1]:.1e}")
 if args.save:
     path = engine.save(args.save)
     console.print(f"saved step {engine.step} to {path}")

@@ -111,8 +111,12 @@ class Engine(ABC):
         optimizer over the sharded parameters and the scheduler over the optimizer."""
         self.loss_fn = loss_fn
         self.model, self.optimizer = self._prepare(model, optimizer)
-        self.scheduler = scheduler(self.optimizer) if scheduler else None
+        self.scheduler = scheduler(self._scheduled_optimizer()) if scheduler else None
         return self.model
+
+    def _scheduled_optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer whose param_groups' lr a scheduler sets."""
+        return self.optimizer
 
     @abstractmethod
     def _prepare(self, model, optimizer: OptimizerArg) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -150,6 +154,7 @@ class Engine(ABC):
                 loss = self._loss(self._to_device(micro))
                 self._backward(loss, len(micro_batches))
             total += loss.detach().float()
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate this update uses (schedule moves after)
         grad_norm, stepped = self._optimizer_step()
         if self.scheduler is not None and stepped:
             self.scheduler.step()
@@ -158,7 +163,7 @@ class Engine(ABC):
             step=self.step,
             loss_tensor=pdist.all_mean(total / len(micro_batches)),
             grad_norm_tensor=grad_norm,
-            lr=self.optimizer.param_groups[0]["lr"],
+            lr=lr,
             tokens=self._count_tokens(batch) * self.world_size,
             step_time=time.perf_counter() - start,
             stepped=stepped,

@@ -32,6 +32,16 @@ def test_launch_fsdp_two_ranks(tmp_path):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("shard", ["none", "grad_op", "full"])
+def test_launch_deepspeed_with_lr_schedule(tmp_path, shard):
+    pytest.importorskip("deepspeed")
+    text = launch(tmp_path, ["backend=deepspeed", f"shard={shard}"])
+    assert f"deepspeed ({shard}, fp32) on 2 rank(s)" in text
+    # the warm-up schedule reached the optimizer DeepSpeed steps: lr after step 1 and step 3
+    assert "lr 6.0e-04 -> 1.8e-03" in text, text[-2000:]
+
+
+@pytest.mark.timeout(300)
 def test_launch_xla_spmd_with_device_loader(tmp_path):
     pytest.importorskip("torch_xla")
     text = launch(tmp_path, ["backend=xla_fsdp", "xla.fsdp_version=2", "topology.procs_per_node=1",
