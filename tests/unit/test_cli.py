@@ -64,7 +64,20 @@ def test_schema_written(tmp_path):
     assert json.loads(out.read_text())["title"] == "Spec"
 
 
-@pytest.mark.parametrize("command", ["validate", "explain", "launch", "schema"])
+def test_ckpt_verify_and_inspect(tmp_path, capsys):
+    from parallel.checkpoint import write_checkpoint
+
+    meta = {"backend": "fsdp", "step": 3, "world_size": 2, "state_dict": "sharded"}
+    ckpt = write_checkpoint(tmp_path / "ck", 0, lambda t: (t / "a.bin").write_bytes(b"abc"), meta)
+    assert main(["ckpt", "inspect", str(ckpt)]) == 0
+    out = capsys.readouterr().out
+    assert "a.bin" in out and "step 3" in out and "ok: 1 files, 3 bytes verified" in out
+    (ckpt / "a.bin").write_bytes(b"abd")  # one flipped byte
+    assert main(["ckpt", "verify", str(ckpt)]) == 1
+    assert "a.bin: sha256 mismatch" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["validate", "explain", "launch", "schema", "ckpt"])
 def test_every_subcommand_has_help_with_example(command):
     out = cli(command, "--help")
     assert out.returncode == 0 and "example: polyshard" in out.stdout
