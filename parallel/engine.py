@@ -196,7 +196,7 @@ class Engine(ABC):
 
     def _split(self, batch) -> list:
         accum, micro = self.spec.grad_accum_steps, self.spec.micro_batch_size
-        rows, devices = _rows(batch), self.devices_per_process
+        rows, devices = _first(batch).shape[0], self.devices_per_process
         if rows != self.samples_per_step:
             raise ValueError(
                 f"batch: rank {self.rank} got {rows} samples; one step takes micro_batch_size "
@@ -217,9 +217,9 @@ class Engine(ABC):
 
     @staticmethod
     def _count_tokens(batch) -> int:
-        first = batch["input_ids"] if isinstance(batch, dict) and "input_ids" in batch else (
-            next(iter(batch.values())) if isinstance(batch, dict) else batch[0])
-        return first.numel()
+        if isinstance(batch, dict) and "input_ids" in batch:
+            return batch["input_ids"].numel()
+        return _first(batch).numel()
 
     # ---- checkpoints ----
     def save(self, path) -> Path:
@@ -280,6 +280,5 @@ class Engine(ABC):
             dist.destroy_process_group()
 
 
-def _rows(batch) -> int:
-    first = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
-    return first.shape[0]
+def _first(batch) -> torch.Tensor:
+    return next(iter(batch.values())) if isinstance(batch, dict) else batch[0]

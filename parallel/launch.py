@@ -65,10 +65,10 @@ def tpu_vm_command(spec_path: str, overrides: list[str], script: str, script_arg
                    tpu: str, zone: str, workdir: str) -> str:
     """The gcloud command that runs this job on every worker of a TPU VM pod slice: one process per
     host (PJRT drives the host's chips), each running `polyshard launch` with the same spec."""
-    sets = " ".join(f"--set {shlex.quote(o)}" for o in overrides)
-    remote = (f"cd {shlex.quote(workdir)} && PJRT_DEVICE=TPU polyshard launch {sets} "
-              f"{shlex.quote(spec_path)} {shlex.quote(script)} "
-              + " ".join(shlex.quote(a) for a in script_args)).replace("  ", " ").strip()
+    words = ["polyshard", "launch", *[w for o in overrides for w in ("--set", o)], spec_path,
+             script, *script_args]
+    remote = (f"cd {shlex.quote(workdir)} && PJRT_DEVICE=TPU "
+              + " ".join(shlex.quote(w) for w in words))
     return (f"gcloud compute tpus tpu-vm ssh {shlex.quote(tpu)} --zone={shlex.quote(zone)} "
             f"--worker=all --command={shlex.quote(remote)}")
 

@@ -1,6 +1,5 @@
 """`polyshard explain` output is a DeepSpeed config that `deepspeed.initialize` accepts and trains with."""
 
-import json
 import os
 import subprocess
 import sys

@@ -1,7 +1,6 @@
 """The FSDP translation of every neutral field, pinned; and the wrap plan."""
 
 import pytest
-import torch
 from torch import nn
 
 from backends.fsdp import mesh_shape, translate

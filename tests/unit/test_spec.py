@@ -4,6 +4,7 @@ import json
 
 import pytest
 import yaml
+from pydantic import ValidationError
 
 from parallel import Spec, SpecError, dump_spec, load_spec
 from parallel.specio import json_schema
@@ -122,5 +123,5 @@ def test_json_schema_documents_every_field():
 
 def test_spec_is_immutable_in_meaning_assignment_is_validated():
     spec = Spec()
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError):
         spec.shard = "bogus"
