@@ -14,12 +14,23 @@ import torch
 from torch import nn
 
 from parallel.engine import Engine, OptimizerArg, build_optimizer, require_fp32
+from parallel.portable import (
+    clean_name,
+    full_template,
+    groups_template,
+    hyperparams,
+    init_optimizer_state,
+    load_state,
+    merge_groups,
+    save_state,
+    single_step,
+)
 from parallel.spec import Spec
 from parallel.specio import SpecError
+from parallel.torch_state import read_model_optim, write_model_optim
 from parallel.wrap import apply_ac, plan_wrap
 
 STAGES = {"none": 0, "optimizer": 1, "grad_op": 2, "full": 3, "hybrid": 3}
-TAG = "deepspeed"  # sub-directory of a polyshard checkpoint holding DeepSpeed's own files
 
 
 def translate(spec: Spec) -> dict:
@@ -214,24 +225,118 @@ class DeepSpeedEngine(Engine):
         return norm, self.ds.skipped_steps == skipped
 
     def _save_model_optim(self, tmp: Path) -> None:
-        self.ds.save_checkpoint(str(tmp), tag=TAG, save_latest=False)
-        self.barrier()  # every rank's partition is on disk before rank 0 reads them all
-        if self.is_main:  # fp32 weights with the original names, loadable without DeepSpeed
-            torch.save(self._consolidated(tmp), tmp / "model_consolidated.pt")
-
-    def _consolidated(self, tmp: Path) -> dict:
-        if self.ds.zero_optimization():
-            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-            state = get_fp32_state_dict_from_zero_checkpoint(str(tmp), tag=TAG)
-        else:  # ZeRO-0 keeps whole fp32 parameters in the module
-            state = {k: v.detach().float().cpu() for k, v in self.ds.module.state_dict().items()}
-        return {k.replace("_checkpoint_wrapped_module.", ""): v for k, v in state.items()}
+        if not _is_zero(self.optimizer):  # ZeRO-0 fp32: the client optimizer on whole parameters
+            write_model_optim(tmp, self.ds.module, self.optimizer, self.spec.state_dict == "sharded",
+                              self.rank, on_cpu=self.device.type == "cpu")
+            return
+        # Sharded: parameter i is written by rank i % world (each rank holds 1/world of the state
+        # while saving); full: rank 0 writes everything. The gathers themselves are collective.
+        owner = (lambda i: i % self.world_size) if self.spec.state_dict == "sharded" else (lambda i: 0)
+        save_state(zero_state(self.ds, lambda i: owner(i) == self.rank), tmp)
 
     def _load_model_optim(self, path: Path, manifest: dict) -> None:
-        if manifest["world_size"] != self.world_size:
-            raise RuntimeError(f"{path}: DeepSpeed ZeRO checkpoints hold one partition per rank; "
-                               f"written by {manifest['world_size']} ranks, loading on "
-                               f"{self.world_size}")
-        self.ds.load_checkpoint(str(path), tag=TAG, load_optimizer_states=True,
-                                load_lr_scheduler_states=False)
+        if not _is_zero(self.optimizer):
+            read_model_optim(path, self.ds.module, self.optimizer)
+            return
+        load_zero_state(self.ds, path)
+
+
+def _is_zero(optimizer) -> bool:
+    """ZeRO-1/2/3 and DeepSpeed's bf16 optimizer keep fp32 master weights in flat partitions."""
+    return hasattr(optimizer, "bit16_groups") or hasattr(optimizer, "fp16_groups")
+
+
+def _partitions(zero) -> list[tuple[int, list, torch.Tensor]]:
+    """(param group index, the model parameters, their flat fp32 partition on this rank)."""
+    if hasattr(zero, "sub_group_to_group_id"):  # ZeRO-3 splits groups into sub-groups
+        return [(zero.sub_group_to_group_id[i], lps, zero.fp32_partitioned_groups_flat[i])
+                for i, lps in enumerate(zero.fp16_groups)]
+    flats = getattr(zero, "single_partition_of_fp32_groups", None) or zero.fp32_groups_flat_partition
+    return [(i, lps, flat) for i, (lps, flat) in enumerate(zip(zero.bit16_groups, flats))]
+
+
+def _flat_keys(base, flat) -> list[str]:
+    state = base.state.get(flat, {})
+    return [k for k, v in state.items() if torch.is_tensor(v) and v.shape == flat.shape]
+
+
+def _init_zero_state(zero) -> None:
+    """Create optimizer state for each flat partition. ZeRO-3 hands its optimizer one sub-group at a
+    time (param_groups' params are empty between steps), so each partition is stepped on its own."""
+    base = zero.optimizer
+    for group, _, flat in _partitions(zero):
+        if base.state.get(flat):
+            continue
+        params = base.param_groups[group]["params"]
+        base.param_groups[group]["params"] = [flat]
+        init_optimizer_state(base)
+        base.param_groups[group]["params"] = params
+
+
+def zero_state(ds, mine) -> dict:
+    """The portable state of a ZeRO engine: each parameter's fp32 master weight and optimizer entries
+    gathered whole (DeepSpeed's fragment API; collective), kept by the rank `mine(i)` picks."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    zero, names = ds.optimizer, {id(p): clean_name(n) for n, p in ds.module.named_parameters()}
+    base, i = zero.optimizer, 0
+    model, state = {}, {}
+    groups = [{**hyperparams(g), "params": []} for g in base.param_groups]
+    for group, lps, flat in _partitions(zero):
+        keys, step = _flat_keys(base, flat), base.state.get(flat, {}).get("step")
+        for p in lps:
+            groups[group]["params"].append(names[id(p)])
+            weight = safe_get_full_fp32_param(p)
+            entries = {k: safe_get_full_optimizer_state(p, k) for k in keys}
+            if mine(i):
+                model[names[id(p)]] = weight.detach().cpu()
+                state[names[id(p)]] = {k: v.detach().cpu() for k, v in entries.items()}
+                if step is not None:
+                    state[names[id(p)]]["step"] = torch.as_tensor(step, dtype=torch.float32).clone()
+            i += 1
+    if mine(0):  # buffers are never partitioned
+        params = set(names.values())
+        model.update({k: v.detach().cpu() for k, v in ds.module.state_dict().items()
+                      if clean_name(k) not in params})
+    return {"model": model, "optim": {"state": state, "param_groups": groups}}
+
+
+def load_zero_state(ds, path: Path) -> None:
+    """Every rank reads whole tensors, then keeps its partition: the module's weights first, the fp32
+    master copies refreshed from them, then each optimizer entry and the shared step counts."""
+    import deepspeed
+    from deepspeed.utils import safe_set_full_optimizer_state
+
+    zero, base = ds.optimizer, ds.optimizer.optimizer
+    _init_zero_state(zero)  # a fresh optimizer has no state for the fragments to point at
+    if hasattr(zero, "_lazy_init_hp_params_optimizer_state"):
+        zero._lazy_init_hp_params_optimizer_state()
+    named = {clean_name(n): p for n, p in ds.module.named_parameters()}
+    name_of = {id(p): n for n, p in named.items()}
+    members = [(flat, [name_of[id(p)] for p in lps]) for _, lps, flat in _partitions(zero)]
+    keys = {n: _flat_keys(base, flat) + (["step"] if "step" in base.state[flat] else [])
+            for flat, names in members for n in names}
+    buffers = {clean_name(k): v for k, v in ds.module.state_dict().items() if clean_name(k) not in named}
+    template = full_template({n: getattr(p, "ds_shape", p.shape) for n, p in named.items()}, keys,
+                             groups_template(path))
+    template["model"].update({k: torch.empty_like(v, device="cpu") for k, v in buffers.items()})
+    model, state = load_state(template, path)["model"], template["optim"]["state"]
+
+    params = list(named.values())
+    zero3 = hasattr(params[0], "ds_id")
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=0, enabled=zero3):
+        for name, p in named.items():
+            p.data.copy_(model[name])
+    ds.module.load_state_dict({k: model[k] for k in buffers}, strict=False)
+    zero.refresh_fp32_params()  # the fp32 master partitions take the weights just written
+    for flat, names in members:
+        for name in names:
+            for key in _flat_keys(base, flat):
+                safe_set_full_optimizer_state(named[name], state[name][key], key)
+        step = single_step(state, names)
+        if step is not None and "step" in base.state.get(flat, {}):
+            old = base.state[flat]["step"]
+            base.state[flat]["step"] = step.to(old) if torch.is_tensor(old) else type(old)(step)
+    merged = merge_groups(base.param_groups, template["optim"]["param_groups"])
+    for group, new in zip(base.param_groups, merged):
+        group.update(new)

@@ -165,7 +165,11 @@ def broadcast_from_rank0(tensors) -> None:
 
 class FSDP2Engine(_TorchFSDP):
     def _prepare(self, model, optimizer: OptimizerArg):
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            MixedPrecisionPolicy,
+            fully_shard,
+        )
 
         model, lazy = self._materialise(model)
         kwargs = dict(self.plan["kwargs"])
@@ -200,7 +204,10 @@ class FSDP2Engine(_TorchFSDP):
         return model, build_optimizer(optimizer, model.parameters())
 
     def _fill_from_rank0(self, model, full_sd: dict, buffers) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+        )
 
         model.to_empty(device=self.device)
         set_model_state_dict(model, full_sd, options=StateDictOptions(
@@ -236,7 +243,12 @@ class _RequiresGradSync:
 
 class FSDP1Engine(_TorchFSDP):
     def _prepare(self, model, optimizer: OptimizerArg):
-        from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+        from torch.distributed.fsdp import (
+            BackwardPrefetch,
+            CPUOffload,
+            MixedPrecision,
+            ShardingStrategy,
+        )
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
 

@@ -17,6 +17,19 @@ import torch
 from torch import nn
 
 from parallel.engine import Engine, OptimizerArg, build_optimizer, require_fp32
+from parallel.portable import (
+    clean_name,
+    full_template,
+    groups_template,
+    hyperparams,
+    init_optimizer_state,
+    load_state,
+    merge_groups,
+    optim_by_name,
+    optim_for_torch,
+    save_state,
+    single_step,
+)
 from parallel.spec import Spec
 from parallel.specio import SpecError, merge_native
 from parallel.wrap import disable_kv_cache, plan_wrap
@@ -147,30 +160,100 @@ class XlaFsdpEngine(_Xla):
     def _save_model_optim(self, tmp: Path) -> None:
         import torch_xla.core.xla_model as xm
 
-        (tmp / "xla").mkdir(exist_ok=True)
-        state = {"model": self.model.state_dict(), "optim": self.optimizer.state_dict(),
-                 "shard_metadata": self.model.get_shard_metadata()}
-        xm.save(state, tmp / "xla" / f"rank{self.rank}.pt", master_only=False)
-        self.barrier()
-        if self.is_main:  # a plain state dict with the original names, loadable without XLA
-            torch.save(consolidate(tmp / "xla", self.world_size), tmp / "model_consolidated.pt")
+        layout, model, state = v1_layout(self.model), {}, {}
+        for p, members in layout:  # one shard at a time: gathered whole, split into the originals
+            full = xm.all_gather(p.detach(), dim=0).cpu()
+            model.update(split_members(full, members))
+            for key, value in self.optimizer.state.get(p, {}).items():
+                if torch.is_tensor(value) and value.shape == p.shape:
+                    gathered = split_members(xm.all_gather(value, dim=0).cpu(), members)
+                else:  # the step count, shared by the flat parameter's members
+                    gathered = {n: torch.as_tensor(value, dtype=torch.float32).cpu() for n, _ in members}
+                for name, t in gathered.items():
+                    state.setdefault(name, {})[key] = t
+        model.update(self._buffers())
+        names = {id(p): [n for n, _ in members] for p, members in layout}
+        groups = [{**hyperparams(g), "params": [n for q in g["params"] for n in names[id(q)]]}
+                  for g in self.optimizer.param_groups]
+        if self.is_main:  # whole tensors, written once
+            save_state({"model": model, "optim": {"state": state, "param_groups": groups}}, tmp,
+                       collective=False)
+
+    def _buffers(self) -> dict:
+        return {clean_name(k): v.cpu() for k, v in self.model.state_dict().items()
+                if "_fsdp_shard" not in k}
 
     def _load_model_optim(self, path: Path, manifest: dict) -> None:
-        if manifest["world_size"] != self.world_size:
-            raise RuntimeError(f"{path}: XLA FSDP v1 shards are per rank; written by "
-                               f"{manifest['world_size']}, loading on {self.world_size}")
-        state = torch.load(path / "xla" / f"rank{self.rank}.pt", weights_only=False)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optim"])
+        import torch_xla.core.xla_model as xm
+
+        layout = v1_layout(self.model)
+        init_optimizer_state(self.optimizer)  # entries to fill; lr 0 leaves the weights as they are
+        xm.mark_step()
+        shapes = {n: shape for _, members in layout for n, shape in members}
+        keys = {n: [k for k, v in self.optimizer.state[p].items()
+                    if k == "step" or (torch.is_tensor(v) and v.shape == p.shape)]
+                for p, members in layout for n, _ in members}
+        template = full_template(shapes, keys, groups_template(path))
+        template["model"].update({k: torch.empty_like(v) for k, v in self._buffers().items()})
+        model, state = load_state(template, path)["model"], template["optim"]["state"]
+        per_shard, rank = {}, self.rank
+        for i, (p, members) in enumerate(layout):
+            p.data.copy_(shard_of(model, members, p.numel(), rank).to(self.device))
+            entries = {k: shard_of({n: state[n][k] for n, _ in members}, members, p.numel(), rank)
+                       for k in keys[members[0][0]] if k != "step"}
+            step = single_step(state, [n for n, _ in members])
+            per_shard[i] = {**entries, **({"step": step} if step is not None else {})}
+        self.model.load_state_dict({k: model[clean_name(k)] for k in self.model.state_dict()
+                                    if "_fsdp_shard" not in k}, strict=False)
+        groups = [{**g, "params": list(range(len(g["params"])))}
+                  for g in merge_groups(self.optimizer.param_groups, template["optim"]["param_groups"])]
+        if len(groups) != 1:
+            raise RuntimeError("XLA FSDP v1 load supports one optimizer param group")
+        self.optimizer.load_state_dict({"state": per_shard, "param_groups": groups})
+        xm.mark_step()
 
 
-def consolidate(shard_dir: Path, world_size: int) -> dict:
-    """Full state dict (original parameter names) from every rank's v1 shard file."""
-    from torch_xla.distributed.fsdp import consolidate_sharded_state_dicts
+def v1_layout(model) -> list[tuple[nn.Parameter, list[tuple[str, torch.Size]]]]:
+    """Each sharded parameter of an XlaFullyShardedDataParallel model with the original parameters
+    it holds, in order: one when parameters are sharded one by one, several when a unit's are
+    flattened (flatten_parameters). Read from the model's own shard metadata, as XLA's
+    consolidate_sharded_state_dicts reads it."""
+    md = model.get_shard_metadata()
+    layout = []
+    for name, p in model.named_parameters():
+        if p.dim() != 1:
+            raise RuntimeError("XLA FSDP v1 with shard_param_on_dim_0 has no portable layout; "
+                               "leave it unset")
+        parts = name.replace("_fpw_module.", "").split(".")
+        cut = next(i for i, part in enumerate(parts) if part.startswith("_fsdp_shard"))
+        prefix, suffix = ".".join(parts[:cut]), ".".join(parts[cut:])
+        info = md["shard_info"][prefix][suffix]
+        full = f"{prefix}.{info['_orig_name']}" if prefix else info["_orig_name"]
+        if full in md["flatten_info"]:
+            names, shapes, _ = md["flatten_info"][full]
+            owner = full.rsplit(".", 1)[0]
+            members = [(clean_name(f"{owner}.{n}"), torch.Size(s)) for n, s in zip(names, shapes)]
+        else:
+            members = [(clean_name(full), torch.Size(info["_orig_size"]))]
+        layout.append((p, members))
+    return layout
 
-    states = [torch.load(shard_dir / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
-    return consolidate_sharded_state_dicts([s["model"] for s in states],
-                                           states[0]["shard_metadata"])
+
+def split_members(flat: torch.Tensor, members) -> dict[str, torch.Tensor]:
+    """Gathered (padded) flat shards -> each original tensor, by name."""
+    out, offset = {}, 0
+    for name, shape in members:
+        out[name] = flat[offset:offset + shape.numel()].view(shape).clone()
+        offset += shape.numel()
+    return out
+
+
+def shard_of(tensors: dict, members, shard_numel: int, rank: int) -> torch.Tensor:
+    """The inverse: concatenate the originals, pad as XLA FSDP pads, take this rank's slice."""
+    flat = torch.cat([tensors[n].reshape(-1) for n, _ in members])
+    end = shard_numel * (rank + 1)
+    flat = torch.nn.functional.pad(flat, (0, max(0, end - flat.numel())))
+    return flat[shard_numel * rank:end].clone()
 
 
 def shard_output(output, mesh) -> None:
@@ -249,24 +332,29 @@ class XlaSpmdEngine(_Xla):
             torch.nn.utils.clip_grads_with_norm_(params, self.spec.grad_clip, norm)
         return self._finish_step(norm)
 
+    def _names(self) -> dict[int, str]:
+        return {id(p): clean_name(n) for n, p in self.model.named_parameters()}
+
     def _save_model_optim(self, tmp: Path) -> None:
-        import torch.distributed.checkpoint as dcp
         from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner
 
-        state = {"model": self.model.state_dict(), "optim": self.optimizer.state_dict()}
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp / "spmd")),
-                 planner=SPMDSavePlanner())
+        # Sharded XLA tensors: the SPMD planner writes each device's shards as DCP chunks.
+        state = {"model": {clean_name(k): v for k, v in self.model.state_dict().items()},
+                 "optim": optim_by_name(self.optimizer, self._names())}
+        save_state(state, tmp, planner=SPMDSavePlanner())
 
     def _load_model_optim(self, path: Path, manifest: dict) -> None:
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import _init_optim_state
         from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner
 
         # DCP loads into existing tensors: a fresh optimizer has no state yet (measured: "Missing
         # key in checkpoint state_dict: optim."), so create it with a zero-lr step first.
         _init_optim_state(self.optimizer)
-        state = {"model": self.model.state_dict(), "optim": self.optimizer.state_dict()}
-        dcp.load(state, storage_reader=dcp.FileSystemReader(str(path / "spmd")),
-                 planner=SPMDLoadPlanner())
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optim"])
+        names, own = self._names(), self.model.state_dict()
+        osd = optim_by_name(self.optimizer, names)
+        template = {"model": {clean_name(k): v for k, v in own.items()},
+                    "optim": {"state": osd["state"], "param_groups": groups_template(path)}}
+        load_state(template, path, planner=SPMDLoadPlanner())
+        self.model.load_state_dict({k: template["model"][clean_name(k)] for k in own})
+        self.optimizer.load_state_dict(optim_for_torch(
+            self.optimizer, template["optim"]["state"], template["optim"]["param_groups"], names))

@@ -1,9 +1,10 @@
 """Checkpoint directories: written atomically, described by a manifest, verified before loading.
 
-Layout (format version 1): `manifest.json` (format, backend, world size, step, versions, and every file's
-size and sha256), `trainer.pt` (step, scheduler, data position), `rng/rank{r}.pt`, and the model and
-optimizer state written by the backend (`model_optim/` as torch DCP, or `model_optim.pt` when full).
-Keys are the original model's parameter names, whatever wrapper trained it.
+Layout (format version 1, docs/checkpoint-format.md): `manifest.json` (format, backend, world size,
+step, spec, versions, and every file's size and sha256), `state/` (model and optimizer state as torch
+DCP, keyed by the original model's parameter names: parallel/portable.py), `trainer.pt` (step,
+scheduler, data position), `rng/rank{r}.pt`, and `hf_config.json` for Hugging Face models. Next to the
+checkpoints, `latest` names the newest complete one; it is replaced last.
 """
 
 from __future__ import annotations
@@ -94,6 +95,43 @@ def verify_on_rank0(path: str | Path) -> dict:
     return result[0]
 
 
+LATEST = "latest"
+
+
+def resolve(path: str | Path) -> Path:
+    """A checkpoint directory, or a directory of checkpoints whose `latest` file names one."""
+    path = Path(path)
+    pointer = path / LATEST
+    if not (path / MANIFEST).exists() and pointer.is_file():
+        return path / pointer.read_text().strip()
+    return path
+
+
+def publish(path: Path, keep_last: int | None) -> None:
+    """Rank 0, after `path` is complete: point `latest` at it (write, fsync, rename), then delete
+    all but the newest `keep_last` checkpoints beside it. A crash before the rename leaves `latest`
+    on the previous complete checkpoint; retention runs only once the pointer has moved."""
+    tmp = path.parent / f".{LATEST}.partial"
+    tmp.write_text(path.name + "\n")
+    fd = os.open(tmp, os.O_RDONLY)
+    os.fsync(fd)
+    os.close(fd)
+    tmp.rename(path.parent / LATEST)
+    if keep_last is None:
+        return
+    siblings = [d for d in path.parent.iterdir() if (d / MANIFEST).is_file() and d != path]
+    siblings.sort(key=lambda d: (_step(d), d.stat().st_mtime))
+    for old in siblings[:max(0, len(siblings) + 1 - keep_last)]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _step(path: Path) -> int:
+    try:
+        return int(json.loads((path / MANIFEST).read_text()).get("step", -1))
+    except (OSError, ValueError):
+        return -1
+
+
 def save_rank_file(obj, tmp: Path, subdir: str, rank: int) -> None:
     (tmp / subdir).mkdir(exist_ok=True)
     torch.save(obj, tmp / subdir / f"rank{rank}.pt")
@@ -129,3 +167,27 @@ def _replace(tmp: Path, path: Path) -> None:
     os.fsync(fd)
     os.close(fd)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def library_versions() -> dict:
+    """Versions of what wrote a checkpoint, read from package metadata (nothing is imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from parallel import __version__
+
+    found = {"polyshard": __version__}
+    for name in ("torch", "deepspeed", "torch_xla", "transformers", "accelerate"):
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    return found
+
+
+def hf_config_json(model) -> str | None:
+    """A Hugging Face model's config as JSON, found through any wrapper."""
+    for module in (model.modules() if model is not None else ()):
+        config = getattr(module, "config", None)
+        if hasattr(config, "to_json_string"):
+            return config.to_json_string()
+    return None

@@ -1,8 +1,9 @@
 """A distributed sampler and loader whose position survives a checkpoint.
 
 Every rank draws the same permutation (seed + epoch) and takes every world_size-th index, like
-DistributedSampler; the loader counts the batches it has handed out so a resumed run continues with
-the next unseen batch instead of replaying or skipping data.
+DistributedSampler. The position is kept as global samples consumed this epoch: the permutation's
+first `consumed` entries are exactly what every rank has seen together, so a run resumed on another
+world size (or batch size) continues with the next unseen samples instead of replaying or skipping.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ class ResumableSampler(Sampler[int]):
             raise ValueError(f"dataset has {size} samples, fewer than the {num_replicas} ranks")
 
     def set_position(self, epoch: int, start: int) -> None:
+        """`start`: global samples (over all ranks) already consumed in `epoch`."""
         self.epoch, self.start = epoch, start
 
     def __len__(self) -> int:
-        return self.size // self.num_replicas - self.start
+        return (self.size - self.start) // self.num_replicas
 
     def __iter__(self) -> Iterator[int]:
         if self.shuffle:
@@ -33,9 +35,9 @@ class ResumableSampler(Sampler[int]):
             order = torch.randperm(self.size, generator=g).tolist()
         else:
             order = list(range(self.size))
-        usable = self.size - self.size % self.num_replicas  # equal shares: no rank waits on another
-        mine = order[:usable][self.rank::self.num_replicas]
-        return iter(mine[self.start:])
+        rest = order[self.start:]
+        usable = len(rest) - len(rest) % self.num_replicas  # equal shares: no rank waits on another
+        return iter(rest[:usable][self.rank::self.num_replicas])
 
 
 class ResumableLoader:
@@ -47,23 +49,31 @@ class ResumableLoader:
         self.loader, self.sampler, self.batch_size = loader, sampler, batch_size
         self.epoch, self.batches_done = 0, 0
 
+    @property
+    def samples_done(self) -> int:
+        return self.batches_done * self.batch_size * self.sampler.num_replicas
+
     def __len__(self) -> int:
         per_rank = self.sampler.size // self.sampler.num_replicas
         return per_rank // self.batch_size - self.batches_done  # drop_last=True
 
     def __iter__(self):
-        self.sampler.set_position(self.epoch, self.batches_done * self.batch_size)
+        self.sampler.set_position(self.epoch, self.samples_done)
         for batch in self.loader:
             self.batches_done += 1  # counted when handed out: a saved position includes this batch
             yield batch
         self.epoch, self.batches_done = self.epoch + 1, 0
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "batches_done": self.batches_done,
-                "batch_size": self.batch_size}
+        return {"epoch": self.epoch, "samples_done": self.samples_done,
+                "batch_size": self.batch_size, "world_size": self.sampler.num_replicas}
 
     def load_state_dict(self, state: dict) -> None:
-        if state["batch_size"] != self.batch_size:
-            raise ValueError(f"checkpoint's loader used batch_size {state['batch_size']}, this one "
-                             f"{self.batch_size}; resume with the same batch size")
-        self.epoch, self.batches_done = state["epoch"], state["batches_done"]
+        step_samples = self.batch_size * self.sampler.num_replicas
+        if state["samples_done"] % step_samples:
+            raise ValueError(
+                f"checkpoint's loader had consumed {state['samples_done']} samples (batch_size "
+                f"{state['batch_size']} x {state['world_size']} ranks); this run takes "
+                f"{step_samples} per batch, which does not divide it, so the next batch would "
+                "straddle seen and unseen samples; keep the global batch a divisor of that count")
+        self.epoch, self.batches_done = state["epoch"], state["samples_done"] // step_samples

@@ -20,9 +20,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
 
-from parallel import __version__
 from parallel import dist as pdist
-from parallel.checkpoint import save_rank_file, verify_on_rank0, write_checkpoint
+from parallel.checkpoint import (
+    hf_config_json,
+    library_versions,
+    publish,
+    resolve,
+    save_rank_file,
+    verify_on_rank0,
+    write_checkpoint,
+)
 from parallel.data import ResumableLoader, ResumableSampler
 from parallel.spec import Spec
 
@@ -223,26 +230,37 @@ class Engine(ABC):
 
     # ---- checkpoints ----
     def save(self, path) -> Path:
-        """Write model, optimizer, scheduler, step, RNG and data position under `path`, atomically."""
+        """Write model, optimizer, scheduler, step, RNG and data position under `path`, atomically,
+        then point `latest` beside it at `path` and apply `checkpoint.keep_last`."""
+        hf_config = hf_config_json(self.model)
+
         def write(tmp: Path) -> None:
             self._save_model_optim(tmp)
             save_rank_file(pdist.rng_state(), tmp, "rng", self.rank)
             if self.is_main:
                 torch.save(self.trainer_state(), tmp / "trainer.pt")
+                if hf_config is not None:  # lets `polyshard ckpt export --to hf` stand alone
+                    (tmp / "hf_config.json").write_text(hf_config)
 
         meta = {"backend": self.name, "world_size": self.world_size, "step": self.step,
                 "state_dict": self.spec.state_dict, "spec": self.spec.model_dump(mode="json"),
-                "versions": {"torch": torch.__version__, "polyshard": __version__}}
-        return write_checkpoint(path, self.rank, write, meta)
+                "versions": library_versions()}
+        path = write_checkpoint(path, self.rank, write, meta)
+        if self.is_main:
+            publish(path, self.spec.checkpoint.keep_last)
+        self.barrier()
+        return path
 
     def load(self, path) -> dict:
-        """Verify `path` (manifest, sizes, sha256), then restore everything `save` wrote."""
-        path = Path(path)
+        """Verify `path` (manifest, sizes, sha256), then restore everything `save` wrote, whichever
+        backend and world size wrote it. `path` may be a directory of checkpoints: its `latest`."""
+        path = resolve(path)
         manifest = verify_on_rank0(path)
         self._load_model_optim(path, manifest)
         self.load_trainer_state(torch.load(path / "trainer.pt", weights_only=False))
         rng_file = path / "rng" / f"rank{self.rank}.pt"
         if manifest["world_size"] == self.world_size and rng_file.is_file():
+            # Another world size has other ranks: each keeps its seeded generator instead.
             pdist.set_rng_state(torch.load(rng_file, weights_only=False))
         return manifest
 
@@ -263,7 +281,7 @@ class Engine(ABC):
         self.step = state["step"]
         if self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
-        if len(state["loaders"]) != len(self.loaders):
+        if state["loaders"] and len(state["loaders"]) != len(self.loaders):
             raise ValueError(f"checkpoint recorded {len(state['loaders'])} data loaders, this run "
                              f"created {len(self.loaders)}; create loaders before load()")
         for loader, loader_state in zip(self.loaders, state["loaders"]):

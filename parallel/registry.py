@@ -8,8 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import get_args
 
-from parallel.envinfo import detect_pjrt_device
 from parallel.capabilities import CAPABILITIES
+from parallel.envinfo import detect_pjrt_device
 from parallel.spec import Backend, Spec
 
 

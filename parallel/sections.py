@@ -43,6 +43,14 @@ class Topology(Section):
         return self.nodes * self.procs_per_node
 
 
+class Checkpointing(Section):
+    keep_last: Annotated[
+        int | None,
+        Field(ge=1, description="After each save, delete all but the newest `keep_last` checkpoints "
+              "next to it (directories with a polyshard manifest, ordered by step). Unset keeps all."),
+    ] = None
+
+
 class Wrap(Section):
     policy: Annotated[
         Literal["auto", "layer_classes", "size", "none"],

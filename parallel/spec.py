@@ -14,6 +14,7 @@ from pydantic import Field, model_validator
 
 from parallel.capabilities import CAPABILITIES
 from parallel.sections import (
+    Checkpointing,
     DeepSpeedOptions,
     FsdpOptions,
     LossScale,
@@ -88,6 +89,9 @@ class Spec(Section):
         Field(description="How `save` writes model and optimizer state: sharded (each rank writes "
               "its shards; fast, reshardable) or full (consolidated on rank 0)."),
     ] = "sharded"
+    checkpoint: Annotated[
+        Checkpointing, Field(description="Checkpoint retention (every backend writes one format).")
+    ] = Checkpointing()
     timeout_s: Annotated[
         float, Field(gt=0, description="Collective timeout in seconds: a stalled rank fails the "
                      "job after this long instead of hanging.")

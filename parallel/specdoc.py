@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import typing
+from pathlib import Path
 
 from pydantic import BaseModel
 
@@ -42,5 +43,17 @@ def reference() -> str:
     return "\n".join([BEGIN, *head, *rows(Spec), END])
 
 
+def update(readme: Path) -> None:
+    """Replace the text between the markers in `readme` with the current reference."""
+    text = readme.read_text()
+    start, end = text.index(BEGIN), text.index(END) + len(END)
+    readme.write_text(text[:start] + reference() + text[end:])
+
+
 if __name__ == "__main__":
-    print(reference())
+    import sys
+
+    if sys.argv[1:]:  # python -m parallel.specdoc README.md
+        update(Path(sys.argv[1]))
+    else:
+        print(reference())

@@ -10,6 +10,7 @@ import difflib
 import json
 import re
 from pathlib import Path
+
 import yaml
 from pydantic import BaseModel, ValidationError
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from parallel import create_engine, load_spec
+from parallel.portable import read_model
 from parallel.toy import build_llama, llama_config
 
 SEQ, ROWS = 16, 2  # per rank and micro-batch: ROWS samples of SEQ tokens
@@ -81,12 +82,11 @@ def run_case(case, phase, ckpt_root):
         if phase == "train" and engine.step == case["save_at"]:
             engine.save(ckpt)
     out.update(loss=losses, norm=norms, start=start)
-    consolidated = Path(ckpt) / "model_consolidated.pt"
-    if phase == "train" and consolidated.is_file() and engine.is_main:
-        # A plain PyTorch model with the consolidated weights of step save_at must see the loss the
-        # engine saw at the next step.
+    if phase == "train" and engine.is_main:
+        # A plain PyTorch model with the checkpoint's weights of step save_at (read whole, in one
+        # process) must see the loss the engine saw at the next step.
         plain = build_llama(llama_config("tiny"))
-        plain.load_state_dict(torch.load(consolidated, weights_only=True))
+        plain.load_state_dict(read_model(Path(ckpt)))
         ids = batches[case["save_at"]]
         out["consolidated_loss"] = plain(input_ids=ids, labels=ids).loss.item()
     out.update(getattr(engine, "parity_facts", lambda: {})())

@@ -3,7 +3,6 @@
 4-5 after save at step 3 and load in fresh processes identical to the uninterrupted run."""
 
 import pytest
-
 from harness import case, check_parity, run_parity
 
 pytest.importorskip("deepspeed")

@@ -2,7 +2,6 @@
 steps 4-5 after a save at step 3 and a load in fresh processes are identical to the uninterrupted run."""
 
 import pytest
-
 from harness import case, check_parity, run_parity
 
 pytestmark = pytest.mark.distributed

@@ -4,7 +4,6 @@ dicts, DeepSpeed's CUDA accelerator). Skipped on machines without a GPU."""
 
 import pytest
 import torch
-
 from harness import case, check_parity, run_parity
 
 pytestmark = [pytest.mark.distributed, pytest.mark.gpu,

@@ -3,7 +3,6 @@ v1 runs at world size 1 and sharding is exercised by SPMD FSDPv2 over 2 and 4 vi
 process. fp32 losses match a single-process PyTorch run to 1e-5; resume in a fresh process is exact."""
 
 import pytest
-
 from harness import case, check_parity, run_parity
 
 pytest.importorskip("torch_xla")

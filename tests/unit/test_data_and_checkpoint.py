@@ -39,10 +39,25 @@ def test_ranks_are_disjoint_and_epochs_reshuffle():
     assert flat(list(two)) != flat(list(two))  # epoch 1 draws a new permutation
 
 
-def test_batch_size_change_is_refused():
-    a, b = loader(batch=2), loader(batch=4)
-    with pytest.raises(ValueError, match="same batch size"):
-        b.load_state_dict(a.state_dict())
+def test_resume_on_another_world_size_continues_the_same_sample_order():
+    two = [loader(rank=r) for r in range(2)]
+    its = [iter(x) for x in two]
+    seen = [flat([next(it) for _ in range(3)]) for it in its]  # 3 steps x 2 ranks x 2 samples
+    one = loader(rank=0, world=1, batch=4)
+    one.load_state_dict(two[0].state_dict())
+    rest = flat(list(one))
+    whole = flat(list(loader(rank=0, world=1, batch=2)))  # the epoch's order on one rank
+    consumed = [x for step in zip(*seen) for pair in step for x in pair]
+    assert sorted(consumed) == sorted(sum(whole[:6], []))  # the same 12 samples, none replayed
+    assert sum(rest, []) == sum(whole, [])[12:20]
+
+
+def test_resume_mid_batch_on_another_layout_is_refused():
+    a = loader(batch=2)
+    it = iter(a)
+    next(it)  # 4 samples consumed over 2 ranks
+    with pytest.raises(ValueError, match="does not divide"):
+        loader(batch=3).load_state_dict(a.state_dict())
 
 
 def write(path, payload=b"x" * 1000):

@@ -2,7 +2,6 @@
 
 import subprocess
 import sys
-
 from typing import get_args
 
 from parallel.capabilities import CAPABILITIES

@@ -1,0 +1,98 @@
+"""Checkpoint transfer between backends, grouped into few launches (each costs 10-25 s).
+
+phase "save": for each source backend in this launch and each optimizer, train 3 steps from the
+reference initial weights on the shared global batches, save to <root>/<source>-<optimizer>.
+phase "load": for each target backend in this launch and each saved checkpoint, a fresh engine over
+differently-initialised weights loads it and trains steps 4 and 5. Rank 0 writes every number, and
+the single-process reference losses, to --out; the pytest side asserts.
+"""
+
+import argparse
+import json
+import traceback
+from pathlib import Path
+
+import torch
+from parity_worker import global_batches, optimizer_arg, rank_slice, reference
+
+from parallel import create_engine, load_spec
+from parallel.toy import build_llama, llama_config
+
+GLOBAL_ROWS, STEPS, SAVE_AT = 4, 5, 3
+OPTIMIZERS = ("sgd", "adamw")
+
+
+def engine_for(spec_dict, seed_offset):
+    spec = load_spec(spec_dict)
+    engine = create_engine(spec)
+    rows = engine.samples_per_step
+    if rows * engine.world_size != GLOBAL_ROWS:
+        raise ValueError(f"{spec_dict}: {rows} rows x {engine.world_size} ranks != {GLOBAL_ROWS}")
+    torch.manual_seed(spec.seed + seed_offset)
+    return engine, rows
+
+
+def train(engine, rows, batches, steps):
+    return [engine.train_step(rank_slice(batches[s], engine.rank, rows)).loss for s in steps]
+
+
+def save_phase(backends, names, root):
+    out = {}
+    for name in names:
+        for opt in OPTIMIZERS:
+            try:
+                engine, rows = engine_for(backends[name], 0)
+                engine.prepare(build_llama(llama_config("tiny")), optimizer_arg(opt))
+                batches = global_batches(STEPS, 1, GLOBAL_ROWS)
+                out[f"{name}-{opt}"] = {"loss": train(engine, rows, batches, range(SAVE_AT))}
+                engine.save(root / f"{name}-{opt}")
+            except Exception:  # record it and go on: one broken case must not hide the others
+                out[f"{name}-{opt}"] = {"error": traceback.format_exc()}
+    return out
+
+
+def load_phase(backends, names, root):
+    out = {}
+    saved = sorted(p.name for p in root.iterdir() if (p / "manifest.json").is_file())
+    for name in names:
+        for source in saved:
+            opt = source.rsplit("-", 1)[1]
+            key = f"{source.rsplit('-', 1)[0]}->{name}-{opt}"
+            try:
+                engine, rows = engine_for(backends[name], 99)  # other weights: only load() helps
+                engine.prepare(build_llama(llama_config("tiny")), optimizer_arg(opt))
+                engine.load(root / source)
+                batches = global_batches(STEPS, 1, GLOBAL_ROWS)
+                out[key] = {"start": engine.step,
+                            "loss": train(engine, rows, batches, range(engine.step, STEPS))}
+            except Exception:
+                out[key] = {"error": traceback.format_exc()}
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--phase", choices=["save", "load"], required=True)
+    p.add_argument("--backends", required=True, help="JSON file: {name: spec}")
+    p.add_argument("--names", required=True, help="comma-separated backends run in this launch")
+    p.add_argument("--root", required=True)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    backends, root = json.loads(Path(args.backends).read_text()), Path(args.root)
+    names = args.names.split(",")
+    phase = save_phase if args.phase == "save" else load_phase
+    results = phase(backends, names, root)
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    if rank == 0:
+        spec = load_spec(backends[names[0]])
+        batches = global_batches(STEPS, 1, GLOBAL_ROWS)
+        for opt in OPTIMIZERS:
+            results[f"reference-{opt}"] = {"loss": reference(spec, {"optimizer": opt}, batches)[0]}
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
