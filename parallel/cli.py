@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from parallel import cli_ckpt
 from parallel.specio import SpecError, dump_spec, json_schema, load_spec
 
 EXAMPLES = {
@@ -56,9 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_spec_args(p)
     p.add_argument("script", help="training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
-    p = command("ckpt", "inspect or verify a checkpoint directory (exit 1 on corruption)")
-    p.add_argument("action", choices=["inspect", "verify"])
-    p.add_argument("path", help="checkpoint directory written by engine.save")
+    cli_ckpt.add_parser(sub)
     p = command("schema", "write the spec's JSON Schema (for editor completion)")
     p.add_argument("-o", "--output", help="file to write (default: stdout)")
     return parser
@@ -149,34 +148,8 @@ def _schema(args) -> int:
     return 0
 
 
-def _ckpt(args) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
-    from parallel.checkpoint import CheckpointError, verify_checkpoint
-
-    console = Console()
-    try:
-        manifest = verify_checkpoint(args.path)  # sizes and sha256 of every file
-    except CheckpointError as err:
-        print(f"ckpt: {err}", file=sys.stderr)
-        return 1
-    files = manifest["files"]
-    if args.action == "inspect":
-        table = Table(title=f"{args.path}: {manifest['backend']}, step {manifest['step']}, "
-                      f"world size {manifest['world_size']}, {manifest['state_dict']} state")
-        for column in ("file", "bytes", "sha256"):
-            table.add_column(column)
-        for name, info in files.items():
-            table.add_row(name, f"{info['size']:,}", info["sha256"][:16])
-        console.print(table)
-    total = sum(f["size"] for f in files.values())
-    console.print(f"ok: {len(files)} files, {total:,} bytes verified")
-    return 0
-
-
 HANDLERS = {"validate": _validate, "explain": _explain, "launch": _launch, "schema": _schema,
-            "ckpt": _ckpt}
+            "ckpt": cli_ckpt.run}
 
 if __name__ == "__main__":
     sys.exit(main())

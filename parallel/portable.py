@@ -30,6 +30,8 @@ WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_
                  "_fpw_module.", "_orig_mod.")
 # DCP's own writer calls the deprecated tensor.storage(); the warning is torch's, not the user's.
 warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+# Single-writer saves and reads (no_dist) are deliberate here, not a missing process group.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninit")
 
 
 class PortableStateError(RuntimeError):
@@ -58,9 +60,11 @@ def save_state(state: dict, tmp: Path, planner=None, collective: bool = True) ->
 
 def load_state(template: dict, path: Path, planner=None, collective: bool = True) -> dict:
     """Fill `template` (this run's layout: DTensors, shards or whole tensors) from path/state.
-    Strict both ways: DCP itself refuses a template key the checkpoint lacks; a stored model or
-    optimizer entry the template does not ask for would be silently dropped, so it is refused here."""
-    unread = {k for k in stored_keys(path) if k.startswith(("model.", "optim.state."))}
+    Strict both ways within the sections asked for ("model", "optim"): DCP itself refuses a template
+    key the checkpoint lacks; a stored entry the template does not ask for would be silently
+    dropped, so it is refused here."""
+    sections = tuple(f"{name}." if name == "model" else "optim.state." for name in template)
+    unread = {k for k in stored_keys(path) if k.startswith(sections)}
     unread -= set(flatten_state_dict(template)[0])
     if unread:
         raise PortableStateError(

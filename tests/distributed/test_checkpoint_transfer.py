@@ -52,8 +52,9 @@ def launch(tmp, phase, names, how):
     return json.loads(out.read_text())
 
 
-@pytest.mark.timeout(1200)
-def test_every_pair_resumes_with_the_uninterrupted_losses(tmp_path):
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("transfer")
     (tmp_path / "backends.json").write_text(json.dumps(BACKENDS))
     (tmp_path / "ckpt").mkdir()
     saved, loaded = {}, {}
@@ -62,6 +63,12 @@ def test_every_pair_resumes_with_the_uninterrupted_losses(tmp_path):
             saved.update(launch(tmp_path, "save", names, how))
     for names, how in LAUNCHES:
         loaded.update(launch(tmp_path, "load", names, how))
+    return tmp_path, saved, loaded
+
+
+@pytest.mark.timeout(1200)
+def test_every_pair_resumes_with_the_uninterrupted_losses(matrix):
+    _, saved, loaded = matrix
     errors = {k: v["error"] for k, v in {**saved, **loaded}.items() if "error" in v}
     assert not errors, "\n\n".join(f"{k}:\n{v[-3000:]}" for k, v in errors.items())
 
@@ -79,3 +86,26 @@ def test_every_pair_resumes_with_the_uninterrupted_losses(tmp_path):
                 worst, pairs = max(worst, diff), pairs + 1
     assert pairs == len(SOURCES) * len(BACKENDS) * 2
     print(f"{pairs} transfers, max |loss - uninterrupted| = {worst:.2e}")
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("source", ["zero3", "xla2"])
+def test_hf_export_of_a_saved_run_gives_the_same_loss_in_transformers(matrix, source):
+    """The config saved with a Hugging Face model makes the export stand alone."""
+    import subprocess
+    import sys
+
+    import torch
+    from parity_worker import global_batches
+    from transformers import AutoModelForCausalLM
+
+    tmp, saved, _ = matrix
+    out = subprocess.run([sys.executable, "-m", "parallel.cli", "ckpt", "export", "--to", "hf",
+                          str(tmp / "ckpt" / f"{source}-adamw"), str(tmp / f"hf-{source}")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    model = AutoModelForCausalLM.from_pretrained(tmp / f"hf-{source}", torch_dtype=torch.float32)
+    ids = global_batches(5, 1, 4)[3]
+    with torch.no_grad():
+        loss = model(input_ids=ids, labels=ids).loss.item()
+    assert abs(loss - saved["reference-adamw"]["loss"][3]) <= 1e-5

@@ -1,0 +1,105 @@
+"""Native checkpoints written without polyshard, the way users' own loops write them: an FSDP2 loop
+saving torch DCP from get_state_dict, a DeepSpeed ZeRO-2 loop calling save_checkpoint, and an XLA FSDP
+v1 loop saving per-rank shard files with shard metadata. 3 AdamW steps on the shared global batches,
+from the reference initial weights; `polyshard ckpt import` then has to carry on from them."""
+
+import argparse
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from parity_worker import global_batches, optimizer_arg
+
+from parallel.toy import build_llama, llama_config
+
+STEPS, ROWS = 3, 4
+
+
+def model_and_batches():
+    torch.manual_seed(0)
+    return build_llama(llama_config("tiny")), global_batches(5, 1, ROWS)
+
+
+def fsdp2_dcp(out: Path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    model, batches = model_and_batches()
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    cls, kw = optimizer_arg("adamw")
+    opt = cls(model.parameters(), **kw)
+    rank, rows = dist.get_rank(), ROWS // dist.get_world_size()
+    for ids in batches[:STEPS]:
+        mine = ids[rank * rows:(rank + 1) * rows]
+        model(input_ids=mine, labels=mine).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=out)
+
+
+def deepspeed_zero2(out: Path):
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)
+    model, batches = model_and_batches()
+    cls, kw = optimizer_arg("adamw")
+    rows = ROWS // dist.get_world_size()
+    config = {"train_micro_batch_size_per_gpu": rows, "gradient_accumulation_steps": 1,
+              "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
+              "zero_optimization": {"stage": 2}}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=cls(model.parameters(), **kw),
+                                      config=config)
+    rank = dist.get_rank()
+    for ids in batches[:STEPS]:
+        mine = ids[rank * rows:(rank + 1) * rows]
+        engine.backward(engine(input_ids=mine, labels=mine).loss)
+        engine.step()
+    engine.save_checkpoint(str(out))
+
+
+def xla_fsdp_v1(out: Path):
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.runtime as xr
+    from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as XFSDP
+
+    model, batches = model_and_batches()
+    device = torch_xla.device()
+    model = XFSDP(model.to(device))
+    cls, kw = optimizer_arg("adamw")
+    opt = cls(model.parameters(), **kw)
+    for ids in batches[:STEPS]:
+        ids = ids.to(device)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        xm.mark_step()
+    out.mkdir(parents=True, exist_ok=True)
+    state = {"model": model.state_dict(), "shard_metadata": model.get_shard_metadata(),
+             "optimizer": opt.state_dict()}
+    rank, world = xr.global_ordinal(), xr.world_size()
+    xm.save(state, out / f"ckpt_rank-{rank:08d}-of-{world:08d}.pth",
+            master_only=False)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--which", required=True, help="comma-separated: fsdp2_dcp,deepspeed_zero2,xla")
+    p.add_argument("--root", required=True)
+    args = p.parse_args()
+    if "xla" not in args.which:
+        dist.init_process_group("gloo")
+    for name in args.which.split(","):
+        {"fsdp2_dcp": fsdp2_dcp, "deepspeed_zero2": deepspeed_zero2,
+         "xla": xla_fsdp_v1}[name](Path(args.root) / name)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""Native checkpoints in, Hugging Face weights out, corruption caught.
+
+Plain loops with no polyshard in them (tests/distributed/native_worker.py) write a torch DCP directory
+(FSDP2), a DeepSpeed ZeRO-2 checkpoint and XLA FSDP v1 shard files after 3 AdamW steps; `polyshard ckpt
+import` converts each, and FSDP1 and ZeRO-3 (2 ranks) resume from them: steps 4-5 must equal the
+uninterrupted single-process run, so Adam moments and step counts came along. The DeepSpeed import is
+exported with `polyshard ckpt export --to hf`; transformers' from_pretrained loads it and gives step 4's
+loss. A truncated and a byte-flipped copy are refused by `ckpt verify` and by `load`, naming the file."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from harness import ROOT, torchrun
+
+pytest.importorskip("deepspeed")
+pytest.importorskip("torch_xla")
+pytestmark = pytest.mark.distributed
+
+DIST = ROOT / "tests" / "distributed"
+TWO = {"topology": {"procs_per_node": 2}, "micro_batch_size": 2}
+TARGETS = {"fsdp1": {"backend": "fsdp", "fsdp": {"version": 1}, **TWO},
+           "zero3": {"backend": "deepspeed", "shard": "full", **TWO}}
+NATIVE = {"dcp": "fsdp2_dcp", "deepspeed": "deepspeed_zero2", "xla": "xla"}
+
+
+def polyshard(*args):
+    return subprocess.run([sys.executable, "-m", "parallel.cli", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("import")
+    native, root = tmp / "native", tmp / "ckpt"
+    torchrun(2, [str(DIST / "native_worker.py"), "--which", "fsdp2_dcp,deepspeed_zero2",
+                 "--root", str(native)], timeout=300)
+    torchrun(1, [str(DIST / "native_worker.py"), "--which", "xla", "--root", str(native)],
+             timeout=300, env={"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1", "USE_TORCH_XLA": "1"})
+    for kind, folder in NATIVE.items():
+        step = [] if kind == "deepspeed" else ["--step", 3]  # DeepSpeed records its global steps
+        out = polyshard("ckpt", "import", kind, native / folder, root / f"native_{kind}-adamw", *step)
+        assert out.returncode == 0, out.stderr[-3000:]
+    good = root / "native_deepspeed-adamw"
+    for name in ("truncated", "flipped"):
+        shutil.copytree(good, tmp / "bad" / f"{name}-adamw")
+    shard = next((tmp / "bad" / "truncated-adamw" / "state").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-100])
+    trainer = tmp / "bad" / "flipped-adamw" / "trainer.pt"
+    data = bytearray(trainer.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    trainer.write_bytes(bytes(data))
+    (tmp / "targets.json").write_text(json.dumps(TARGETS))
+    results = {}
+    for folder in (root, tmp / "bad"):
+        out = tmp / f"load-{folder.name}.json"
+        torchrun(2, [str(DIST / "transfer_worker.py"), "--phase", "load", "--backends",
+                     str(tmp / "targets.json"), "--names", "fsdp1,zero3", "--root", str(folder),
+                     "--out", str(out)], timeout=400)
+        results.update(json.loads(out.read_text()))
+    return tmp, results
+
+
+@pytest.mark.timeout(900)
+def test_native_checkpoints_resume_with_optimizer_state(imported):
+    _, results = imported
+    ref = results["reference-adamw"]["loss"]
+    for kind in NATIVE:
+        for target in TARGETS:
+            res = results[f"native_{kind}->{target}-adamw"]
+            assert "error" not in res, res["error"][-3000:]
+            assert res["start"] == 3
+            diff = max(abs(a - b) for a, b in zip(res["loss"], ref[3:]))
+            assert diff <= 1e-5, f"{kind} -> {target}: {res['loss']} vs {ref[3:]}"
+
+
+@pytest.mark.timeout(900)
+def test_hf_export_loads_in_transformers_with_the_same_loss(imported):
+    from parity_worker import global_batches
+    from transformers import AutoModelForCausalLM
+
+    from parallel.toy import llama_config
+
+    tmp, results = imported
+    llama_config("tiny").to_json_file(tmp / "config.json")  # an import carries no model config
+    out = polyshard("ckpt", "export", "--to", "hf", tmp / "ckpt" / "native_deepspeed-adamw",
+                    tmp / "hf", "--config", tmp / "config.json")
+    assert out.returncode == 0, out.stderr[-3000:]
+    model = AutoModelForCausalLM.from_pretrained(tmp / "hf", torch_dtype=torch.float32)
+    ids = global_batches(5, 1, 4)[3]
+    with torch.no_grad():
+        loss = model(input_ids=ids, labels=ids).loss.item()
+    assert abs(loss - results["reference-adamw"]["loss"][3]) <= 1e-5
+
+
+@pytest.mark.timeout(900)
+def test_truncated_and_flipped_files_are_refused_by_verify_and_load(imported):
+    tmp, results = imported
+    for name, file, check in (("truncated", "state/__0_0.distcp", "size"),
+                              ("flipped", "trainer.pt", "sha256 mismatch")):
+        out = polyshard("ckpt", "verify", tmp / "bad" / f"{name}-adamw")
+        assert out.returncode == 1 and file.split("/")[-1] in out.stderr and check in out.stderr, (
+            out.stderr)
+        for target in TARGETS:
+            error = results[f"{name}->{target}-adamw"]["error"]
+            assert "CheckpointError" in error and file.split("/")[-1] in error and check in error
