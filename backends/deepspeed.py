@@ -240,6 +240,11 @@ class DeepSpeedEngine(Engine):
             return
         load_zero_state(self.ds, path)
 
+    def gather_model(self) -> dict:
+        if not _is_zero(self.optimizer):  # ZeRO-0: whole parameters in the module
+            return {clean_name(k): v.detach().cpu() for k, v in self.ds.module.state_dict().items()}
+        return zero_state(self.ds, lambda i: True, with_optimizer=False)["model"]
+
 
 def _is_zero(optimizer) -> bool:
     """ZeRO-1/2/3 and DeepSpeed's bf16 optimizer keep fp32 master weights in flat partitions."""
@@ -273,7 +278,7 @@ def _init_zero_state(zero) -> None:
         base.param_groups[group]["params"] = params
 
 
-def zero_state(ds, mine) -> dict:
+def zero_state(ds, mine, with_optimizer: bool = True) -> dict:
     """The portable state of a ZeRO engine: each parameter's fp32 master weight and optimizer entries
     gathered whole (DeepSpeed's fragment API; collective), kept by the rank `mine(i)` picks."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
@@ -283,7 +288,8 @@ def zero_state(ds, mine) -> dict:
     model, state = {}, {}
     groups = [{**hyperparams(g), "params": []} for g in base.param_groups]
     for group, lps, flat in _partitions(zero):
-        keys, step = _flat_keys(base, flat), base.state.get(flat, {}).get("step")
+        keys = _flat_keys(base, flat) if with_optimizer else []
+        step = base.state.get(flat, {}).get("step") if with_optimizer else None
         for p in lps:
             groups[group]["params"].append(names[id(p)])
             weight = safe_get_full_fp32_param(p)

@@ -157,6 +157,16 @@ class _TorchFSDP(Engine):
     def _load_model_optim(self, path: Path, manifest: dict) -> None:
         read_model_optim(path, self.model, self.optimizer)
 
+    def gather_model(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        # Every rank gathers (no cpu_offload: FSDP1 segfaults with it on a CPU device, docs/fsdp.md)
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
+        return {k: v.detach().cpu() for k, v in state.items()}
+
 
 def broadcast_from_rank0(tensors) -> None:
     for t in tensors:

@@ -67,6 +67,23 @@ def translate(spec: Spec) -> dict:
             "activation_checkpointing": spec.checkpoint_activations}
 
 
+def local_run(spec: Spec) -> tuple[dict, dict]:
+    """The same job on one host's CPU client (PJRT_DEVICE=CPU), which is single-process: v1 runs
+    at world size 1 with the whole global batch in its micro-batches; v2 runs one process over
+    `world_size` virtual devices. Other devices run the spec as written."""
+    from parallel.envinfo import detect_pjrt_device
+
+    data = spec.model_dump(mode="json", exclude_unset=True)
+    if detect_pjrt_device() != "CPU":
+        return data, {}
+    world = spec.world_size
+    data["topology"] = {**data.get("topology", {}), "nodes": 1, "procs_per_node": 1}
+    if spec.xla.fsdp_version == 1:
+        data["micro_batch_size"] = spec.micro_batch_size * world
+        return data, {"CPU_NUM_DEVICES": "1"}
+    return data, {"CPU_NUM_DEVICES": str(world)}
+
+
 def XlaEngine(spec: Spec) -> Engine:
     return (XlaSpmdEngine if spec.xla.fsdp_version == 2 else XlaFsdpEngine)(spec)
 
@@ -178,6 +195,14 @@ class XlaFsdpEngine(_Xla):
         if self.is_main:  # whole tensors, written once
             save_state({"model": model, "optim": {"state": state, "param_groups": groups}}, tmp,
                        collective=False)
+
+    def gather_model(self) -> dict:
+        import torch_xla.core.xla_model as xm
+
+        state = self._buffers()
+        for p, members in v1_layout(self.model):
+            state.update(split_members(xm.all_gather(p.detach(), dim=0).cpu(), members))
+        return state
 
     def _buffers(self) -> dict:
         return {clean_name(k): v.cpu() for k, v in self.model.state_dict().items()
@@ -331,6 +356,9 @@ class XlaSpmdEngine(_Xla):
         if self.spec.grad_clip is not None:
             torch.nn.utils.clip_grads_with_norm_(params, self.spec.grad_clip, norm)
         return self._finish_step(norm)
+
+    def gather_model(self) -> dict:
+        return {clean_name(k): v.detach().cpu() for k, v in self.model.state_dict().items()}
 
     def _names(self) -> dict[int, str]:
         return {id(p): clean_name(n) for n, p in self.model.named_parameters()}

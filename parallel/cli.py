@@ -16,6 +16,7 @@ EXAMPLES = {
     "launch": "polyshard launch --nproc 2 configs/demo.yaml examples/train_lm.py --steps 40",
     "schema": "polyshard schema -o polyshard.schema.json",
     "ckpt": "polyshard ckpt verify runs/demo/final",
+    "parity": "polyshard parity configs/demo.yaml --backends fsdp,deepspeed,xla_fsdp --steps 5",
 }
 
 
@@ -58,6 +59,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("script", help="training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     cli_ckpt.add_parser(sub)
+    p = command("parity", "train the same job on several backends and compare every step with "
+                "one process (exit 1 beyond the tolerance)")
+    _add_spec_args(p)
+    p.add_argument("--backends", default="fsdp,deepspeed,xla_fsdp", help="comma-separated")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--model", default="toy:tiny", help="toy:tiny, toy:demo or a Hugging Face "
+                   "config.json (random weights from the spec's seed)")
+    p.add_argument("--seq", type=int, default=32, help="tokens per sample")
+    p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--tol", type=float, help="loss tolerance (default 1e-5 fp32, 5e-2 bf16/fp16)")
+    p.add_argument("--json", help="also write every number to this file")
     p = command("schema", "write the spec's JSON Schema (for editor completion)")
     p.add_argument("-o", "--output", help="file to write (default: stdout)")
     return parser
@@ -148,8 +161,21 @@ def _schema(args) -> int:
     return 0
 
 
+def _parity(args) -> int:
+    from parallel.parity import parity
+
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    spec = _spec(args)
+    unknown = sorted(set(backends) - {"fsdp", "deepspeed", "xla_fsdp"})
+    if unknown:
+        raise SpecError([("--backends", f"{unknown} unknown; choose from fsdp, deepspeed, xla_fsdp")])
+    options = {"model": args.model, "steps": args.steps, "seq": args.seq,
+               "optimizer": args.optimizer, "lr": args.lr}
+    return parity(spec, backends, options, tol=args.tol, output=args.json)
+
+
 HANDLERS = {"validate": _validate, "explain": _explain, "launch": _launch, "schema": _schema,
-            "ckpt": cli_ckpt.run}
+            "ckpt": cli_ckpt.run, "parity": _parity}
 
 if __name__ == "__main__":
     sys.exit(main())

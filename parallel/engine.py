@@ -272,6 +272,11 @@ class Engine(ABC):
     def _load_model_optim(self, path: Path, manifest: dict) -> None:
         """Restore model and optimizer state from a verified checkpoint."""
 
+    @abstractmethod
+    def gather_model(self) -> dict[str, torch.Tensor]:
+        """Whole weights on CPU, keyed by the original parameter names, on every rank. Collective;
+        for inspection and parity checks of models that fit in host memory."""
+
     def trainer_state(self) -> dict:
         return {"step": self.step,
                 "scheduler": self.scheduler.state_dict() if self.scheduler else None,

@@ -21,6 +21,9 @@ class BackendEntry:
     # Environment every process of this backend starts with (set by `polyshard launch`; a value
     # the user exported wins).
     env: Callable[[], dict[str, str]] = field(default=dict)
+    # Name of a function in the adapter, Spec -> (spec dict, extra env), that runs the same job on
+    # this one host when its runtime lays processes out differently (XLA's CPU client); None: as is.
+    local: str | None = None
 
 
 # accelerate and transformers import torch_xla whenever it is installed, and accelerate then picks XLA
@@ -30,7 +33,8 @@ BACKENDS: dict[str, BackendEntry] = {
     "deepspeed": BackendEntry("backends.deepspeed", "DeepSpeedEngine", "deepspeed",
                               lambda: {"USE_TORCH_XLA": "0"}),
     "xla_fsdp": BackendEntry("backends.xla", "XlaEngine", "xla",
-                             lambda: {"PJRT_DEVICE": detect_pjrt_device(), "USE_TORCH_XLA": "1"}),
+                             lambda: {"PJRT_DEVICE": detect_pjrt_device(), "USE_TORCH_XLA": "1"},
+                             local="local_run"),
 }
 assert set(BACKENDS) == set(get_args(Backend)) == set(CAPABILITIES), "registry out of sync"
 
@@ -54,3 +58,13 @@ def create_engine(spec: Spec):
 def explain(spec: Spec) -> dict:
     """What the spec becomes on its backend, as plain data (the backend's `translate`)."""
     return {"backend": spec.backend, **load_backend(spec.backend).translate(spec)}
+
+
+def local_run(spec: Spec) -> tuple[dict, dict[str, str]]:
+    """The spec (as data) and environment that run `spec`'s job on this host, same global batch."""
+    entry = BACKENDS[spec.backend]
+    data = spec.model_dump(mode="json", exclude_unset=True)
+    if entry.local is None:
+        return data, entry.env()
+    adapted, env = getattr(load_backend(spec.backend), entry.local)(spec)
+    return adapted, {**entry.env(), **env}

@@ -46,3 +46,13 @@ def build_llama(config):
     from transformers import LlamaForCausalLM
 
     return LlamaForCausalLM(config).float()
+
+
+def build_model(source: str):
+    """toy:demo / toy:tiny, or a Hugging Face config.json (random weights from the current seed)."""
+    if source.startswith("toy:"):
+        return build_llama(llama_config(source[4:]))
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source),
+                                            torch_dtype=torch.float32)

@@ -1,0 +1,42 @@
+"""`polyshard parity` end to end: every backend trained in its own launch against one process; exit 0
+with every fp32 loss within 1e-5, exit 1 when a run is beyond the tolerance (bf16 against 1e-7)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from harness import ROOT
+
+pytest.importorskip("deepspeed")
+pytest.importorskip("torch_xla")
+pytestmark = pytest.mark.distributed
+
+
+def parity(tmp_path, *args):
+    out = tmp_path / "parity.json"
+    proc = subprocess.run([sys.executable, "-m", "parallel.cli", "parity", "configs/demo.yaml",
+                           "--steps", "3", "--json", str(out), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    return proc, (json.loads(out.read_text()) if out.is_file() else None)
+
+
+@pytest.mark.timeout(700)
+def test_all_backends_match_one_process(tmp_path):
+    proc, result = parity(tmp_path, "--backends", "fsdp,deepspeed,xla_fsdp")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert set(result["summary"]) == {"fsdp", "deepspeed", "xla_fsdp"}
+    for name, summary in result["summary"].items():
+        assert summary["ok"] and summary["loss"] <= 1e-5, (name, summary)
+        assert len(result["runs"][name]["steps"]) == 3
+    assert result["runs"]["xla_fsdp"]["world_size"] == 1  # the CPU client: whole batch, one rank
+    assert "max |Δ loss|" in proc.stdout
+
+
+@pytest.mark.timeout(700)
+def test_beyond_tolerance_exits_1(tmp_path):
+    proc, result = parity(tmp_path, "--backends", "fsdp", "--set", "precision=bf16",
+                          "--tol", "1e-7")
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert not result["summary"]["fsdp"]["ok"] and result["summary"]["fsdp"]["loss"] > 1e-7
+    assert "BEYOND TOLERANCE" in proc.stdout
