@@ -13,18 +13,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from parallel import portable as ps
 from parallel.engine import Engine, OptimizerArg, build_optimizer, require_fp32
-from parallel.portable import (
-    clean_name,
-    full_template,
-    groups_template,
-    hyperparams,
-    init_optimizer_state,
-    load_state,
-    merge_groups,
-    save_state,
-    single_step,
-)
 from parallel.spec import Spec
 from parallel.specio import SpecError
 from parallel.torch_state import read_model_optim, write_model_optim
@@ -224,31 +214,86 @@ class DeepSpeedEngine(Engine):
             norm = torch.as_tensor(float(recorded))
         return norm, self.ds.skipped_steps == skipped
 
+    # Three layouts of fp32 master weights: flat partitions linked to each parameter (ZeRO-1/2/3,
+    # the bf16 optimizer), one fp32 copy per parameter (FP16_UnfusedOptimizer, ZeRO-0 with bf16 or
+    # fp16), or the parameters themselves (ZeRO-0 fp32, the client optimizer): one path each.
     def _save_model_optim(self, tmp: Path) -> None:
-        if not _is_zero(self.optimizer):  # ZeRO-0 fp32: the client optimizer on whole parameters
+        if _is_zero(self.optimizer):
+            # Sharded: parameter i is written by rank i % world (each rank holds 1/world of the
+            # state while saving); full: rank 0 writes everything. The gathers are collective.
+            world, sharded = self.world_size, self.spec.state_dict == "sharded"
+            mine = (lambda i: i % world == self.rank) if sharded else (lambda i: self.is_main)
+            ps.save_state(zero_state(self.ds, mine), tmp)
+        elif _master_names(self.ds):
+            ps.save_state(_unfused_state(self.ds), tmp)  # replicated: DCP writes each entry once
+        else:
             write_model_optim(tmp, self.ds.module, self.optimizer, self.spec.state_dict == "sharded",
                               self.rank, on_cpu=self.device.type == "cpu")
-            return
-        # Sharded: parameter i is written by rank i % world (each rank holds 1/world of the state
-        # while saving); full: rank 0 writes everything. The gathers themselves are collective.
-        owner = (lambda i: i % self.world_size) if self.spec.state_dict == "sharded" else (lambda i: 0)
-        save_state(zero_state(self.ds, lambda i: owner(i) == self.rank), tmp)
 
     def _load_model_optim(self, path: Path, manifest: dict) -> None:
-        if not _is_zero(self.optimizer):
+        if _is_zero(self.optimizer):
+            load_zero_state(self.ds, path)
+        elif _master_names(self.ds):
+            _load_unfused(self.ds, path)
+        else:
             read_model_optim(path, self.ds.module, self.optimizer)
-            return
-        load_zero_state(self.ds, path)
 
     def gather_model(self) -> dict:
-        if not _is_zero(self.optimizer):  # ZeRO-0: whole parameters in the module
-            return {clean_name(k): v.detach().cpu() for k, v in self.ds.module.state_dict().items()}
-        return zero_state(self.ds, lambda i: True, with_optimizer=False)["model"]
+        if _is_zero(self.optimizer):
+            return zero_state(self.ds, lambda i: True, with_optimizer=False)["model"]
+        if _master_names(self.ds):
+            return _unfused_state(self.ds)["model"]
+        return {ps.clean_name(k): v.detach().cpu() for k, v in self.ds.module.state_dict().items()}
 
 
 def _is_zero(optimizer) -> bool:
-    """ZeRO-1/2/3 and DeepSpeed's bf16 optimizer keep fp32 master weights in flat partitions."""
-    return hasattr(optimizer, "bit16_groups") or hasattr(optimizer, "fp16_groups")
+    """ZeRO-1/2 and the bf16 optimizer (bit16_groups), ZeRO-3 (sub-groups): flat fp32 partitions
+    that DeepSpeed's fragment API maps back to each parameter."""
+    return hasattr(optimizer, "bit16_groups") or hasattr(optimizer, "sub_group_to_group_id")
+
+
+def _master_names(ds) -> dict[int, str]:
+    """id(fp32 master) -> parameter name, for optimizers that keep one fp32 copy per parameter."""
+    opt = ds.optimizer
+    if not hasattr(opt, "fp32_groups") or not hasattr(opt, "fp16_groups"):
+        return {}
+    if hasattr(opt, "fp32_groups_flat"):
+        raise RuntimeError("deepspeed: ZeRO-0 fp16 with the fused FP16_Optimizer keeps flat fp32 "
+                           "groups the portable checkpoint cannot map; use shard: optimizer (ZeRO-1)")
+    names = {id(p): ps.clean_name(n) for n, p in ds.module.named_parameters()}
+    return {id(m): names[id(p)] for lps, masters in zip(opt.fp16_groups, opt.fp32_groups)
+            for p, m in zip(lps, masters)}
+
+
+def _buffers(ds) -> dict:
+    params = {ps.clean_name(n) for n, _ in ds.module.named_parameters()}
+    return {ps.clean_name(k): v.detach().cpu() for k, v in ds.module.state_dict().items()
+            if ps.clean_name(k) not in params}
+
+
+def _unfused_state(ds) -> dict:
+    names, base = _master_names(ds), ds.optimizer.optimizer
+    model = {names[id(m)]: m.detach().cpu() for group in ds.optimizer.fp32_groups for m in group}
+    return {"model": {**model, **_buffers(ds)}, "optim": ps.optim_by_name(base, names)}
+
+
+def _load_unfused(ds, path: Path) -> None:
+    names, base = _master_names(ds), ds.optimizer.optimizer
+    ps.init_optimizer_state(base)
+    masters = [m for group in ds.optimizer.fp32_groups for m in group]
+    template = {"model": {**{names[id(m)]: m.detach().clone().cpu() for m in masters},
+                          **{k: torch.empty_like(v) for k, v in _buffers(ds).items()}},
+                "optim": {"state": ps.optim_by_name(base, names)["state"],
+                          "param_groups": ps.groups_template(path)}}
+    ps.load_state(template, path)
+    for m in masters:
+        m.data.copy_(template["model"][names[id(m)]])
+    for lps, group in zip(ds.optimizer.fp16_groups, ds.optimizer.fp32_groups):  # masters -> model
+        for p, m in zip(lps, group):
+            p.data.copy_(m.data)
+    ds.module.load_state_dict({k: template["model"][k] for k in _buffers(ds)}, strict=False)
+    base.load_state_dict(ps.optim_for_torch(base, template["optim"]["state"],
+                                         template["optim"]["param_groups"], names))
 
 
 def _partitions(zero) -> list[tuple[int, list, torch.Tensor]]:
@@ -274,7 +319,7 @@ def _init_zero_state(zero) -> None:
             continue
         params = base.param_groups[group]["params"]
         base.param_groups[group]["params"] = [flat]
-        init_optimizer_state(base)
+        ps.init_optimizer_state(base)
         base.param_groups[group]["params"] = params
 
 
@@ -283,10 +328,10 @@ def zero_state(ds, mine, with_optimizer: bool = True) -> dict:
     gathered whole (DeepSpeed's fragment API; collective), kept by the rank `mine(i)` picks."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-    zero, names = ds.optimizer, {id(p): clean_name(n) for n, p in ds.module.named_parameters()}
+    zero, names = ds.optimizer, {id(p): ps.clean_name(n) for n, p in ds.module.named_parameters()}
     base, i = zero.optimizer, 0
     model, state = {}, {}
-    groups = [{**hyperparams(g), "params": []} for g in base.param_groups]
+    groups = [{**ps.hyperparams(g), "params": []} for g in base.param_groups]
     for group, lps, flat in _partitions(zero):
         keys = _flat_keys(base, flat) if with_optimizer else []
         step = base.state.get(flat, {}).get("step") if with_optimizer else None
@@ -300,10 +345,8 @@ def zero_state(ds, mine, with_optimizer: bool = True) -> dict:
                 if step is not None:
                     state[names[id(p)]]["step"] = torch.as_tensor(step, dtype=torch.float32).clone()
             i += 1
-    if mine(0):  # buffers are never partitioned
-        params = set(names.values())
-        model.update({k: v.detach().cpu() for k, v in ds.module.state_dict().items()
-                      if clean_name(k) not in params})
+    if mine(0):
+        model.update(_buffers(ds))  # buffers are never partitioned
     return {"model": model, "optim": {"state": state, "param_groups": groups}}
 
 
@@ -311,22 +354,22 @@ def load_zero_state(ds, path: Path) -> None:
     """Every rank reads whole tensors, then keeps its partition: the module's weights first, the fp32
     master copies refreshed from them, then each optimizer entry and the shared step counts."""
     import deepspeed
-    from deepspeed.utils import safe_set_full_optimizer_state
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
     zero, base = ds.optimizer, ds.optimizer.optimizer
     _init_zero_state(zero)  # a fresh optimizer has no state for the fragments to point at
     if hasattr(zero, "_lazy_init_hp_params_optimizer_state"):
         zero._lazy_init_hp_params_optimizer_state()
-    named = {clean_name(n): p for n, p in ds.module.named_parameters()}
+    named = {ps.clean_name(n): p for n, p in ds.module.named_parameters()}
     name_of = {id(p): n for n, p in named.items()}
     members = [(flat, [name_of[id(p)] for p in lps]) for _, lps, flat in _partitions(zero)]
     keys = {n: _flat_keys(base, flat) + (["step"] if "step" in base.state[flat] else [])
             for flat, names in members for n in names}
-    buffers = {clean_name(k): v for k, v in ds.module.state_dict().items() if clean_name(k) not in named}
-    template = full_template({n: getattr(p, "ds_shape", p.shape) for n, p in named.items()}, keys,
-                             groups_template(path))
+    buffers = _buffers(ds)
+    template = ps.full_template({n: getattr(p, "ds_shape", p.shape) for n, p in named.items()}, keys,
+                             ps.groups_template(path))
     template["model"].update({k: torch.empty_like(v, device="cpu") for k, v in buffers.items()})
-    model, state = load_state(template, path)["model"], template["optim"]["state"]
+    model, state = ps.load_state(template, path)["model"], template["optim"]["state"]
 
     params = list(named.values())
     zero3 = hasattr(params[0], "ds_id")
@@ -334,15 +377,16 @@ def load_zero_state(ds, path: Path) -> None:
         for name, p in named.items():
             p.data.copy_(model[name])
     ds.module.load_state_dict({k: model[k] for k in buffers}, strict=False)
-    zero.refresh_fp32_params()  # the fp32 master partitions take the weights just written
     for flat, names in members:
         for name in names:
+            # fp32 masters from the fp32 values, not refreshed from the (maybe bf16) weights
+            safe_set_full_fp32_param(named[name], model[name])
             for key in _flat_keys(base, flat):
                 safe_set_full_optimizer_state(named[name], state[name][key], key)
-        step = single_step(state, names)
+        step = ps.single_step(state, names)
         if step is not None and "step" in base.state.get(flat, {}):
             old = base.state[flat]["step"]
             base.state[flat]["step"] = step.to(old) if torch.is_tensor(old) else type(old)(step)
-    merged = merge_groups(base.param_groups, template["optim"]["param_groups"])
+    merged = ps.merge_groups(base.param_groups, template["optim"]["param_groups"])
     for group, new in zip(base.param_groups, merged):
         group.update(new)

@@ -14,6 +14,7 @@ Tensors may be DTensors or sharded tensors (each rank writes its shards) or whol
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from pathlib import Path
 
@@ -28,10 +29,16 @@ STATE_DIR = "state"
 # Wrapper modules insert these into parameter names; the portable names have none of them.
 WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_module.",
                  "_fpw_module.", "_orig_mod.")
-# DCP's own writer calls the deprecated tensor.storage(); the warning is torch's, not the user's.
-warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
-# Single-writer saves and reads (no_dist) are deliberate here, not a missing process group.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninit")
+
+
+@contextlib.contextmanager
+def _quiet_dcp():
+    """DCP's writer calls the deprecated tensor.storage(), and single-writer saves and reads
+    (no_dist) are deliberate here: both warnings are torch's, not the user's."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
+        yield
 
 
 class PortableStateError(RuntimeError):
@@ -54,8 +61,9 @@ def save_state(state: dict, tmp: Path, planner=None, collective: bool = True) ->
     optim = state.get("optim")
     if optim is not None:  # one object: DCP's and XLA's SPMD planners would flatten a list apart
         state = {**state, "optim": {**optim, "param_groups": tuple(optim["param_groups"])}}
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp / STATE_DIR)), planner=planner,
-             no_dist=not (collective and dist.is_initialized()))
+    with _quiet_dcp():
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp / STATE_DIR)), planner=planner,
+                 no_dist=not (collective and dist.is_initialized()))
 
 
 def load_state(template: dict, path: Path, planner=None, collective: bool = True) -> dict:
@@ -71,8 +79,9 @@ def load_state(template: dict, path: Path, planner=None, collective: bool = True
             f"{path / STATE_DIR}: holds {len(unread)} entries this run has no place for (e.g. "
             f"{sorted(unread)[:3]}); it was written for another model or optimizer")
     try:
-        dcp.load(template, storage_reader=dcp.FileSystemReader(str(path / STATE_DIR)),
-                 planner=planner, no_dist=not (collective and dist.is_initialized()))
+        with _quiet_dcp():
+            dcp.load(template, storage_reader=dcp.FileSystemReader(str(path / STATE_DIR)),
+                     planner=planner, no_dist=not (collective and dist.is_initialized()))
     except (Exception, CheckpointException) as err:  # DCP's is a BaseException; name the cause
         raise PortableStateError(_explain_load_failure(path, template, err)) from err
     if isinstance(template.get("optim"), dict):
