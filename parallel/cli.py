@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from parallel import cli_ckpt
+from parallel import cli_ckpt, cli_interop
 from parallel.specio import SpecError, dump_spec, json_schema, load_spec
 
 EXAMPLES = {
@@ -16,6 +16,8 @@ EXAMPLES = {
     "launch": "polyshard launch --nproc 2 configs/demo.yaml examples/train_lm.py --steps 40",
     "schema": "polyshard schema -o polyshard.schema.json",
     "ckpt": "polyshard ckpt verify runs/demo/final",
+    "import": "polyshard import accelerate accelerate_config.yaml -o spec.yaml",
+    "export": "polyshard export --to hf-trainer configs/xla-v1-tpu.yaml",
     "parity": "polyshard parity configs/demo.yaml --backends fsdp,deepspeed,xla_fsdp --steps 5",
 }
 
@@ -59,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("script", help="training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     cli_ckpt.add_parser(sub)
+    cli_interop.add_parsers(sub, command, _add_spec_args)
     p = command("parity", "train the same job on several backends and compare every step with "
                 "one process (exit 1 beyond the tolerance)")
     _add_spec_args(p)
@@ -175,7 +178,8 @@ def _parity(args) -> int:
 
 
 HANDLERS = {"validate": _validate, "explain": _explain, "launch": _launch, "schema": _schema,
-            "ckpt": cli_ckpt.run, "parity": _parity}
+            "ckpt": cli_ckpt.run, "parity": _parity, "import": cli_interop.run_import,
+            "export": lambda args: cli_interop.run_export(args, _spec(args))}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -24,3 +24,16 @@ def test_every_config_validates():
     for path in configs:
         assert load_spec(path).backend, path
         assert isinstance(yaml.safe_load(path.read_text()), dict)
+
+
+def test_llama3_family_differs_only_in_backend():
+    family = {p.name: yaml.safe_load(p.read_text()) for p in (ROOT / "configs").glob("llama3-8b-*")}
+    assert {d["backend"] for d in family.values()} == {"fsdp", "deepspeed", "xla_fsdp"}
+    stripped = [{k: v for k, v in d.items() if k != "backend"} for d in family.values()]
+    assert all(s == stripped[0] for s in stripped)
+
+
+def test_readme_lists_every_config():
+    readme = (ROOT / "README.md").read_text()
+    for path in (ROOT / "configs").glob("*.yaml"):
+        assert f"`configs/{path.name}`" in readme, path.name

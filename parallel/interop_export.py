@@ -1,0 +1,93 @@
+"""A spec as the files other tools take: an accelerate config (what `accelerate launch` reads), a
+DeepSpeed JSON (what `deepspeed.initialize` takes, from the DeepSpeed adapter's own translation), and
+HF `TrainingArguments` keyword arguments (`fsdp`, `fsdp_config` with the XLA keys, `deepspeed`)."""
+
+from __future__ import annotations
+
+from parallel.interop import PREFETCH, STRATEGIES
+from parallel.registry import explain
+from parallel.spec import Spec
+from parallel.specio import SpecError, load_spec
+
+STRATEGY_OF = {v: k for k, v in STRATEGIES.items()}
+PREFETCH_OF = {v: k for k, v in PREFETCH.items()}
+MIXED = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
+
+
+def _wrap(spec: Spec) -> dict:
+    policy = spec.wrap.policy
+    if policy == "size":
+        return {"fsdp_auto_wrap_policy": "SIZE_BASED_WRAP", "fsdp_min_num_params": spec.wrap.min_num_params}
+    if policy == "none":
+        return {"fsdp_auto_wrap_policy": "NO_WRAP"}
+    wrap = {"fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}
+    if spec.wrap.layer_classes:  # `auto` lets accelerate read _no_split_modules, as polyshard does
+        wrap["fsdp_transformer_layer_cls_to_wrap"] = ",".join(spec.wrap.layer_classes)
+    return wrap
+
+
+def to_accelerate(spec: Spec) -> dict:
+    common = {"compute_environment": "LOCAL_MACHINE", "debug": False, "machine_rank": 0,
+              "main_training_function": "main", "mixed_precision": MIXED[spec.precision],
+              "num_machines": spec.topology.nodes, "num_processes": spec.world_size,
+              "rdzv_backend": "static", "same_network": True, "use_cpu": False}
+    if spec.backend == "deepspeed":
+        ds = explain(spec)["config"]
+        zero = ds["zero_optimization"]
+        return {**common, "distributed_type": "DEEPSPEED", "deepspeed_config": {
+            "zero_stage": zero["stage"], "gradient_accumulation_steps": spec.grad_accum_steps,
+            "gradient_clipping": spec.grad_clip or 0.0,
+            "offload_optimizer_device": zero.get("offload_optimizer", {}).get("device", "none"),
+            "offload_param_device": zero.get("offload_param", {}).get("device", "none"),
+            "zero3_init_flag": spec.deepspeed.zero_init}}
+    if spec.backend != "fsdp":
+        raise SpecError([("backend", f"{spec.backend!r}: accelerate has no XLA FSDP; export it "
+                          "with --to hf-trainer (TrainingArguments' fsdp_config.xla)")])
+    fsdp = {"fsdp_version": spec.fsdp.version, "fsdp_sharding_strategy": STRATEGY_OF[spec.shard],
+            "fsdp_offload_params": spec.offload == "params", **_wrap(spec),
+            "fsdp_backward_prefetch": PREFETCH_OF[spec.fsdp.backward_prefetch],
+            "fsdp_forward_prefetch": spec.fsdp.forward_prefetch,
+            "fsdp_state_dict_type": "FULL_STATE_DICT" if spec.state_dict == "full"
+            else "SHARDED_STATE_DICT",
+            "fsdp_sync_module_states": spec.fsdp.sync_module_states,
+            "fsdp_use_orig_params": spec.fsdp.use_orig_params,
+            "fsdp_cpu_ram_efficient_loading": spec.fsdp.cpu_ram_efficient_loading,
+            "fsdp_activation_checkpointing": spec.activation_checkpointing}
+    return {**common, "distributed_type": "FSDP", "fsdp_config": fsdp}
+
+
+def to_deepspeed(spec: Spec) -> dict:
+    data = spec.model_dump(mode="json", exclude_unset=True)
+    return explain(load_spec({**data, "backend": "deepspeed"}))["config"]
+
+
+def to_hf_trainer(spec: Spec) -> dict:
+    """Keyword arguments for transformers.TrainingArguments (output_dir is the caller's)."""
+    args = {"per_device_train_batch_size": spec.micro_batch_size,
+            "gradient_accumulation_steps": spec.grad_accum_steps,
+            "max_grad_norm": spec.grad_clip or 0.0, "seed": spec.seed,
+            "bf16": spec.precision == "bf16", "fp16": spec.precision == "fp16"}
+    if spec.backend == "deepspeed":
+        return {**args, "deepspeed": to_deepspeed(spec)}
+    words = {"full": "full_shard", "grad_op": "shard_grad_op", "none": "no_shard",
+             "hybrid": "hybrid_shard", "hybrid_grad_op": "hybrid_shard_zero2"}
+    fsdp = [words[spec.shard], "auto_wrap"] + (["offload"] if spec.offload == "params" else [])
+    config = {"backward_prefetch": spec.fsdp.backward_prefetch.replace("none", "no_prefetch"),
+              "forward_prefetch": spec.fsdp.forward_prefetch,
+              "use_orig_params": spec.fsdp.use_orig_params,
+              "sync_module_states": spec.fsdp.sync_module_states,
+              "cpu_ram_efficient_loading": spec.fsdp.cpu_ram_efficient_loading,
+              "activation_checkpointing": spec.activation_checkpointing}
+    if spec.wrap.layer_classes:
+        config["transformer_layer_cls_to_wrap"] = list(spec.wrap.layer_classes)
+    if spec.backend == "xla_fsdp":
+        config = {"xla": True, "xla_fsdp_v2": spec.xla.fsdp_version == 2,
+                  "xla_fsdp_grad_ckpt": spec.checkpoint_activations,
+                  "xla_fsdp_settings": {k: v for k, v in spec.xla.xla_fsdp_settings.items()
+                                        if k != "xla_fsdp_grad_ckpt"}}
+        if spec.wrap.layer_classes:
+            config["transformer_layer_cls_to_wrap"] = list(spec.wrap.layer_classes)
+    return {**args, "fsdp": " ".join(fsdp), "fsdp_config": config}
+
+
+EXPORTERS = {"accelerate": to_accelerate, "deepspeed": to_deepspeed, "hf-trainer": to_hf_trainer}
