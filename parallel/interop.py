@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from parallel.specio import SpecError
+
 STRATEGIES = {"FULL_SHARD": "full", "SHARD_GRAD_OP": "grad_op", "NO_SHARD": "none",
               "HYBRID_SHARD": "hybrid", "HYBRID_SHARD_ZERO2": "hybrid_grad_op"}
 BY_NUMBER = dict(zip("12345", STRATEGIES))  # accelerate's menu numbers 1-5
@@ -31,6 +33,12 @@ IGNORED = {"compute_environment": "polyshard launches locally or emits cluster f
 STAGE_SHARD = {0: "none", 1: "optimizer", 2: "grad_op", 3: "full"}
 
 Report = list[tuple[str, str, str]]  # (source field, outcome, detail)
+
+
+def _stage(path: str, value) -> str:
+    if str(value) not in {"0", "1", "2", "3"}:
+        raise SpecError([(path, f"{value!r} is no ZeRO stage; use 0, 1, 2 or 3")])
+    return STAGE_SHARD[int(value)]
 
 
 def _set(spec: dict, path: str, value: Any) -> None:
@@ -154,7 +162,7 @@ def _fsdp_field(spec: dict, key: str, value) -> tuple[str, str, str]:
 def _ds_field(spec: dict, key: str, value) -> tuple[str, str, str]:
     key_in = f"deepspeed_config.{key}"
     if key == "zero_stage":
-        spec["shard"] = STAGE_SHARD[int(value)]
+        spec["shard"] = _stage(key_in, value)
         return key_in, "mapped", f"shard: {spec['shard']}"
     if key in ("offload_optimizer_device", "offload_param_device"):
         if value in ("none", None):
@@ -215,7 +223,7 @@ def _zero_section(spec: dict, zero: dict) -> Report:
         if value == "auto":
             report.append((path, "auto", "decided by the spec"))
         elif key == "stage":
-            spec["shard"] = STAGE_SHARD[int(value)]
+            spec["shard"] = _stage(path, value)
             report.append((path, "mapped", f"shard: {spec['shard']}"))
         elif key in ("offload_optimizer", "offload_param") and isinstance(value, dict):
             device = value.get("device", "none")

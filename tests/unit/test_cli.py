@@ -77,7 +77,8 @@ def test_ckpt_verify_and_inspect(tmp_path, capsys):
     assert "a.bin: sha256 mismatch" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command", ["validate", "explain", "launch", "schema", "ckpt"])
+@pytest.mark.parametrize("command", ["validate", "explain", "launch", "schema", "ckpt", "parity",
+                                     "import", "export"])
 def test_every_subcommand_has_help_with_example(command):
     out = cli(command, "--help")
     assert out.returncode == 0 and "example: polyshard" in out.stdout

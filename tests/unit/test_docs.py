@@ -37,3 +37,13 @@ def test_readme_lists_every_config():
     readme = (ROOT / "README.md").read_text()
     for path in (ROOT / "configs").glob("*.yaml"):
         assert f"`configs/{path.name}`" in readme, path.name
+
+
+def test_docker_images_pin_what_constraints_pins_and_smoke_test_the_configs():
+    pins = dict(line.split("==") for line in (ROOT / "constraints.txt").read_text().splitlines()
+                if "==" in line and not line.startswith("#"))
+    gpu = (ROOT / "docker" / "gpu.Dockerfile").read_text()
+    assert f"'deepspeed=={pins['deepspeed']}'" in gpu and "-c constraints.txt" in gpu
+    for name in ("gpu", "tpu"):
+        text = (ROOT / "docker" / f"{name}.Dockerfile").read_text()
+        assert 'polyshard validate "${config}"' in text and "COPY configs" in text

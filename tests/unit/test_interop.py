@@ -117,3 +117,12 @@ def test_hf_trainer_arguments_build_training_arguments(tmp_path, data):
         assert args.deepspeed["zero_optimization"]["stage"] == 1
     else:
         assert "full_shard" in [str(o.value) for o in args.fsdp]
+
+
+def test_bad_input_exits_2_naming_the_field(tmp_path, capsys):
+    from parallel.cli import main
+
+    (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 7}}')
+    assert main(["import", "deepspeed", str(tmp_path / "ds.json")]) == 2
+    assert "zero_optimization.stage: 7 is no ZeRO stage" in capsys.readouterr().err
+    assert main(["import", "accelerate", str(tmp_path / "missing.yaml")]) == 2

@@ -1,0 +1,101 @@
+"""Cluster launchers: the sbatch script and the Kubeflow PyTorchJob are parsed and their fields that
+matter checked (nodes, processes, GPUs, rendezvous, the command); the pod templates load into the
+kubernetes client's own models."""
+
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from parallel.emit import k8s_manifest, slurm_script
+from parallel.launch import LaunchArgs, torchrun_command
+from parallel.specio import load_spec
+
+SPEC = load_spec({"backend": "deepspeed", "shard": "full",
+                  "topology": {"nodes": 4, "procs_per_node": 8}})
+
+
+def test_slurm_script_runs_one_launch_per_node_with_a_rendezvous_on_the_first(tmp_path):
+    text = slurm_script(SPEC, "configs/zero3.yaml", ["precision=bf16"], "train.py", ["--steps", "9"],
+                        job_name="llama", time="2:00:00", max_restarts=2)
+    directives = dict(line[len("#SBATCH --"):].split("=", 1) for line in text.splitlines()
+                      if line.startswith("#SBATCH --"))
+    assert directives == {"job-name": "llama", "nodes": "4", "ntasks-per-node": "1",
+                          "gpus-per-node": "8", "time": "2:00:00", "output": "%x-%j.out"}
+    srun = next(line for line in text.splitlines() if line.startswith("srun "))
+    assert "--kill-on-bad-exit=1" in srun
+    assert ('polyshard launch --rdzv-endpoint "$head:29500" --max-restarts 2 --set precision=bf16 '
+            "configs/zero3.yaml train.py --steps 9") in srun
+    script = tmp_path / "job.sbatch"
+    script.write_text(text)
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0  # valid shell
+
+
+def test_each_node_runs_torchrun_with_c10d_rendezvous():
+    cmd = torchrun_command(SPEC, LaunchArgs(rdzv_endpoint="node0:29500"), "train.py", [])
+    assert cmd[cmd.index("--nnodes") + 1] == "4" and cmd[cmd.index("--nproc-per-node") + 1] == "8"
+    assert cmd[cmd.index("--rdzv-backend") + 1] == "c10d" and "--standalone" not in cmd
+
+
+def test_pytorchjob_manifest_has_one_pod_per_node_and_valid_pod_templates():
+    pytest.importorskip("kubernetes")
+    from kubernetes.client import ApiClient
+
+    doc = yaml.safe_load(yaml.safe_dump(k8s_manifest(SPEC, "configs/zero3.yaml", [], "train.py", [],
+                                                     image="reg/polyshard:1", max_restarts=3)))
+    assert (doc["apiVersion"], doc["kind"]) == ("kubeflow.org/v1", "PyTorchJob")
+    replicas = doc["spec"]["pytorchReplicaSpecs"]
+    assert replicas["Master"]["replicas"] + replicas["Worker"]["replicas"] == 4
+    assert doc["spec"]["nprocPerNode"] == "8" and doc["spec"]["runPolicy"]["backoffLimit"] == 3
+    client = ApiClient()
+    for role in ("Master", "Worker"):
+        template = client._ApiClient__deserialize(replicas[role]["template"], "V1PodTemplateSpec")
+        container = template.spec.containers[0]
+        assert container.image == "reg/polyshard:1"
+        assert container.resources.limits == {"nvidia.com/gpu": "8"}  # a quantity
+        assert container.command[:4] == ["polyshard", "launch", "--rdzv-endpoint",
+                                         "$(PET_MASTER_ADDR):$(PET_MASTER_PORT)"]
+
+
+def test_tpu_specs_ask_for_no_gpus():
+    spec = load_spec({"backend": "xla_fsdp", "topology": {"nodes": 2, "procs_per_node": 4}})
+    assert "gpus-per-node" not in slurm_script(spec, "c.yaml", [], "t.py", [])
+    limits = k8s_manifest(spec, "c.yaml", [], "t.py", [], image="i")["spec"][
+        "pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["resources"]
+    assert limits == {"limits": {}}
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_cli_emits_parseable_files(tmp_path, capsys):
+    from parallel.cli import main
+
+    assert main(["launch", "--emit", "k8s", "--set", "topology.nodes=3", "configs/zero3.yaml",
+                 "train.py"]) == 0
+    doc = yaml.safe_load(capsys.readouterr().out)
+    assert doc["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 2
+    assert main(["launch", "--emit", "slurm", "configs/zero3.yaml", "train.py"]) == 0
+    (tmp_path / "job.sbatch").write_text(capsys.readouterr().out)
+    assert subprocess.run(["bash", "-n", str(tmp_path / "job.sbatch")]).returncode == 0
+
+
+@pytest.mark.parametrize("env,launcher", [
+    ({"TORCHELASTIC_RUN_ID": "x", "RANK": "1", "LOCAL_RANK": "1"}, "torchrun"),
+    ({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "MASTER_ADDR": "n0"}, "slurm"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "RANK": "0", "LOCAL_RANK": "0"}, "torchrun"),
+    ({"PJRT_DEVICE": "CPU"}, "local"),
+])
+def test_launcher_is_detected_from_the_environment(env, launcher):
+    from parallel.dist import launched_world
+    from parallel.envinfo import detect_launcher
+
+    assert detect_launcher(env) == launcher
+    if launcher == "slurm":
+        assert launched_world(env) == (5, 8, 1)
+
+
+def test_srun_without_a_master_address_is_a_clear_error():
+    from parallel.dist import launched_world
+
+    with pytest.raises(RuntimeError, match="MASTER_ADDR"):
+        launched_world({"SLURM_PROCID": "0", "SLURM_NTASKS": "4"})
