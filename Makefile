@@ -15,11 +15,13 @@ $(STAMP): pyproject.toml constraints.txt
 
 venv: $(STAMP)
 
-# Train 30 steps and save; then resume in fresh processes and finish the 60-step schedule.
+# Train 30 steps and save; resume in fresh processes and finish the 60-step schedule; then the same
+# job on all three backends, compared (table, bench.json/csv and the figure's path at the end).
 demo: $(STAMP)
 	rm -rf runs/demo
 	$(BIN)/polyshard launch configs/demo.yaml examples/train_lm.py --stop-at 30 --save runs/demo/ckpt
 	$(BIN)/polyshard launch configs/demo.yaml examples/train_lm.py --resume runs/demo/ckpt --save runs/demo/final
+	$(BIN)/polyshard bench configs/demo.yaml --backends fsdp,deepspeed,xla_fsdp --steps 5 --out runs/demo/bench
 
 test: $(STAMP) lint-docker
 	$(BIN)/python -m pytest -q -ra tests

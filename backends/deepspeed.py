@@ -238,6 +238,20 @@ class DeepSpeedEngine(Engine):
         else:
             read_model_optim(path, self.ds.module, self.optimizer)
 
+    def state_tensors(self) -> dict:
+        """Module parameters (ZeRO-3: this rank's partitions), the gradients ZeRO holds at the step
+        boundary, and the optimizer: its state plus the fp32 master partitions."""
+        params = list(self.ds.module.parameters())
+        held = [getattr(p, "ds_tensor", p) for p in params]
+        zero, base = self.optimizer, getattr(self.optimizer, "optimizer", self.optimizer)
+        masters = [flat for _, _, flat in _partitions(zero)] if _is_zero(zero) else []
+        grads = [p.grad for p in params] + [m.grad for m in masters]
+        for buffers in getattr(zero, "averaged_gradients", {}).values() or []:
+            grads += list(buffers or [])
+        state = [v for st in base.state.values() for v in st.values()
+                 if isinstance(v, torch.Tensor) and v.dim() > 0]
+        return {"params": held, "grads": grads, "optimizer": state + masters}
+
     def gather_model(self) -> dict:
         if _is_zero(self.optimizer):
             return zero_state(self.ds, lambda i: True, with_optimizer=False)["model"]

@@ -19,6 +19,8 @@ EXAMPLES = {
     "ckpt": "polyshard ckpt verify runs/demo/final",
     "import": "polyshard import accelerate accelerate_config.yaml -o spec.yaml",
     "export": "polyshard export --to hf-trainer configs/xla-v1-tpu.yaml",
+    "bench": "polyshard bench configs/demo.yaml --backends fsdp,deepspeed,xla_fsdp --steps 5",
+    "plan": "polyshard plan configs/llama3-8b-fsdp.yaml --model config.json --world 8 --budget 80",
     "parity": "polyshard parity configs/demo.yaml --backends fsdp,deepspeed,xla_fsdp --steps 5",
 }
 
@@ -79,6 +81,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--tol", type=float, help="loss tolerance (default 1e-5 fp32, 5e-2 bf16/fp16)")
     p.add_argument("--json", help="also write every number to this file")
+    p = command("bench", "time, memory and communication of the same job on several backends, "
+                "each cell in a fresh launch; table, JSON, CSV and figures")
+    _add_spec_args(p)
+    p.add_argument("--backends", default="fsdp,deepspeed,xla_fsdp")
+    p.add_argument("--shard", help="comma-separated shard levels (default: the spec's)")
+    p.add_argument("--world", help="comma-separated world sizes (default: the spec's)")
+    p.add_argument("--steps", type=int, default=5, help="measured steps (after --warmup)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--model", default="toy:demo")
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--out", default="runs/bench", help="directory for bench.json/csv/png")
+    p.add_argument("--vs-native", action="store_true", help="also run each cell's hand-written "
+                   "loop (benchmarks/) and report polyshard's step time over it")
+    p = command("plan", "predict per-rank memory for every backend x shard x offload and pick the "
+                "fastest that fits")
+    _add_spec_args(p)
+    p.add_argument("--model", required=True, help="HF config.json, toy:demo / toy:tiny, or a "
+                   "parameter count such as 7.5e9")
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--budget", type=float, help="GiB per device")
+    p.add_argument("--seq", type=int, default=2048)
     p = command("schema", "write the spec's JSON Schema (for editor completion)")
     p.add_argument("-o", "--output", help="file to write (default: stdout)")
     return parser
@@ -133,7 +156,11 @@ def _explain(args) -> int:
 
 
 def _meta_model(source: str):
+    import os
+
     import torch
+
+    os.environ.setdefault("USE_TORCH_XLA", "0")  # a meta-device build needs no XLA runtime
 
     from parallel.toy import build_llama, llama_config
 
@@ -198,8 +225,30 @@ def _parity(args) -> int:
     return parity(spec, backends, options, tol=args.tol, output=args.json)
 
 
+def _bench(args) -> int:
+    from rich.console import Console
+
+    from parallel.bench import bench, render
+
+    spec = _spec(args)
+    split = lambda text: [x.strip() for x in text.split(",") if x.strip()] if text else None  # noqa: E731
+    options = {"model": args.model, "steps": args.steps, "warmup": args.warmup, "seq": args.seq}
+    with Console(stderr=True).status("bench") as status:
+        results = bench(spec, split(args.backends), split(args.shard),
+                        [int(w) for w in split(args.world) or []], options, Path(args.out),
+                        status=status, vs_native=args.vs_native)
+    render(results, Path(args.out))
+    return 0 if all("error" not in r for r in results.values()) else 1
+
+
+def _plan(args) -> int:
+    from parallel.cli_plan import run_plan
+
+    return run_plan(_spec(args), args)
+
+
 HANDLERS = {"validate": _validate, "explain": _explain, "launch": _launch, "schema": _schema,
-            "ckpt": cli_ckpt.run, "parity": _parity, "import": cli_interop.run_import,
+            "ckpt": cli_ckpt.run, "parity": _parity, "bench": _bench, "plan": _plan, "import": cli_interop.run_import,
             "export": lambda args: cli_interop.run_export(args, _spec(args))}
 
 if __name__ == "__main__":

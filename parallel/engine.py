@@ -96,6 +96,7 @@ class Engine(ABC):
         self.scheduler = None
         self.loss_fn: LossFn | None = None
         self.loaders: list[ResumableLoader] = []
+        self.before_step: Callable[[Engine], None] | None = None
 
     # ---- facts ----
     rank = property(lambda self: self.ctx.rank)
@@ -162,6 +163,8 @@ class Engine(ABC):
                 self._backward(loss, len(micro_batches))
             total += loss.detach().float()
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this update uses (schedule moves after)
+        if self.before_step is not None:  # measurement hook (bench): gradients exist only now
+            self.before_step(self)
         grad_norm, stepped = self._optimizer_step()
         if self.scheduler is not None and stepped:
             self.scheduler.step()
@@ -271,6 +274,13 @@ class Engine(ABC):
     @abstractmethod
     def _load_model_optim(self, path: Path, manifest: dict) -> None:
         """Restore model and optimizer state from a verified checkpoint."""
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """What this rank holds for the model: parameters, gradients, optimizer state (bench)."""
+        params = list(self.model.parameters())
+        return {"params": params, "grads": [p.grad for p in params],
+                "optimizer": [v for st in self.optimizer.state.values() for v in st.values()
+                              if isinstance(v, torch.Tensor) and v.dim() > 0]}
 
     @abstractmethod
     def gather_model(self) -> dict[str, torch.Tensor]:

@@ -80,3 +80,27 @@ def launch(spec: Spec, args: LaunchArgs, script: str, script_args: list[str]) ->
         spec_file.write_text(json.dumps(spec.model_dump(mode="json", exclude_unset=True)))
         cmd = torchrun_command(spec, args, script, script_args)
         return subprocess.call(cmd, env=launch_env(spec, spec_file))
+
+
+def run_locally(spec: Spec, module: str, args: list[str], out: Path, timeout: float) -> dict:
+    """Run `python -m module args` (or the script at path `module`) on every rank of `spec`'s job on
+    this host, laid out as the backend's runtime needs here (registry.local_run), and return the JSON
+    it wrote to `out`, or {"error": the output's tail}. Parity and bench cells: a fresh launch each."""
+    from parallel.registry import local_run
+
+    data, env = local_run(spec)
+    run_spec = load_spec(data)
+    with tempfile.TemporaryDirectory(prefix="polyshard-run-") as tmp:
+        spec_file = Path(tmp) / "spec.json"
+        spec_file.write_text(json.dumps(data))
+        extra = [] if module.endswith(".py") else ["-m"]
+        cmd = torchrun_command(run_spec, LaunchArgs(extra=extra), module, [*args, f"--out={out}"])
+        try:
+            proc = subprocess.run(cmd, env={**launch_env(run_spec, spec_file), **env},
+                                  capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"error": f"timed out after {timeout:.0f} s"}
+    if proc.returncode != 0 or not out.is_file():
+        return {"error": (proc.stdout + proc.stderr)[-4000:]}
+    return {**json.loads(out.read_text()), "procs": run_spec.topology.procs_per_node,
+            "micro_batch_size": run_spec.micro_batch_size}

@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import tempfile
 from pathlib import Path
 
 import torch
 
-from parallel.launch import LaunchArgs, launch_env, torchrun_command
+from parallel.launch import run_locally
 from parallel.parity_run import checksum, global_batches, optimizer_arg
-from parallel.registry import local_run
 from parallel.spec import Spec
 from parallel.specio import SpecError, load_spec
 from parallel.toy import build_model
@@ -48,21 +46,14 @@ def reference(spec: Spec, options: dict, rows: int) -> list[dict]:
 
 
 def run_backend(spec: Spec, backend: str, options: dict, rows: int, timeout: float) -> dict:
-    data, env = local_run(load_spec({**spec.model_dump(mode="json", exclude_unset=True),
-                                     "backend": backend}))
-    run_spec = load_spec(data)
+    run_spec = load_spec({**spec.model_dump(mode="json", exclude_unset=True), "backend": backend})
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in options.items()] + [f"--global-rows={rows}"]
     with tempfile.TemporaryDirectory(prefix="polyshard-parity-") as tmp:
-        spec_file, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        spec_file.write_text(json.dumps(data))
-        args = [f"--{k.replace('_', '-')}={v}" for k, v in options.items()] + [
-            f"--global-rows={rows}", f"--out={out}"]
-        cmd = torchrun_command(run_spec, LaunchArgs(extra=["-m"]), "parallel.parity_run", args)
-        proc = subprocess.run(cmd, env={**launch_env(run_spec, spec_file), **env},
-                              capture_output=True, text=True, timeout=timeout)
-        if proc.returncode != 0 or not out.is_file():
-            return {"error": (proc.stdout + proc.stderr)[-4000:]}
-        return {**json.loads(out.read_text()), "launch": f"{run_spec.topology.procs_per_node} "
-                f"process(es), micro_batch_size {run_spec.micro_batch_size}"}
+        result = run_locally(run_spec, "parallel.parity_run", args, Path(tmp) / "out.json", timeout)
+    if "error" not in result:
+        result["launch"] = (f"{result['procs']} process(es), micro_batch_size "
+                            f"{result['micro_batch_size']}")
+    return result
 
 
 def compare(ref: list[dict], runs: dict[str, dict], tol: float) -> dict[str, dict]:

@@ -24,17 +24,21 @@ class BackendEntry:
     # Name of a function in the adapter, Spec -> (spec dict, extra env), that runs the same job on
     # this one host when its runtime lays processes out differently (XLA's CPU client); None: as is.
     local: str | None = None
+    # The hand-written loop in benchmarks/ that runs the same job without polyshard (bench
+    # --vs-native compares step times against it).
+    native: str = ""
 
 
 # accelerate and transformers import torch_xla whenever it is installed, and accelerate then picks XLA
 # even under torchrun unless USE_TORCH_XLA=0: the non-XLA backends pin it off.
 BACKENDS: dict[str, BackendEntry] = {
-    "fsdp": BackendEntry("backends.fsdp", "FSDPEngine", "", lambda: {"USE_TORCH_XLA": "0"}),
+    "fsdp": BackendEntry("backends.fsdp", "FSDPEngine", "", lambda: {"USE_TORCH_XLA": "0"},
+                         native="native_fsdp2.py"),
     "deepspeed": BackendEntry("backends.deepspeed", "DeepSpeedEngine", "deepspeed",
-                              lambda: {"USE_TORCH_XLA": "0"}),
+                              lambda: {"USE_TORCH_XLA": "0"}, native="native_deepspeed.py"),
     "xla_fsdp": BackendEntry("backends.xla", "XlaEngine", "xla",
                              lambda: {"PJRT_DEVICE": detect_pjrt_device(), "USE_TORCH_XLA": "1"},
-                             local="local_run"),
+                             local="local_run", native="native_xla.py"),
 }
 assert set(BACKENDS) == set(get_args(Backend)) == set(CAPABILITIES), "registry out of sync"
 

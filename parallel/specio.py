@@ -70,7 +70,10 @@ def apply_override(data: dict, item: str) -> None:
         if not isinstance(child, dict):
             raise SpecError([(key, f"cannot set a sub-field: {name!r} holds {child!r}")])
         node = child
-    node[leaf] = yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        node[leaf] = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:  # not YAML (found by fuzzing: `@`, `{`): the text itself, as a string
+        node[leaf] = raw
 
 
 def dump_spec(spec: Spec, full: bool = False) -> str:

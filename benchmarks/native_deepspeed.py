@@ -1,0 +1,32 @@
+"""DeepSpeed by hand: deepspeed.initialize with a ZeRO config written out; the same job."""
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from common import args, model, run
+
+
+def main():
+    a = args()
+    deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    net = model(a.model, a.seed)
+    config = {"train_micro_batch_size_per_gpu": a.global_rows // world,
+              "gradient_accumulation_steps": 1, "gradient_clipping": a.clip,
+              "zero_optimization": {"stage": a.stage}, "zero_allow_untested_optimizer": True,
+              "steps_per_print": 2 ** 31 - 1}
+    opt = torch.optim.AdamW(net.parameters(), lr=a.lr, weight_decay=0.1)
+    engine, *_ = deepspeed.initialize(model=net, optimizer=opt, config=config)
+
+    def step(ids):
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    run(a, step, rank, world)
+
+
+if __name__ == "__main__":
+    main()

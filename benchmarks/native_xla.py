@@ -1,0 +1,35 @@
+"""XLA FSDP v1 by hand (one process on the CPU client; one per chip on a TPU): the same job."""
+
+import torch
+import torch_xla
+import torch_xla.core.xla_model as xm
+from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as XFSDP
+
+from common import args, model, run
+
+
+def main():
+    a = args()
+    device = torch_xla.device()
+    net = model(a.model, a.seed).to(device)
+    for i, layer in enumerate(net.model.layers):
+        net.model.layers[i] = XFSDP(layer)
+    net = XFSDP(net)
+    opt = torch.optim.AdamW(net.parameters(), lr=a.lr, weight_decay=0.1)
+
+    def step(ids):
+        ids = ids.to(device)
+        loss = net(input_ids=ids, labels=ids).loss
+        loss.backward()
+        if a.clip:
+            net.clip_grad_norm_(a.clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        xm.mark_step()
+        return loss.cpu()
+
+    run(a, step, 0, 1)
+
+
+if __name__ == "__main__":
+    main()

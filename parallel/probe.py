@@ -1,0 +1,103 @@
+"""Measurements for `polyshard bench`: collective bytes counted as they are issued, and the exact bytes
+a rank holds in parameters, gradients and optimizer state.
+
+Counting: every torch.distributed collective, whoever calls it (FSDP1, FSDP2, DeepSpeed's comm layer,
+which keeps its own references to torch.distributed's functions), reaches the dispatcher as a c10d op,
+so a TorchDispatchMode sees them all. All-gather counts its output (the gathered tensor),
+reduce-scatter its input, all-reduce and broadcast their tensor. XLA's collectives are compiled into
+the graph and never reach c10d: they are not counted (reported as such, never estimated).
+"""
+
+from __future__ import annotations
+
+import resource
+from collections import defaultdict
+from contextlib import contextmanager
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# c10d op -> (collective type, index of the argument whose bytes count)
+COLLECTIVES = {
+    "_allgather_base_": ("all_gather", 0), "allgather_": ("all_gather", 0),
+    "allgather_into_tensor_coalesced_": ("all_gather", 0),
+    "_reduce_scatter_base_": ("reduce_scatter", 1), "reduce_scatter_": ("reduce_scatter", 1),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
+    "allreduce_": ("all_reduce", 0), "allreduce_coalesced_": ("all_reduce", 0),
+    "broadcast_": ("broadcast", 0),
+    "reduce_": ("reduce", 0),  # DeepSpeed reduces gradient buckets to their partition's owner
+}
+
+
+def _nbytes(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(t) for t in obj)
+    return 0
+
+
+def _group_size(args) -> int:
+    """A collective over a one-rank group moves nothing (FSDP2's `none` reduce-scatters over its
+    one-rank shard groups): not counted."""
+    group = next((a for a in args if type(a).__name__ == "ProcessGroup"), None)
+    return group.size() if group is not None else 2
+
+
+class _Counting(TorchDispatchMode):
+    def __init__(self, counter: CommCounter):
+        super().__init__()
+        self.counter = counter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        packet = func._overloadpacket
+        if getattr(packet, "_qualified_op_name", "").startswith("c10d::"):
+            kind = COLLECTIVES.get(packet._qualified_op_name.split("::")[1])
+            if kind is not None and len(args) > kind[1] and _group_size(args) > 1:
+                self.counter.bytes[kind[0]] += _nbytes(args[kind[1]])
+                self.counter.calls[kind[0]] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class CommCounter:
+    """Bytes and calls per collective type while `counting()` is active on this rank."""
+
+    def __init__(self):
+        self.bytes: dict[str, int] = defaultdict(int)
+        self.calls: dict[str, int] = defaultdict(int)
+
+    @contextmanager
+    def counting(self):
+        with _Counting(self):
+            yield self
+
+    def snapshot(self) -> dict:
+        return {"bytes": dict(self.bytes), "calls": dict(self.calls)}
+
+
+def held_bytes(tensors) -> int:
+    """Bytes of distinct storage behind `tensors` (views of one buffer are counted once; DTensors
+    count their local shard)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        if hasattr(t, "to_local"):
+            t = t.to_local()
+        if t.device.type == "meta" or t.numel() == 0:
+            continue
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        if key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    return total
+
+
+def optimizer_tensors(optimizer) -> list[torch.Tensor]:
+    return [v for state in optimizer.state.values() for v in state.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0]
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB

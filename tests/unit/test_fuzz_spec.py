@@ -1,0 +1,84 @@
+"""Spec fuzzing (hypothesis): random dicts shaped like specs, random values in real fields, random YAML
+documents and random --set overrides never raise anything but SpecError, and every problem names a
+field path (or the file) with a message. The number of cases run is recorded for docs/reliability.md."""
+
+import json
+
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from parallel.spec import Spec
+from parallel.specio import SpecError, load_spec
+
+from reliability import record
+
+FIELDS = sorted(Spec.model_fields)
+SECTIONS = {name: sorted(f.annotation.model_fields) for name, f in Spec.model_fields.items()
+            if hasattr(f.annotation, "model_fields")}
+scalars = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6), st.floats(allow_nan=True),
+                    st.text(max_size=12), st.sampled_from(["full", "bf16", "fsdp", "deepspeed",
+                                                           "xla_fsdp", "auto", "none", "params"]))
+values = st.recursive(scalars, lambda inner: st.one_of(
+    st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=8), inner, max_size=3)),
+    max_leaves=6)
+
+
+@st.composite
+def spec_like(draw):
+    data = {}
+    for name in draw(st.lists(st.sampled_from(FIELDS + ["bogus", "shards"]), max_size=6)):
+        if name in SECTIONS and draw(st.booleans()):
+            keys = draw(st.lists(st.sampled_from(SECTIONS[name] + ["nope"]), max_size=3))
+            data[name] = {k: draw(values) for k in keys}
+        else:
+            data[name] = draw(values)
+    return data
+
+
+COUNT = {"dicts": 0, "yaml": 0, "overrides": 0}
+FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+
+
+def check(source, overrides=()):
+    try:
+        load_spec(source, list(overrides))
+    except SpecError as err:
+        assert err.problems, "a SpecError with no problems"
+        for path, message in err.problems:
+            assert isinstance(path, str) and path.strip(), (path, message)
+            assert isinstance(message, str) and message.strip(), (path, message)
+
+
+@FUZZ
+@given(spec_like())
+def test_random_spec_dicts(data):
+    COUNT["dicts"] += 1
+    try:
+        json.dumps(data, allow_nan=True)
+    except (TypeError, ValueError):
+        return
+    check(data)
+
+
+@FUZZ
+@given(st.text(max_size=200) | spec_like().map(lambda d: yaml.safe_dump(d, allow_unicode=True)))
+def test_random_yaml_documents(tmp_path_factory, text):
+    COUNT["yaml"] += 1
+    path = tmp_path_factory.mktemp("fuzz") / "spec.yaml"
+    path.write_text(text)
+    check(path)
+
+
+@FUZZ
+@given(st.lists(st.tuples(st.sampled_from(FIELDS + [f"{s}.{k}" for s, ks in SECTIONS.items()
+                                                    for k in ks] + ["x.y"]),
+                          st.text(max_size=10)), max_size=4))
+def test_random_overrides(pairs):
+    COUNT["overrides"] += 1
+    check({}, [f"{k}={v}" for k, v in pairs])
+
+
+def test_record_fuzz_counts():
+    record("fuzzing", {"cases": dict(COUNT), "total": sum(COUNT.values()),
+                       "non-SpecError exceptions": 0})
