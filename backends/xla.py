@@ -138,6 +138,13 @@ class _Xla(Engine):
             model.set_submodule(name, wrap(inner))
         return wrap(model)
 
+    def _skip_step(self):
+        import torch_xla.core.xla_model as xm
+
+        self.optimizer.zero_grad(set_to_none=True)
+        xm.mark_step()  # end the skipped step's graph here, as a taken step's would end
+        return None
+
     def _finish_step(self, norm):
         import torch_xla.core.xla_model as xm
 

@@ -27,6 +27,9 @@ class DistContext:
         return self.rank == 0
 
 
+JOIN_TIMEOUT_S = 300.0
+
+
 def launched_world(env=None) -> tuple[int, int, int]:
     """(rank, world size, local rank) as torchrun (or any PyTorch-style launcher) exported them, or
     as Slurm did when srun starts one task per device without torchrun."""
@@ -56,9 +59,28 @@ def init_distributed(timeout_s: float) -> DistContext:
     if not dist.is_initialized():
         if "MASTER_ADDR" not in os.environ:  # one process started by hand: a private rendezvous
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-        dist.init_process_group(backend, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
+        # Joining waits for every rank to start (imports, a restart's re-launch: tens of seconds);
+        # only then do collectives get the spec's timeout_s (measured: timeout_s 5 made restarted
+        # workers fail in gloo's connectFullMesh).
+        join = timedelta(seconds=max(timeout_s, JOIN_TIMEOUT_S))
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=join,
+                                store=_attempt_store(rank, world, join))
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))
     return DistContext(rank, world, local_rank, device)
+
+
+def _attempt_store(rank: int, world: int, timeout: timedelta):
+    """After an elastic restart, a store namespaced by the attempt. torchrun's agent store outlives
+    the workers, and gloo publishes each rank's address under the same key every attempt: a
+    restarted rank could read the dead previous rank's address and fail to connect (measured:
+    "connectFullMesh failed ... Connection refused" on most restarts). None: the default store."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or "MASTER_ADDR" not in os.environ:
+        return None
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=rank == 0 and not agent, timeout=timeout)
+    return dist.PrefixStore(f"polyshard/attempt_{attempt}/", store)
 
 
 def free_port() -> int:

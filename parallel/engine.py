@@ -7,12 +7,12 @@ clip and step), so the loop reads top to bottom in one place.
 
 from __future__ import annotations
 
+import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,16 +21,18 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from parallel import dist as pdist
-from parallel.checkpoint import (
-    hf_config_json,
-    library_versions,
-    publish,
-    resolve,
-    save_rank_file,
-    verify_on_rank0,
-    write_checkpoint,
-)
 from parallel.data import ResumableLoader, ResumableSampler
+from parallel.engine_ckpt import CheckpointMixin
+from parallel.guards import (
+    BatchError,
+    CollectiveTimeout,
+    NonFiniteLossError,
+    agree,
+    batch_problem,
+    is_timeout,
+    record_progress,
+    timeout_error,
+)
 from parallel.spec import Spec
 
 OptimizerArg = Callable[..., torch.optim.Optimizer] | tuple[type, dict[str, Any]]
@@ -77,7 +79,7 @@ def require_fp32(model: nn.Module) -> None:
                          "`precision: bf16` for bf16 compute")
 
 
-class Engine(ABC):
+class Engine(CheckpointMixin, ABC):
     """prepare -> train_step / eval_step -> save / load -> close."""
 
     name: str = "base"
@@ -97,6 +99,7 @@ class Engine(ABC):
         self.loss_fn: LossFn | None = None
         self.loaders: list[ResumableLoader] = []
         self.before_step: Callable[[Engine], None] | None = None
+        self._batch_signature: dict | None = None  # the first batch's keys/dtypes, later held to
 
     # ---- facts ----
     rank = property(lambda self: self.ctx.rank)
@@ -152,7 +155,32 @@ class Engine(ABC):
 
     # ---- the step ----
     def train_step(self, batch) -> StepResult:
+        """One optimizer step on this rank's batch. Every rank first agrees the batches are usable
+        (BatchError on all ranks otherwise, before any collective of the step); a collective that
+        times out raises CollectiveTimeout naming the ranks that fell behind."""
         start = time.perf_counter()
+        record_progress(self.rank, f"step {self.step + 1}")
+        with self._guard(f"step {self.step + 1}"):
+            problem, signature = batch_problem(batch, self._batch_signature, self.samples_per_step)
+            bad = agree(problem is None, problem, self.world_size)
+            if bad:
+                raise BatchError(f"step {self.step + 1}: " + "; ".join(
+                    f"rank {r}: {why}" for r, why in sorted(bad.items())))
+            self._batch_signature = self._batch_signature or signature
+            return self._train_step(batch, start)
+
+    @contextmanager
+    def _guard(self, what: str):
+        """A collective that times out (or loses its peer) becomes a CollectiveTimeout naming the
+        ranks whose last recorded progress differs from this rank's."""
+        try:
+            yield
+        except RuntimeError as err:
+            if isinstance(err, CollectiveTimeout) or not is_timeout(err):
+                raise
+            raise timeout_error(self.rank, self.world_size, what, self.spec.timeout_s) from err
+
+    def _train_step(self, batch, start: float) -> StepResult:
         self.model.train()
         micro_batches = self._split(batch)
         total = torch.zeros((), device=self.device)
@@ -163,9 +191,12 @@ class Engine(ABC):
                 self._backward(loss, len(micro_batches))
             total += loss.detach().float()
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this update uses (schedule moves after)
-        if self.before_step is not None:  # measurement hook (bench): gradients exist only now
-            self.before_step(self)
-        grad_norm, stepped = self._optimizer_step()
+        if self._nonfinite(total):  # on_nonfinite: skip (raise has raised on every rank)
+            grad_norm, stepped = self._skip_step(), False
+        else:
+            if self.before_step is not None:  # measurement hook (bench): gradients exist only now
+                self.before_step(self)
+            grad_norm, stepped = self._optimizer_step()
         if self.scheduler is not None and stepped:
             self.scheduler.step()
         self.step += 1
@@ -178,6 +209,22 @@ class Engine(ABC):
             step_time=time.perf_counter() - start,
             stepped=stepped,
         )
+
+    def _nonfinite(self, total: torch.Tensor) -> bool:
+        """Agree across ranks whether any rank's loss is NaN/inf (one host read of the loss)."""
+        value = float(total)
+        bad = agree(math.isfinite(value), f"loss {value}", self.world_size)
+        if bad and self.spec.on_nonfinite == "raise":
+            raise NonFiniteLossError(
+                f"step {self.step + 1}: non-finite loss on rank(s) {sorted(bad)} "
+                f"({'; '.join(f'rank {r}: {m}' for r, m in sorted(bad.items()))}); nothing was "
+                "updated. Set on_nonfinite: skip to skip such steps, or check the data and lr")
+        return bool(bad)
+
+    def _skip_step(self) -> None:
+        """Drop this step's gradients without touching parameters or optimizer state."""
+        self.optimizer.zero_grad(set_to_none=True)
+        return None
 
     @torch.no_grad()
     def eval_step(self, batch) -> float:
@@ -205,14 +252,7 @@ class Engine(ABC):
         """Clip (if the spec says so), step, zero gradients; return (grad norm, whether it stepped)."""
 
     def _split(self, batch) -> list:
-        accum, micro = self.spec.grad_accum_steps, self.spec.micro_batch_size
-        rows, devices = _first(batch).shape[0], self.devices_per_process
-        if rows != self.samples_per_step:
-            raise ValueError(
-                f"batch: rank {self.rank} got {rows} samples; one step takes micro_batch_size "
-                f"({micro}) x grad_accum_steps ({accum}) x devices per process ({devices}) = "
-                f"{self.samples_per_step}; build the loader with engine.dataloader(dataset) "
-                f"or fix the spec")
+        accum = self.spec.grad_accum_steps  # rows were checked by batch_problem
         if accum == 1:
             return [batch]
         if isinstance(batch, dict):
@@ -232,49 +272,6 @@ class Engine(ABC):
         return _first(batch).numel()
 
     # ---- checkpoints ----
-    def save(self, path) -> Path:
-        """Write model, optimizer, scheduler, step, RNG and data position under `path`, atomically,
-        then point `latest` beside it at `path` and apply `checkpoint.keep_last`."""
-        hf_config = hf_config_json(self.model)
-
-        def write(tmp: Path) -> None:
-            self._save_model_optim(tmp)
-            save_rank_file(pdist.rng_state(), tmp, "rng", self.rank)
-            if self.is_main:
-                torch.save(self.trainer_state(), tmp / "trainer.pt")
-                if hf_config is not None:  # lets `polyshard ckpt export --to hf` stand alone
-                    (tmp / "hf_config.json").write_text(hf_config)
-
-        meta = {"backend": self.name, "world_size": self.world_size, "step": self.step,
-                "state_dict": self.spec.state_dict, "spec": self.spec.model_dump(mode="json"),
-                "versions": library_versions()}
-        path = write_checkpoint(path, self.rank, write, meta)
-        if self.is_main:
-            publish(path, self.spec.checkpoint.keep_last)
-        self.barrier()
-        return path
-
-    def load(self, path) -> dict:
-        """Verify `path` (manifest, sizes, sha256), then restore everything `save` wrote, whichever
-        backend and world size wrote it. `path` may be a directory of checkpoints: its `latest`."""
-        path = resolve(path)
-        manifest = verify_on_rank0(path)
-        self._load_model_optim(path, manifest)
-        self.load_trainer_state(torch.load(path / "trainer.pt", weights_only=False))
-        rng_file = path / "rng" / f"rank{self.rank}.pt"
-        if manifest["world_size"] == self.world_size and rng_file.is_file():
-            # Another world size has other ranks: each keeps its seeded generator instead.
-            pdist.set_rng_state(torch.load(rng_file, weights_only=False))
-        return manifest
-
-    @abstractmethod
-    def _save_model_optim(self, tmp: Path) -> None:
-        """Write this rank's part of the model and optimizer state into `tmp`."""
-
-    @abstractmethod
-    def _load_model_optim(self, path: Path, manifest: dict) -> None:
-        """Restore model and optimizer state from a verified checkpoint."""
-
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """What this rank holds for the model: parameters, gradients, optimizer state (bench)."""
         params = list(self.model.parameters())
@@ -287,25 +284,12 @@ class Engine(ABC):
         """Whole weights on CPU, keyed by the original parameter names, on every rank. Collective;
         for inspection and parity checks of models that fit in host memory."""
 
-    def trainer_state(self) -> dict:
-        return {"step": self.step,
-                "scheduler": self.scheduler.state_dict() if self.scheduler else None,
-                "loaders": [loader.state_dict() for loader in self.loaders]}
-
-    def load_trainer_state(self, state: dict) -> None:
-        self.step = state["step"]
-        if self.scheduler is not None and state["scheduler"] is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        if state["loaders"] and len(state["loaders"]) != len(self.loaders):
-            raise ValueError(f"checkpoint recorded {len(state['loaders'])} data loaders, this run "
-                             f"created {len(self.loaders)}; create loaders before load()")
-        for loader, loader_state in zip(self.loaders, state["loaders"]):
-            loader.load_state_dict(loader_state)
-
     # ---- collectives and shutdown ----
     def barrier(self) -> None:
         if dist.is_initialized():
-            dist.barrier()
+            record_progress(self.rank, f"barrier after step {self.step}")
+            with self._guard("barrier"):
+                dist.barrier()
 
     def close(self) -> None:
         if dist.is_initialized():

@@ -48,7 +48,9 @@ def torchrun_command(spec: Spec, args: LaunchArgs, script: str, script_args: lis
         cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint]
         if args.node_rank is not None:
             cmd += ["--node-rank", str(args.node_rank)]
-    return cmd + args.extra + [script, *script_args]
+    # "--" ends torchrun's options: a script flag such as --log would otherwise be taken as an
+    # abbreviation of torchrun's --log-dir (measured: "ambiguous option: --log").
+    return cmd + args.extra + ["--", script, *script_args]
 
 
 def launch_env(spec: Spec, spec_file: Path) -> dict[str, str]:
@@ -58,6 +60,11 @@ def launch_env(spec: Spec, spec_file: Path) -> dict[str, str]:
     env[SPEC_ENV] = str(spec_file)
     env.setdefault("OMP_NUM_THREADS", "1")  # ranks share the host's cores; torchrun warns otherwise
     env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # gloo's per-connection chatter
+    # NCCL (GPU jobs): a failed or timed-out collective aborts the communicator and raises instead
+    # of hanging, and the flight recorder dumps the last collectives of every rank on timeout.
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+    env.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+    env.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
     return env
 
 

@@ -142,16 +142,15 @@ def comm_volume(backend: str, shard: str, zero: dict | None = None, psi: float =
     reduce) input + 2 x all-reduce (a ring all-reduce is a reduce-scatter and an all-gather).
     ZeRO paper: DP and ZeRO-1/2 2 Psi, ZeRO-3 / FULL_SHARD 3 Psi. DeepSpeed's defaults differ
     (measured, docs/deepspeed.md): ZeRO-1/2 all-reduce gradient buckets unless
-    use_multi_rank_bucket_allreduce is false (3 Psi); ZeRO-3 keeps parameters gathered between
-    forward and backward while stage3_max_reuse_distance allows (2 Psi when everything stays)."""
+    use_multi_rank_bucket_allreduce is false (3 Psi); ZeRO-3 gathered each parameter once per step
+    on the measured model (2 Psi), also with stage3_max_reuse_distance, max_live_parameters and
+    param_persistence_threshold at 0; models beyond max_live_parameters are predicted at 3 Psi."""
     zero = zero or {}
     stage = STAGE[shard]
     if backend != "deepspeed":
         return {0: 2.0, 3: 2.0 if shard == "grad_op" else 3.0}[FSDP_STAGE.get(shard, 3)]
     if stage in (1, 2):
         return 3.0 if zero.get("use_multi_rank_bucket_allreduce", True) else 2.0
-    if stage == 3:  # approximate: DeepSpeed decides per parameter at run time
-        live = min(zero.get("stage3_max_reuse_distance", 1e9),
-                   zero.get("stage3_max_live_parameters", 1e9))
-        return 2.0 if psi <= live else 3.0
+    if stage == 3:  # measured 2 Psi even with reuse distance / live parameters 0: see docstring
+        return 2.0 if psi <= zero.get("stage3_max_live_parameters", 1e9) else 3.0
     return 2.0

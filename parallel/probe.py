@@ -39,9 +39,16 @@ def _nbytes(obj) -> int:
 
 def _group_size(args) -> int:
     """A collective over a one-rank group moves nothing (FSDP2's `none` reduce-scatters over its
-    one-rank shard groups): not counted."""
-    group = next((a for a in args if type(a).__name__ == "ProcessGroup"), None)
-    return group.size() if group is not None else 2
+    one-rank shard groups): not counted. The group arrives as a TorchScript object."""
+    import torch.distributed as dist
+
+    for a in args:
+        if isinstance(a, torch.ScriptObject):
+            try:
+                return dist.ProcessGroup.unbox(a).size()
+            except RuntimeError:  # the ReduceOp argument, not the group
+                continue
+    return 2
 
 
 class _Counting(TorchDispatchMode):

@@ -44,11 +44,31 @@ class Topology(Section):
 
 
 class Checkpointing(Section):
+    dir: Annotated[
+        str | None,
+        Field(description="Where `engine.maybe_save()` writes step-NNNNNNNN checkpoints and `latest`; "
+              "what `resume: auto` reads."),
+    ] = None
+    every: Annotated[
+        int | None, Field(ge=1, description="`engine.maybe_save()` saves when this divides the step.")
+    ] = None
+    resume: Annotated[
+        Literal["never", "auto"],
+        Field(description="auto: `engine.resume()` loads `dir`'s latest complete checkpoint when one "
+              "exists (after a crash or an elastic restart), else starts fresh. never: it does not."),
+    ] = "never"
     keep_last: Annotated[
         int | None,
         Field(ge=1, description="After each save, delete all but the newest `keep_last` checkpoints "
               "next to it (directories with a polyshard manifest, ordered by step). Unset keeps all."),
     ] = None
+
+    @model_validator(mode="after")
+    def _needs_dir(self) -> Checkpointing:
+        if self.dir is None and (self.every is not None or self.resume == "auto"):
+            raise rule_error(("checkpoint.dir", "is required by checkpoint.every / resume: auto; "
+                              "set it to a directory such as runs/job/ckpt"))
+        return self
 
 
 class Wrap(Section):

@@ -92,6 +92,11 @@ class Spec(Section):
     checkpoint: Annotated[
         Checkpointing, Field(description="Checkpoint retention (every backend writes one format).")
     ] = Checkpointing()
+    on_nonfinite: Annotated[
+        Literal["raise", "skip"],
+        Field(description="A step whose loss is NaN or inf on any rank: raise (an error naming the "
+              "step and the ranks) or skip (no update: parameters and optimizer state untouched)."),
+    ] = "raise"
     timeout_s: Annotated[
         float, Field(gt=0, description="Collective timeout in seconds: a stalled rank fails the "
                      "job after this long instead of hanging.")

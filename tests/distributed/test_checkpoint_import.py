@@ -98,7 +98,16 @@ def test_hf_export_loads_in_transformers_with_the_same_loss(imported):
 
 @pytest.mark.timeout(900)
 def test_truncated_and_flipped_files_are_refused_by_verify_and_load(imported):
+    from reliability import record
+
     tmp, results = imported
+    no_manifest = tmp / "bad-no-manifest"
+    shutil.copytree(tmp / "ckpt" / "native_deepspeed-adamw", no_manifest)
+    (no_manifest / "manifest.json").unlink()
+    out = polyshard("ckpt", "verify", no_manifest)
+    assert out.returncode == 1 and "manifest missing" in out.stderr, out.stderr
+    rows = [{"fault": "manifest deleted", "backend": "ckpt verify / load",
+             "outcome": out.stderr.strip().splitlines()[-1][:120]}]
     for name, file, check in (("truncated", "state/__0_0.distcp", "size"),
                               ("flipped", "trainer.pt", "sha256 mismatch")):
         out = polyshard("ckpt", "verify", tmp / "bad" / f"{name}-adamw")
@@ -107,3 +116,8 @@ def test_truncated_and_flipped_files_are_refused_by_verify_and_load(imported):
         for target in TARGETS:
             error = results[f"{name}->{target}-adamw"]["error"]
             assert "CheckpointError" in error and file.split("/")[-1] in error and check in error
+            rows.append({"fault": f"{name} {file}", "backend": target,
+                         "outcome": "load refused before reading anything: " + next(
+                             line for line in error.splitlines() if "CheckpointError" in line)[-90:]})
+    record("faults-corruption", {"summary": f"{len(rows)} corrupted checkpoints, all refused, "
+                                 "naming the file and the failed check", "rows": rows})

@@ -18,8 +18,10 @@ def spec(stage, **extra):
 
 @pytest.mark.timeout(500)
 def test_zero_stages_fp32_match_single_process(tmp_path):
+    # ZeRO-1/2/3 with SGD and AdamW also train, save and resume in test_checkpoint_transfer.py's
+    # matrix; here ZeRO-0 with both optimizers and every stage with AdamW.
     cases = [case(f"zero{s}-{opt}", spec(s), optimizer=opt) for s in range(4)
-             for opt in ("sgd", "adamw")]
+             for opt in ("sgd", "adamw") if s == 0 or opt == "adamw"]
     results = run_parity(tmp_path, cases, timeout=450)
     worst = {name: check_parity(name, res) for name, res in results.items()}
     print(f"DeepSpeed max |loss - reference|: {worst}")

@@ -1,5 +1,5 @@
 """`polyshard parity` end to end: every backend trained in its own launch against one process; exit 0
-with every fp32 loss within 1e-5, exit 1 when a run is beyond the tolerance (bf16 against 1e-7)."""
+with every fp32 loss within 1e-5 (the exit-1 logic: tests/unit/test_parity_logic.py)."""
 
 import json
 import subprocess
@@ -31,12 +31,3 @@ def test_all_backends_match_one_process(tmp_path):
         assert len(result["runs"][name]["steps"]) == 3
     assert result["runs"]["xla_fsdp"]["world_size"] == 1  # the CPU client: whole batch, one rank
     assert "max |Δ loss|" in proc.stdout
-
-
-@pytest.mark.timeout(700)
-def test_beyond_tolerance_exits_1(tmp_path):
-    proc, result = parity(tmp_path, "--backends", "fsdp", "--set", "precision=bf16",
-                          "--tol", "1e-7")
-    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert not result["summary"]["fsdp"]["ok"] and result["summary"]["fsdp"]["loss"] > 1e-7
-    assert "BEYOND TOLERANCE" in proc.stdout

@@ -7,11 +7,10 @@ import json
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from reliability import record
 
 from parallel.spec import Spec
 from parallel.specio import SpecError, load_spec
-
-from reliability import record
 
 FIELDS = sorted(Spec.model_fields)
 SECTIONS = {name: sorted(f.annotation.model_fields) for name, f in Spec.model_fields.items()

@@ -20,6 +20,16 @@ from parallel.specio import SpecError
 from parallel.torch_state import read_model_optim, write_model_optim
 from parallel.wrap import apply_ac, plan_wrap
 
+from .state import (
+    is_zero,
+    load_unfused,
+    load_zero_state,
+    master_names,
+    partitions,
+    unfused_state,
+    zero_state,
+)
+
 STAGES = {"none": 0, "optimizer": 1, "grad_op": 2, "full": 3, "hybrid": 3}
 
 
@@ -71,7 +81,11 @@ def _config(spec: Spec) -> tuple[dict, dict]:
         # Written even when off: DeepSpeed's default is 1.0, which changes every update silently.
         "gradient_clipping": spec.grad_clip or 0.0,
         "zero_optimization": zero,
-        "bf16": {"enabled": spec.precision == "bf16"},
+        # with on_nonfinite: skip, ZeRO must drop a non-finite bf16 step itself (it checks fp32
+        # gradients' norm anyway, but bf16's overflow check is off by default)
+        "bf16": {"enabled": spec.precision == "bf16",
+                 **({"check_grad_overflow": True} if spec.on_nonfinite == "skip"
+                    and spec.precision == "bf16" else {})},
         "fp16": {"enabled": spec.precision == "fp16", "loss_scale": 0,
                  "initial_scale_power": ls.initial_scale_power, "loss_scale_window":
                  ls.growth_interval, "hysteresis": ls.hysteresis, "min_loss_scale": ls.min_scale},
@@ -201,6 +215,16 @@ class DeepSpeedEngine(Engine):
         if not self.ds.is_gradient_accumulation_boundary():
             self.ds.step()
 
+    def _skip_step(self):
+        # DeepSpeed must still see the step boundary (its micro-step counters). ZeRO finds the
+        # non-finite gradient norm and drops the update and the gradients itself; a plain optimizer
+        # (ZeRO-0) skips every parameter whose grad is None.
+        if not is_zero(self.optimizer):
+            for p in self.ds.module.parameters():
+                p.grad = None
+        self.ds.step()
+        return None
+
     def _optimizer_step(self):
         norm = None
         if not self.ds.zero_optimization() and self.spec.precision == "fp32":
@@ -218,23 +242,23 @@ class DeepSpeedEngine(Engine):
     # the bf16 optimizer), one fp32 copy per parameter (FP16_UnfusedOptimizer, ZeRO-0 with bf16 or
     # fp16), or the parameters themselves (ZeRO-0 fp32, the client optimizer): one path each.
     def _save_model_optim(self, tmp: Path) -> None:
-        if _is_zero(self.optimizer):
+        if is_zero(self.optimizer):
             # Sharded: parameter i is written by rank i % world (each rank holds 1/world of the
             # state while saving); full: rank 0 writes everything. The gathers are collective.
             world, sharded = self.world_size, self.spec.state_dict == "sharded"
             mine = (lambda i: i % world == self.rank) if sharded else (lambda i: self.is_main)
             ps.save_state(zero_state(self.ds, mine), tmp)
-        elif _master_names(self.ds):
-            ps.save_state(_unfused_state(self.ds), tmp)  # replicated: DCP writes each entry once
+        elif master_names(self.ds):
+            ps.save_state(unfused_state(self.ds), tmp)  # replicated: DCP writes each entry once
         else:
             write_model_optim(tmp, self.ds.module, self.optimizer, self.spec.state_dict == "sharded",
                               self.rank, on_cpu=self.device.type == "cpu")
 
     def _load_model_optim(self, path: Path, manifest: dict) -> None:
-        if _is_zero(self.optimizer):
+        if is_zero(self.optimizer):
             load_zero_state(self.ds, path)
-        elif _master_names(self.ds):
-            _load_unfused(self.ds, path)
+        elif master_names(self.ds):
+            load_unfused(self.ds, path)
         else:
             read_model_optim(path, self.ds.module, self.optimizer)
 
@@ -244,7 +268,7 @@ class DeepSpeedEngine(Engine):
         params = list(self.ds.module.parameters())
         held = [getattr(p, "ds_tensor", p) for p in params]
         zero, base = self.optimizer, getattr(self.optimizer, "optimizer", self.optimizer)
-        masters = [flat for _, _, flat in _partitions(zero)] if _is_zero(zero) else []
+        masters = [flat for _, _, flat in partitions(zero)] if is_zero(zero) else []
         grads = [p.grad for p in params] + [m.grad for m in masters]
         for buffers in getattr(zero, "averaged_gradients", {}).values() or []:
             grads += list(buffers or [])
@@ -253,154 +277,8 @@ class DeepSpeedEngine(Engine):
         return {"params": held, "grads": grads, "optimizer": state + masters}
 
     def gather_model(self) -> dict:
-        if _is_zero(self.optimizer):
+        if is_zero(self.optimizer):
             return zero_state(self.ds, lambda i: True, with_optimizer=False)["model"]
-        if _master_names(self.ds):
-            return _unfused_state(self.ds)["model"]
+        if master_names(self.ds):
+            return unfused_state(self.ds)["model"]
         return {ps.clean_name(k): v.detach().cpu() for k, v in self.ds.module.state_dict().items()}
-
-
-def _is_zero(optimizer) -> bool:
-    """ZeRO-1/2 and the bf16 optimizer (bit16_groups), ZeRO-3 (sub-groups): flat fp32 partitions
-    that DeepSpeed's fragment API maps back to each parameter."""
-    return hasattr(optimizer, "bit16_groups") or hasattr(optimizer, "sub_group_to_group_id")
-
-
-def _master_names(ds) -> dict[int, str]:
-    """id(fp32 master) -> parameter name, for optimizers that keep one fp32 copy per parameter."""
-    opt = ds.optimizer
-    if not hasattr(opt, "fp32_groups") or not hasattr(opt, "fp16_groups"):
-        return {}
-    if hasattr(opt, "fp32_groups_flat"):
-        raise RuntimeError("deepspeed: ZeRO-0 fp16 with the fused FP16_Optimizer keeps flat fp32 "
-                           "groups the portable checkpoint cannot map; use shard: optimizer (ZeRO-1)")
-    names = {id(p): ps.clean_name(n) for n, p in ds.module.named_parameters()}
-    return {id(m): names[id(p)] for lps, masters in zip(opt.fp16_groups, opt.fp32_groups)
-            for p, m in zip(lps, masters)}
-
-
-def _buffers(ds) -> dict:
-    params = {ps.clean_name(n) for n, _ in ds.module.named_parameters()}
-    return {ps.clean_name(k): v.detach().cpu() for k, v in ds.module.state_dict().items()
-            if ps.clean_name(k) not in params}
-
-
-def _unfused_state(ds) -> dict:
-    names, base = _master_names(ds), ds.optimizer.optimizer
-    model = {names[id(m)]: m.detach().cpu() for group in ds.optimizer.fp32_groups for m in group}
-    return {"model": {**model, **_buffers(ds)}, "optim": ps.optim_by_name(base, names)}
-
-
-def _load_unfused(ds, path: Path) -> None:
-    names, base = _master_names(ds), ds.optimizer.optimizer
-    ps.init_optimizer_state(base)
-    masters = [m for group in ds.optimizer.fp32_groups for m in group]
-    template = {"model": {**{names[id(m)]: m.detach().clone().cpu() for m in masters},
-                          **{k: torch.empty_like(v) for k, v in _buffers(ds).items()}},
-                "optim": {"state": ps.optim_by_name(base, names)["state"],
-                          "param_groups": ps.groups_template(path)}}
-    ps.load_state(template, path)
-    for m in masters:
-        m.data.copy_(template["model"][names[id(m)]])
-    for lps, group in zip(ds.optimizer.fp16_groups, ds.optimizer.fp32_groups):  # masters -> model
-        for p, m in zip(lps, group):
-            p.data.copy_(m.data)
-    ds.module.load_state_dict({k: template["model"][k] for k in _buffers(ds)}, strict=False)
-    base.load_state_dict(ps.optim_for_torch(base, template["optim"]["state"],
-                                         template["optim"]["param_groups"], names))
-
-
-def _partitions(zero) -> list[tuple[int, list, torch.Tensor]]:
-    """(param group index, the model parameters, their flat fp32 partition on this rank)."""
-    if hasattr(zero, "sub_group_to_group_id"):  # ZeRO-3 splits groups into sub-groups
-        return [(zero.sub_group_to_group_id[i], lps, zero.fp32_partitioned_groups_flat[i])
-                for i, lps in enumerate(zero.fp16_groups)]
-    flats = getattr(zero, "single_partition_of_fp32_groups", None) or zero.fp32_groups_flat_partition
-    return [(i, lps, flat) for i, (lps, flat) in enumerate(zip(zero.bit16_groups, flats))]
-
-
-def _flat_keys(base, flat) -> list[str]:
-    state = base.state.get(flat, {})
-    return [k for k, v in state.items() if torch.is_tensor(v) and v.shape == flat.shape]
-
-
-def _init_zero_state(zero) -> None:
-    """Create optimizer state for each flat partition. ZeRO-3 hands its optimizer one sub-group at a
-    time (param_groups' params are empty between steps), so each partition is stepped on its own."""
-    base = zero.optimizer
-    for group, _, flat in _partitions(zero):
-        if base.state.get(flat):
-            continue
-        params = base.param_groups[group]["params"]
-        base.param_groups[group]["params"] = [flat]
-        ps.init_optimizer_state(base)
-        base.param_groups[group]["params"] = params
-
-
-def zero_state(ds, mine, with_optimizer: bool = True) -> dict:
-    """The portable state of a ZeRO engine: each parameter's fp32 master weight and optimizer entries
-    gathered whole (DeepSpeed's fragment API; collective), kept by the rank `mine(i)` picks."""
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-
-    zero, names = ds.optimizer, {id(p): ps.clean_name(n) for n, p in ds.module.named_parameters()}
-    base, i = zero.optimizer, 0
-    model, state = {}, {}
-    groups = [{**ps.hyperparams(g), "params": []} for g in base.param_groups]
-    for group, lps, flat in _partitions(zero):
-        keys = _flat_keys(base, flat) if with_optimizer else []
-        step = base.state.get(flat, {}).get("step") if with_optimizer else None
-        for p in lps:
-            groups[group]["params"].append(names[id(p)])
-            weight = safe_get_full_fp32_param(p)
-            entries = {k: safe_get_full_optimizer_state(p, k) for k in keys}
-            if mine(i):
-                model[names[id(p)]] = weight.detach().cpu()
-                state[names[id(p)]] = {k: v.detach().cpu() for k, v in entries.items()}
-                if step is not None:
-                    state[names[id(p)]]["step"] = torch.as_tensor(step, dtype=torch.float32).clone()
-            i += 1
-    if mine(0):
-        model.update(_buffers(ds))  # buffers are never partitioned
-    return {"model": model, "optim": {"state": state, "param_groups": groups}}
-
-
-def load_zero_state(ds, path: Path) -> None:
-    """Every rank reads whole tensors, then keeps its partition: the module's weights first, the fp32
-    master copies refreshed from them, then each optimizer entry and the shared step counts."""
-    import deepspeed
-    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-
-    zero, base = ds.optimizer, ds.optimizer.optimizer
-    _init_zero_state(zero)  # a fresh optimizer has no state for the fragments to point at
-    if hasattr(zero, "_lazy_init_hp_params_optimizer_state"):
-        zero._lazy_init_hp_params_optimizer_state()
-    named = {ps.clean_name(n): p for n, p in ds.module.named_parameters()}
-    name_of = {id(p): n for n, p in named.items()}
-    members = [(flat, [name_of[id(p)] for p in lps]) for _, lps, flat in _partitions(zero)]
-    keys = {n: _flat_keys(base, flat) + (["step"] if "step" in base.state[flat] else [])
-            for flat, names in members for n in names}
-    buffers = _buffers(ds)
-    template = ps.full_template({n: getattr(p, "ds_shape", p.shape) for n, p in named.items()}, keys,
-                             ps.groups_template(path))
-    template["model"].update({k: torch.empty_like(v, device="cpu") for k, v in buffers.items()})
-    model, state = ps.load_state(template, path)["model"], template["optim"]["state"]
-
-    params = list(named.values())
-    zero3 = hasattr(params[0], "ds_id")
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=0, enabled=zero3):
-        for name, p in named.items():
-            p.data.copy_(model[name])
-    ds.module.load_state_dict({k: model[k] for k in buffers}, strict=False)
-    for flat, names in members:
-        for name in names:
-            # fp32 masters from the fp32 values, not refreshed from the (maybe bf16) weights
-            safe_set_full_fp32_param(named[name], model[name])
-            for key in _flat_keys(base, flat):
-                safe_set_full_optimizer_state(named[name], state[name][key], key)
-        step = ps.single_step(state, names)
-        if step is not None and "step" in base.state.get(flat, {}):
-            old = base.state[flat]["step"]
-            base.state[flat]["step"] = step.to(old) if torch.is_tensor(old) else type(old)(step)
-    merged = ps.merge_groups(base.param_groups, template["optim"]["param_groups"])
-    for group, new in zip(base.param_groups, merged):
-        group.update(new)

@@ -1,0 +1,156 @@
+"""The DeepSpeed adapter's checkpoint state: ZeRO's flat fp32 partitions and per-parameter masters to
+and from the portable format (docs/checkpoint-format.md), through DeepSpeed's fragment API."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from parallel import portable as ps
+
+
+def is_zero(optimizer) -> bool:
+    """ZeRO-1/2 and the bf16 optimizer (bit16_groups), ZeRO-3 (sub-groups): flat fp32 partitions
+    that DeepSpeed's fragment API maps back to each parameter."""
+    return hasattr(optimizer, "bit16_groups") or hasattr(optimizer, "sub_group_to_group_id")
+
+
+def master_names(ds) -> dict[int, str]:
+    """id(fp32 master) -> parameter name, for optimizers that keep one fp32 copy per parameter."""
+    opt = ds.optimizer
+    if not hasattr(opt, "fp32_groups") or not hasattr(opt, "fp16_groups"):
+        return {}
+    if hasattr(opt, "fp32_groups_flat"):
+        raise RuntimeError("deepspeed: ZeRO-0 fp16 with the fused FP16_Optimizer keeps flat fp32 "
+                           "groups the portable checkpoint cannot map; use shard: optimizer (ZeRO-1)")
+    names = {id(p): ps.clean_name(n) for n, p in ds.module.named_parameters()}
+    return {id(m): names[id(p)] for lps, masters in zip(opt.fp16_groups, opt.fp32_groups)
+            for p, m in zip(lps, masters)}
+
+
+def _buffers(ds) -> dict:
+    params = {ps.clean_name(n) for n, _ in ds.module.named_parameters()}
+    return {ps.clean_name(k): v.detach().cpu() for k, v in ds.module.state_dict().items()
+            if ps.clean_name(k) not in params}
+
+
+def unfused_state(ds) -> dict:
+    names, base = master_names(ds), ds.optimizer.optimizer
+    model = {names[id(m)]: m.detach().cpu() for group in ds.optimizer.fp32_groups for m in group}
+    return {"model": {**model, **_buffers(ds)}, "optim": ps.optim_by_name(base, names)}
+
+
+def load_unfused(ds, path: Path) -> None:
+    names, base = master_names(ds), ds.optimizer.optimizer
+    ps.init_optimizer_state(base)
+    masters = [m for group in ds.optimizer.fp32_groups for m in group]
+    template = {"model": {**{names[id(m)]: m.detach().clone().cpu() for m in masters},
+                          **{k: torch.empty_like(v) for k, v in _buffers(ds).items()}},
+                "optim": {"state": ps.optim_by_name(base, names)["state"],
+                          "param_groups": ps.groups_template(path)}}
+    ps.load_state(template, path)
+    for m in masters:
+        m.data.copy_(template["model"][names[id(m)]])
+    for lps, group in zip(ds.optimizer.fp16_groups, ds.optimizer.fp32_groups):  # masters -> model
+        for p, m in zip(lps, group):
+            p.data.copy_(m.data)
+    ds.module.load_state_dict({k: template["model"][k] for k in _buffers(ds)}, strict=False)
+    base.load_state_dict(ps.optim_for_torch(base, template["optim"]["state"],
+                                         template["optim"]["param_groups"], names))
+
+
+def partitions(zero) -> list[tuple[int, list, torch.Tensor]]:
+    """(param group index, the model parameters, their flat fp32 partition on this rank)."""
+    if hasattr(zero, "sub_group_to_group_id"):  # ZeRO-3 splits groups into sub-groups
+        return [(zero.sub_group_to_group_id[i], lps, zero.fp32_partitioned_groups_flat[i])
+                for i, lps in enumerate(zero.fp16_groups)]
+    flats = getattr(zero, "single_partition_of_fp32_groups", None) or zero.fp32_groups_flat_partition
+    return [(i, lps, flat) for i, (lps, flat) in enumerate(zip(zero.bit16_groups, flats))]
+
+
+def _flat_keys(base, flat) -> list[str]:
+    state = base.state.get(flat, {})
+    return [k for k, v in state.items() if torch.is_tensor(v) and v.shape == flat.shape]
+
+
+def _init_zero_state(zero) -> None:
+    """Create optimizer state for each flat partition. ZeRO-3 hands its optimizer one sub-group at a
+    time (param_groups' params are empty between steps), so each partition is stepped on its own."""
+    base = zero.optimizer
+    for group, _, flat in partitions(zero):
+        if base.state.get(flat):
+            continue
+        params = base.param_groups[group]["params"]
+        base.param_groups[group]["params"] = [flat]
+        ps.init_optimizer_state(base)
+        base.param_groups[group]["params"] = params
+
+
+def zero_state(ds, mine, with_optimizer: bool = True) -> dict:
+    """The portable state of a ZeRO engine: each parameter's fp32 master weight and optimizer entries
+    gathered whole (DeepSpeed's fragment API; collective), kept by the rank `mine(i)` picks."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    zero, names = ds.optimizer, {id(p): ps.clean_name(n) for n, p in ds.module.named_parameters()}
+    base, i = zero.optimizer, 0
+    model, state = {}, {}
+    groups = [{**ps.hyperparams(g), "params": []} for g in base.param_groups]
+    for group, lps, flat in partitions(zero):
+        keys = _flat_keys(base, flat) if with_optimizer else []
+        step = base.state.get(flat, {}).get("step") if with_optimizer else None
+        for p in lps:
+            groups[group]["params"].append(names[id(p)])
+            weight = safe_get_full_fp32_param(p)
+            entries = {k: safe_get_full_optimizer_state(p, k) for k in keys}
+            if mine(i):
+                model[names[id(p)]] = weight.detach().cpu()
+                state[names[id(p)]] = {k: v.detach().cpu() for k, v in entries.items()}
+                if step is not None:
+                    state[names[id(p)]]["step"] = torch.as_tensor(step, dtype=torch.float32).clone()
+            i += 1
+    if mine(0):
+        model.update(_buffers(ds))  # buffers are never partitioned
+    return {"model": model, "optim": {"state": state, "param_groups": groups}}
+
+
+def load_zero_state(ds, path: Path) -> None:
+    """Every rank reads whole tensors, then keeps its partition: the module's weights first, the fp32
+    master copies refreshed from them, then each optimizer entry and the shared step counts."""
+    import deepspeed
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    zero, base = ds.optimizer, ds.optimizer.optimizer
+    _init_zero_state(zero)  # a fresh optimizer has no state for the fragments to point at
+    if hasattr(zero, "_lazy_init_hp_params_optimizer_state"):
+        zero._lazy_init_hp_params_optimizer_state()
+    named = {ps.clean_name(n): p for n, p in ds.module.named_parameters()}
+    name_of = {id(p): n for n, p in named.items()}
+    members = [(flat, [name_of[id(p)] for p in lps]) for _, lps, flat in partitions(zero)]
+    keys = {n: _flat_keys(base, flat) + (["step"] if "step" in base.state[flat] else [])
+            for flat, names in members for n in names}
+    buffers = _buffers(ds)
+    template = ps.full_template({n: getattr(p, "ds_shape", p.shape) for n, p in named.items()}, keys,
+                             ps.groups_template(path))
+    template["model"].update({k: torch.empty_like(v, device="cpu") for k, v in buffers.items()})
+    model, state = ps.load_state(template, path)["model"], template["optim"]["state"]
+
+    params = list(named.values())
+    zero3 = hasattr(params[0], "ds_id")
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=0, enabled=zero3):
+        for name, p in named.items():
+            p.data.copy_(model[name])
+    ds.module.load_state_dict({k: model[k] for k in buffers}, strict=False)
+    for flat, names in members:
+        for name in names:
+            # fp32 masters from the fp32 values, not refreshed from the (maybe bf16) weights
+            safe_set_full_fp32_param(named[name], model[name])
+            for key in _flat_keys(base, flat):
+                safe_set_full_optimizer_state(named[name], state[name][key], key)
+        step = ps.single_step(state, names)
+        if step is not None and "step" in base.state.get(flat, {}):
+            old = base.state[flat]["step"]
+            base.state[flat]["step"] = step.to(old) if torch.is_tensor(old) else type(old)(step)
+    merged = ps.merge_groups(base.param_groups, template["optim"]["param_groups"])
+    for group, new in zip(base.param_groups, merged):
+        group.update(new)
