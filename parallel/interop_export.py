@@ -26,23 +26,24 @@ def _wrap(spec: Spec) -> dict:
     return wrap
 
 
-def to_accelerate(spec: Spec) -> dict:
-    common = {"compute_environment": "LOCAL_MACHINE", "debug": False, "machine_rank": 0,
-              "main_training_function": "main", "mixed_precision": MIXED[spec.precision],
-              "num_machines": spec.topology.nodes, "num_processes": spec.world_size,
-              "rdzv_backend": "static", "same_network": True, "use_cpu": False}
-    if spec.backend == "deepspeed":
-        ds = explain(spec)["config"]
-        zero = ds["zero_optimization"]
-        return {**common, "distributed_type": "DEEPSPEED", "deepspeed_config": {
-            "zero_stage": zero["stage"], "gradient_accumulation_steps": spec.grad_accum_steps,
-            "gradient_clipping": spec.grad_clip or 0.0,
-            "offload_optimizer_device": zero.get("offload_optimizer", {}).get("device", "none"),
-            "offload_param_device": zero.get("offload_param", {}).get("device", "none"),
-            "zero3_init_flag": spec.deepspeed.zero_init}}
-    if spec.backend != "fsdp":
-        raise SpecError([("backend", f"{spec.backend!r}: accelerate has no XLA FSDP; export it "
-                          "with --to hf-trainer (TrainingArguments' fsdp_config.xla)")])
+def _common_accelerate(spec: Spec) -> dict:
+    return {"compute_environment": "LOCAL_MACHINE", "debug": False, "machine_rank": 0,
+            "main_training_function": "main", "mixed_precision": MIXED[spec.precision],
+            "num_machines": spec.topology.nodes, "num_processes": spec.world_size,
+            "rdzv_backend": "static", "same_network": True, "use_cpu": False}
+
+
+def _accelerate_deepspeed(spec: Spec) -> dict:
+    zero = explain(spec)["config"]["zero_optimization"]
+    return {**_common_accelerate(spec), "distributed_type": "DEEPSPEED", "deepspeed_config": {
+        "zero_stage": zero["stage"], "gradient_accumulation_steps": spec.grad_accum_steps,
+        "gradient_clipping": spec.grad_clip or 0.0,
+        "offload_optimizer_device": zero.get("offload_optimizer", {}).get("device", "none"),
+        "offload_param_device": zero.get("offload_param", {}).get("device", "none"),
+        "zero3_init_flag": spec.deepspeed.zero_init}}
+
+
+def _accelerate_fsdp(spec: Spec) -> dict:
     fsdp = {"fsdp_version": spec.fsdp.version, "fsdp_sharding_strategy": STRATEGY_OF[spec.shard],
             "fsdp_offload_params": spec.offload == "params", **_wrap(spec),
             "fsdp_backward_prefetch": PREFETCH_OF[spec.fsdp.backward_prefetch],
@@ -53,7 +54,18 @@ def to_accelerate(spec: Spec) -> dict:
             "fsdp_use_orig_params": spec.fsdp.use_orig_params,
             "fsdp_cpu_ram_efficient_loading": spec.fsdp.cpu_ram_efficient_loading,
             "fsdp_activation_checkpointing": spec.activation_checkpointing}
-    return {**common, "distributed_type": "FSDP", "fsdp_config": fsdp}
+    return {**_common_accelerate(spec), "distributed_type": "FSDP", "fsdp_config": fsdp}
+
+
+ACCELERATE = {"fsdp": _accelerate_fsdp, "deepspeed": _accelerate_deepspeed}  # no XLA FSDP there
+
+
+def to_accelerate(spec: Spec) -> dict:
+    export = ACCELERATE.get(spec.backend)
+    if export is None:
+        raise SpecError([("backend", f"{spec.backend!r}: accelerate has no XLA FSDP; export it "
+                          "with --to hf-trainer (TrainingArguments' fsdp_config.xla)")])
+    return export(spec)
 
 
 def to_deepspeed(spec: Spec) -> dict:
@@ -61,33 +73,53 @@ def to_deepspeed(spec: Spec) -> dict:
     return explain(load_spec({**data, "backend": "deepspeed"}))["config"]
 
 
-def to_hf_trainer(spec: Spec) -> dict:
-    """Keyword arguments for transformers.TrainingArguments (output_dir is the caller's)."""
-    args = {"per_device_train_batch_size": spec.micro_batch_size,
+def _trainer_args(spec: Spec) -> dict:
+    return {"per_device_train_batch_size": spec.micro_batch_size,
             "gradient_accumulation_steps": spec.grad_accum_steps,
             "max_grad_norm": spec.grad_clip or 0.0, "seed": spec.seed,
             "bf16": spec.precision == "bf16", "fp16": spec.precision == "fp16"}
-    if spec.backend == "deepspeed":
-        return {**args, "deepspeed": to_deepspeed(spec)}
+
+
+def _fsdp_words(spec: Spec) -> str:
     words = {"full": "full_shard", "grad_op": "shard_grad_op", "none": "no_shard",
              "hybrid": "hybrid_shard", "hybrid_grad_op": "hybrid_shard_zero2"}
-    fsdp = [words[spec.shard], "auto_wrap"] + (["offload"] if spec.offload == "params" else [])
+    extra = ["offload"] if spec.offload == "params" else []
+    return " ".join([words[spec.shard], "auto_wrap", *extra])
+
+
+def _layers(spec: Spec) -> dict:
+    return ({"transformer_layer_cls_to_wrap": list(spec.wrap.layer_classes)}
+            if spec.wrap.layer_classes else {})
+
+
+def _trainer_fsdp(spec: Spec) -> dict:
     config = {"backward_prefetch": spec.fsdp.backward_prefetch.replace("none", "no_prefetch"),
               "forward_prefetch": spec.fsdp.forward_prefetch,
               "use_orig_params": spec.fsdp.use_orig_params,
               "sync_module_states": spec.fsdp.sync_module_states,
               "cpu_ram_efficient_loading": spec.fsdp.cpu_ram_efficient_loading,
-              "activation_checkpointing": spec.activation_checkpointing}
-    if spec.wrap.layer_classes:
-        config["transformer_layer_cls_to_wrap"] = list(spec.wrap.layer_classes)
-    if spec.backend == "xla_fsdp":
-        config = {"xla": True, "xla_fsdp_v2": spec.xla.fsdp_version == 2,
-                  "xla_fsdp_grad_ckpt": spec.checkpoint_activations,
-                  "xla_fsdp_settings": {k: v for k, v in spec.xla.xla_fsdp_settings.items()
-                                        if k != "xla_fsdp_grad_ckpt"}}
-        if spec.wrap.layer_classes:
-            config["transformer_layer_cls_to_wrap"] = list(spec.wrap.layer_classes)
-    return {**args, "fsdp": " ".join(fsdp), "fsdp_config": config}
+              "activation_checkpointing": spec.activation_checkpointing, **_layers(spec)}
+    return {**_trainer_args(spec), "fsdp": _fsdp_words(spec), "fsdp_config": config}
+
+
+def _trainer_xla(spec: Spec) -> dict:
+    config = {"xla": True, "xla_fsdp_v2": spec.xla.fsdp_version == 2,
+              "xla_fsdp_grad_ckpt": spec.checkpoint_activations,
+              "xla_fsdp_settings": {k: v for k, v in spec.xla.xla_fsdp_settings.items()
+                                    if k != "xla_fsdp_grad_ckpt"}, **_layers(spec)}
+    return {**_trainer_args(spec), "fsdp": _fsdp_words(spec), "fsdp_config": config}
+
+
+def _trainer_deepspeed(spec: Spec) -> dict:
+    return {**_trainer_args(spec), "deepspeed": to_deepspeed(spec)}
+
+
+TRAINER = {"fsdp": _trainer_fsdp, "xla_fsdp": _trainer_xla, "deepspeed": _trainer_deepspeed}
+
+
+def to_hf_trainer(spec: Spec) -> dict:
+    """Keyword arguments for transformers.TrainingArguments (output_dir is the caller's)."""
+    return TRAINER[spec.backend](spec)
 
 
 EXPORTERS = {"accelerate": to_accelerate, "deepspeed": to_deepspeed, "hf-trainer": to_hf_trainer}

@@ -57,27 +57,39 @@ def sharded_numel(shapes: list[tuple[int, ...]], n: int, layout: str) -> int:
     return math.ceil(total / n)
 
 
+def _deepspeed_states(shard, shapes, n, low, opt, fsdp_version):
+    psi, stage = sum(math.prod(s) for s in shapes), STAGE[shard]
+    if stage == 0 and low == 4:  # fp32 ZeRO-0: the client optimizer on the module's parameters
+        return 4.0 * psi, 4.0 * psi, float(opt * psi)
+    part = sharded_numel(shapes, n, "flat") if stage else psi
+    # low-precision params + fp32 master partition + optimizer partition; DeepSpeed 0.19.8 keeps
+    # only the partition's gradients at stage 1 too (measured)
+    return low * (part if stage == 3 else psi), low * part, (4 + opt) * part
+
+
+def _sharded_fp32_states(layout_of):
+    """FSDP and XLA FSDP keep fp32 sharded parameters and cast per unit for compute."""
+    def states(shard, shapes, n, low, opt, fsdp_version):
+        stage = FSDP_STAGE.get(shard, 3)
+        part = sharded_numel(shapes, n, layout_of(fsdp_version)) if stage else \
+            sum(math.prod(s) for s in shapes)
+        return 4.0 * part, 4.0 * part, float(opt * part)
+    return states
+
+
+MODEL_STATES = {
+    "fsdp": _sharded_fp32_states(lambda version: "fsdp2" if version == 2 else "flat"),
+    "deepspeed": _deepspeed_states,
+    "xla_fsdp": _sharded_fp32_states(lambda version: "xla"),
+}
+
+
 def model_states(backend: str, shard: str, offload: str, shapes, n: int, precision: str = "fp32",
                  optimizer: str = "adamw", fsdp_version: int = 2) -> tuple[float, float, float]:
     """(params, grads, optimizer) bytes per rank on the device."""
-    psi = sum(math.prod(s) for s in shapes)
     low = 4 if precision == "fp32" else 2
     opt = ADAM if optimizer == "adamw" else SGD
-    if backend == "deepspeed":
-        stage = STAGE[shard]
-        if stage == 0 and precision == "fp32":  # the client optimizer on the module's parameters
-            p, g, o = 4.0 * psi, 4.0 * psi, float(opt * psi)
-        else:  # low-precision params + fp32 master partition + optimizer partition
-            part = sharded_numel(shapes, n, "flat") if stage else psi
-            p = low * (part if stage == 3 else psi)
-            # DeepSpeed 0.19.8 keeps only the partition's gradients at stage 1 too (measured)
-            g = low * part
-            o = (4 + opt) * part
-    else:  # FSDP and XLA FSDP keep fp32 sharded parameters and cast per unit for compute
-        layout = "xla" if backend == "xla_fsdp" else ("fsdp2" if fsdp_version == 2 else "flat")
-        stage = FSDP_STAGE.get(shard, 3)
-        part = sharded_numel(shapes, n, layout) if stage else psi
-        p, g, o = 4.0 * part, 4.0 * part, float(opt * part)
+    p, g, o = MODEL_STATES[backend](shard, shapes, n, low, opt, fsdp_version)
     if offload in ("optimizer", "params"):
         o = 0.0
     if offload == "params":
@@ -107,8 +119,8 @@ def candidates(spec_data: dict) -> list[dict]:
              ("full", "params")]
     out = []
     for shard, offload in order:
-        for backend in ("fsdp", "deepspeed", "xla_fsdp"):
-            data = {**spec_data, "backend": backend, "shard": shard, "offload": offload}
+        for name in MODEL_STATES:
+            data = {**spec_data, "backend": name, "shard": shard, "offload": offload}
             try:
                 out.append(load_spec(data).model_dump(mode="json"))
             except SpecError:
@@ -137,6 +149,22 @@ def plan(spec, shapes, cfg: dict | None, world: int, seq: int, optimizer: str = 
     return rows, best
 
 
+def _sharded_comm(shard: str, zero: dict, psi: float) -> float:
+    return {0: 2.0, 3: 2.0 if shard == "grad_op" else 3.0}[FSDP_STAGE.get(shard, 3)]
+
+
+def _deepspeed_comm(shard: str, zero: dict, psi: float) -> float:
+    stage = STAGE[shard]
+    if stage in (1, 2):
+        return 3.0 if zero.get("use_multi_rank_bucket_allreduce", True) else 2.0
+    if stage == 3:  # measured 2 Psi even with reuse distance / live parameters 0: see comm_volume
+        return 2.0 if psi <= zero.get("stage3_max_live_parameters", 1e9) else 3.0
+    return 2.0
+
+
+COMM = {"fsdp": _sharded_comm, "deepspeed": _deepspeed_comm, "xla_fsdp": _sharded_comm}
+
+
 def comm_volume(backend: str, shard: str, zero: dict | None = None, psi: float = 0) -> float:
     """Collective volume per step in units of Psi elements: all-gather output + reduce-scatter (or
     reduce) input + 2 x all-reduce (a ring all-reduce is a reduce-scatter and an all-gather).
@@ -145,12 +173,4 @@ def comm_volume(backend: str, shard: str, zero: dict | None = None, psi: float =
     use_multi_rank_bucket_allreduce is false (3 Psi); ZeRO-3 gathered each parameter once per step
     on the measured model (2 Psi), also with stage3_max_reuse_distance, max_live_parameters and
     param_persistence_threshold at 0; models beyond max_live_parameters are predicted at 3 Psi."""
-    zero = zero or {}
-    stage = STAGE[shard]
-    if backend != "deepspeed":
-        return {0: 2.0, 3: 2.0 if shard == "grad_op" else 3.0}[FSDP_STAGE.get(shard, 3)]
-    if stage in (1, 2):
-        return 3.0 if zero.get("use_multi_rank_bucket_allreduce", True) else 2.0
-    if stage == 3:  # measured 2 Psi even with reuse distance / live parameters 0: see docstring
-        return 2.0 if psi <= zero.get("stage3_max_live_parameters", 1e9) else 3.0
-    return 2.0
+    return COMM[backend](shard, zero or {}, psi)

@@ -27,6 +27,8 @@ class BackendEntry:
     # The hand-written loop in benchmarks/ that runs the same job without polyshard (bench
     # --vs-native compares step times against it).
     native: str = ""
+    # The accelerator a cluster job must request for it (Slurm --gpus-per-node, k8s limits).
+    accelerator: str = "nvidia.com/gpu"
 
 
 # accelerate and transformers import torch_xla whenever it is installed, and accelerate then picks XLA
@@ -38,7 +40,7 @@ BACKENDS: dict[str, BackendEntry] = {
                               lambda: {"USE_TORCH_XLA": "0"}, native="native_deepspeed.py"),
     "xla_fsdp": BackendEntry("backends.xla", "XlaEngine", "xla",
                              lambda: {"PJRT_DEVICE": detect_pjrt_device(), "USE_TORCH_XLA": "1"},
-                             local="local_run", native="native_xla.py"),
+                             local="local_run", native="native_xla.py", accelerator=""),
 }
 assert set(BACKENDS) == set(get_args(Backend)) == set(CAPABILITIES), "registry out of sync"
 
