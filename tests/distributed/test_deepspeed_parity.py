@@ -49,7 +49,7 @@ def option_cases():
         # ZeRO-0 bf16 (DeepSpeed's BF16_Optimizer) drifts further in grad norm than the ZeRO stages
         # (13% vs <10% by step 5, docs/deepspeed.md): a stated, wider norm tolerance.
         *[case(f"zero{s}-bf16", spec(s, precision="bf16"), optimizer="adamw", tol=MIXED,
-               norm_tol=0.2 if s == 0 else 0.1) for s in range(4)],
+               norm_tol=0.2 if s == 0 else 0.1) for s in (0, 1, 3)],
     ]
 
 
