@@ -3,7 +3,6 @@
 import deepspeed
 import torch
 import torch.distributed as dist
-
 from common import args, model, run
 
 

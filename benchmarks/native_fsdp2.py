@@ -2,9 +2,8 @@
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
-
 from common import args, model, run
+from torch.distributed.fsdp import fully_shard
 
 
 def main():

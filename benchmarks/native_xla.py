@@ -3,9 +3,8 @@
 import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
-from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as XFSDP
-
 from common import args, model, run
+from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as XFSDP
 
 
 def main():

@@ -43,8 +43,7 @@ def summarize(result: dict, warmup_free: list[float], precision: str) -> dict:
     median = statistics.median(times)
     p90 = times[min(len(times) - 1, int(round(0.9 * (len(times) - 1))))]
     ranks = result["ranks"]
-    steps = len(times)
-    comm = {k: max(r["comm"]["bytes"].get(k, 0) for r in ranks) / steps
+    comm = {k: max(r["comm"]["bytes"].get(k, 0) for r in ranks)  # one counted step
             for k in ("all_gather", "reduce_scatter", "reduce", "all_reduce", "broadcast")}
     row = {"median_s": median, "p90_s": p90, "tokens_per_s": result["tokens_per_step"] / median,
            "loss_first": result["losses"][0], "loss_last": result["losses"][-1],

@@ -17,9 +17,12 @@ def plot(results: dict, out_dir: Path) -> Path:
     labels = list(done)
     fig, axes = plt.subplots(2, 2, figsize=(13, 9))
     ax = axes[0][0]
-    for label, r in done.items():
-        ax.plot(range(1, len(r["losses"]) + 1), r["losses"], marker="o", label=label)
-    ax.set(title="loss per step (same weights, same batches)", xlabel="step", ylabel="loss")
+    styles = ["-", "--", ":", "-."]
+    for i, (label, r) in enumerate(done.items()):  # distinct styles: agreeing curves overlap
+        ax.plot(range(1, len(r["losses"]) + 1), r["losses"], linestyle=styles[i % len(styles)],
+                marker="os^Dv"[i % 5], markersize=9 - 1.5 * (i % 4), label=label)
+    ax.set(title="loss per step (same weights, same batches: curves overlap when backends agree)",
+           xlabel="step", ylabel="loss")
     ax.legend(fontsize=7)
     ax = axes[0][1]
     ax.bar(labels, [done[k]["tokens_per_s"] for k in labels], color="tab:green")

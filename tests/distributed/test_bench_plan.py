@@ -24,8 +24,8 @@ TEXTBOOK = ["deepspeed.native.zero_optimization.use_multi_rank_bucket_allreduce=
 def bench(tmp, name, backends, shards, *extra):
     out = tmp / name
     proc = subprocess.run([sys.executable, "-m", "parallel.cli", "bench", "configs/demo.yaml",
-                           "--backends", backends, "--shard", shards, "--world", "2", "--steps", "2",
-                           "--warmup", "1", "--model", "toy:tiny", "--out", str(out), *extra],
+                           "--backends", backends, "--shard", shards, "--world", "2", "--steps", "1",
+                           "--warmup", "2", "--model", "toy:tiny", "--out", str(out), *extra],
                           cwd=ROOT, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "COLUMNS": "220"})  # the table unwrapped
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
