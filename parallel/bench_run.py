@@ -22,13 +22,6 @@ from parallel.registry import create_engine
 from parallel.toy import build_model
 
 
-def _bytes_of(tensors) -> int:
-    xla = [t for t in tensors if t is not None and t.device.type == "xla"]
-    if xla:  # no host storage to inspect: the local tensor's own size
-        return sum(t.numel() * t.element_size() for t in xla)
-    return held_bytes(tensors)
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     for name, default in (("model", "toy:tiny"), ("optimizer", "adamw")):
@@ -52,7 +45,7 @@ def main() -> None:
                              model.config.vocab_size, spec.seed)
     grads_peak = [0]
     engine.before_step = lambda e: grads_peak.__setitem__(
-        0, max(grads_peak[0], _bytes_of(e.state_tensors()["grads"])))
+        0, max(grads_peak[0], held_bytes(e.state_tensors()["grads"])))
     counter, times, losses = CommCounter(), [], []
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -69,8 +62,8 @@ def main() -> None:
         if i >= args.warmup:
             times.append(elapsed)
     held = engine.state_tensors()
-    mine = {"rank": engine.rank, "params_bytes": _bytes_of(held["params"]),
-            "optimizer_bytes": _bytes_of(held["optimizer"]), "grads_bytes": grads_peak[0],
+    mine = {"rank": engine.rank, "params_bytes": held_bytes(held["params"]),
+            "optimizer_bytes": held_bytes(held["optimizer"]), "grads_bytes": grads_peak[0],
             "rss_peak_bytes": peak_rss_bytes(), "comm": counter.snapshot(),
             "cuda_peak_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available()
             else None}

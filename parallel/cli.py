@@ -160,16 +160,11 @@ def _meta_model(source: str):
 
     import torch
 
+    from parallel.toy import build_model
+
     os.environ.setdefault("USE_TORCH_XLA", "0")  # a meta-device build needs no XLA runtime
-
-    from parallel.toy import build_llama, llama_config
-
     with torch.device("meta"):
-        if source.startswith("toy:"):
-            return build_llama(llama_config(source.removeprefix("toy:")))
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source))
+        return build_model(source)
 
 
 def _launch(args) -> int:

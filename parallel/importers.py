@@ -85,12 +85,20 @@ def read_deepspeed(src: Path):
     with contextlib.redirect_stdout(io.StringIO()):  # zero_to_fp32 prints progress
         model_files = z.get_model_state_files(str(tag_dir))
         models = z.parse_model_states(model_files)
-        stage, world, fp32_groups, paddings = z.parse_optim_states(z.get_optim_files(str(tag_dir)),
-                                                                   str(tag_dir))
-        # the base optimizer's own state dict: "base_optimizer_state" (ZeRO-1/2) or
-        # "optimizer_state_dict" (ZeRO-3), inside DeepSpeed's "optimizer_state_dict"
-        raw = [_base_state(torch.load(f, map_location="cpu", weights_only=False))
-               for f in z.get_optim_files(str(tag_dir))]
+        # each optimizer file loaded once: fp32 partitions and the base optimizer's state dict
+        # ("base_optimizer_state" at ZeRO-1/2, "optimizer_state_dict" at ZeRO-3)
+        saved = [torch.load(f, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+                 for f in z.get_optim_files(str(tag_dir))]
+        stage = saved[0]["zero_stage"]
+        world = max(saved[0]["partition_count"]) if isinstance(saved[0]["partition_count"], list) \
+            else saved[0]["partition_count"]
+        if world != len(saved):
+            raise CheckpointImportError(f"{tag_dir}: {len(saved)} optimizer files for {world} "
+                                        "partitions; a rank's file is missing")
+        key = "single_partition_of_fp32_groups" if stage <= 2 else "fp32_flat_groups"
+        fp32_groups = [s[key] for s in saved]
+        paddings = saved[0].get("param_alignment_paddings")
+        raw = [s.get("base_optimizer_state", s.get("optimizer_state_dict")) for s in saved]
 
         def merge(flat_groups):
             if stage <= 2:
@@ -118,11 +126,6 @@ def read_deepspeed(src: Path):
     return ({"model": {clean_name(k): v for k, v in model.items()},
              "optim": {"state": state, "param_groups": _named_groups(raw[0]["param_groups"],
                                                                      per_group)}}, steps, world)
-
-
-def _base_state(saved: dict) -> dict:
-    zero = saved["optimizer_state_dict"]
-    return zero.get("base_optimizer_state", zero.get("optimizer_state_dict"))
 
 
 def _shared_step(entries) -> torch.Tensor | None:

@@ -93,6 +93,9 @@ def held_bytes(tensors) -> int:
             t = t.to_local()
         if t.device.type == "meta" or t.numel() == 0:
             continue
+        if t.device.type == "xla":  # no host storage to inspect: the local tensor's own size
+            total += t.numel() * t.element_size()
+            continue
         storage = t.untyped_storage()
         key = (storage.data_ptr(), storage.nbytes())
         if key not in seen:
