@@ -17,7 +17,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from parallel.engine import Engine, OptimizerArg, build_optimizer, require_fp32
+from parallel.engine import Engine, OptimizerArg, require_fp32
+from parallel.params import Sharded, clean_name
 from parallel.spec import HYBRID_SHARDS, Spec
 from parallel.specio import SpecError, merge_native
 from parallel.torch_state import read_model_optim, write_model_optim
@@ -116,6 +117,7 @@ class _TorchFSDP(Engine):
         else:
             model = model()
         require_fp32(model)
+        self._record_params(model)  # names and groups as built, before sharding replaces them
         self.units = plan_wrap(model, self.spec.wrap)
         return model, lazy
 
@@ -211,7 +213,7 @@ class FSDP2Engine(_TorchFSDP):
         if lazy:
             self._fill_from_rank0(model, full_sd, buffers)
         self._set_forward_prefetch()
-        return model, build_optimizer(optimizer, model.parameters())
+        return model, self._optimizer_over(optimizer, model)
 
     def _fill_from_rank0(self, model, full_sd: dict, buffers) -> None:
         from torch.distributed.checkpoint.state_dict import (
@@ -294,7 +296,8 @@ class FSDP1Engine(_TorchFSDP):
         # (torch's recipe): wrapping a CheckpointWrapper instead would hide the layer class.
         if self.spec.checkpoint_activations:
             apply_ac(model, self.units)
-        return model, build_optimizer(optimizer, model.parameters())
+        # use_orig_params: false leaves one flat parameter per unit, which holds several originals
+        return model, self._optimizer_over(optimizer, model, flat_members(model))
 
     def _no_sync(self):
         return self.model.no_sync()
@@ -302,6 +305,18 @@ class FSDP1Engine(_TorchFSDP):
     def _grad_norm_and_clip(self) -> torch.Tensor:
         # FSDP1's own clip reduces the norm over flat-parameter shards; inf means "report only".
         return self.model.clip_grad_norm_(self.spec.grad_clip or float("inf"))
+
+
+def flat_members(model) -> Sharded:
+    """Each parameter FSDP1 trains, with the original names it holds: one per parameter with
+    use_orig_params, every member of its unit for a FlatParameter (its `_fqns`, relative to the
+    module that owns it)."""
+    out = []
+    for name, p in model.named_parameters():
+        fqns, name = getattr(p, "_fqns", None), clean_name(name)
+        prefix = name.rpartition("_flat_param")[0]
+        out.append((p, [prefix + f for f in fqns] if fqns is not None else [name]))
+    return out
 
 
 def _check_kwargs(fn, kwargs: dict) -> None:

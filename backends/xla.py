@@ -16,7 +16,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from parallel.engine import Engine, OptimizerArg, build_optimizer, require_fp32
+from parallel.engine import Engine, OptimizerArg, require_fp32
+from parallel.params import aliases, retie
 from parallel.portable import (
     clean_name,
     full_template,
@@ -124,10 +125,13 @@ class _Xla(Engine):
     def _build(self, model) -> tuple[nn.Module, list]:
         model = model if isinstance(model, nn.Module) else model()
         require_fp32(model)
+        plan = self._record_params(model)
         units = plan_wrap(model, self.spec.wrap)
         if self.spec.checkpoint_activations:
             disable_kv_cache(model)
-        return model.to(self.device), units
+        model = model.to(self.device)
+        retie(model, plan.tied)  # .to(xla) gives every module its own copy of a tied weight
+        return model, units
 
     def _wrap_units(self, model: nn.Module, units, wrap) -> nn.Module:
         """Wrap each unit (children first) in place, then the root."""
@@ -137,6 +141,13 @@ class _Xla(Engine):
             inner = checkpoint_module(unit) if self.spec.checkpoint_activations else unit
             model.set_submodule(name, wrap(inner))
         return wrap(model)
+
+    def _aliased(self, model: dict) -> dict:
+        """Tied weights under each of their names, as the model's state_dict() has them."""
+        for alias, canonical in aliases(self.params.tied).items():
+            if canonical in model:
+                model[alias] = model[canonical]
+        return model
 
     def _skip_step(self):
         import torch_xla.core.xla_model as xm
@@ -175,7 +186,8 @@ class XlaFsdpEngine(_Xla):
             if isinstance(kwargs.get(key), str):
                 kwargs[key] = getattr(torch, kwargs[key])
         model = self._wrap_units(model, units, lambda m: XFSDP(m, **kwargs))
-        return model, build_optimizer(optimizer, model.parameters())
+        sharded = [(p, [n for n, _ in members]) for p, members in v1_layout(model)]
+        return model, self._optimizer_over(optimizer, model, sharded)
 
     def _optimizer_step(self):
         # XLA FSDP reduces the norm over the flat shards; inf means "report only".
@@ -195,10 +207,9 @@ class XlaFsdpEngine(_Xla):
                     gathered = {n: torch.as_tensor(value, dtype=torch.float32).cpu() for n, _ in members}
                 for name, t in gathered.items():
                     state.setdefault(name, {})[key] = t
-        model.update(self._buffers())
-        names = {id(p): [n for n, _ in members] for p, members in layout}
-        groups = [{**hyperparams(g), "params": [n for q in g["params"] for n in names[id(q)]]}
-                  for g in self.optimizer.param_groups]
+        model = self._aliased({**model, **self._buffers()})
+        groups = [{**hyperparams(g), "params": names}
+                  for g, names in zip(self.optimizer.param_groups, self._group_names(layout))]
         if self.is_main:  # whole tensors, written once
             save_state({"model": model, "optim": {"state": state, "param_groups": groups}}, tmp,
                        collective=False)
@@ -209,7 +220,12 @@ class XlaFsdpEngine(_Xla):
         state = self._buffers()
         for p, members in v1_layout(self.model):
             state.update(split_members(xm.all_gather(p.detach(), dim=0).cpu(), members))
-        return state
+        return self._aliased(state)
+
+    def _group_names(self, layout) -> list[list[str]]:
+        """The original names each optimizer group holds (a flat shard stands for its members)."""
+        members = {id(p): [n for n, _ in m] for p, m in layout}
+        return [[n for q in g["params"] for n in members[id(q)]] for g in self.optimizer.param_groups]
 
     def _buffers(self) -> dict:
         return {clean_name(k): v.cpu() for k, v in self.model.state_dict().items()
@@ -226,21 +242,26 @@ class XlaFsdpEngine(_Xla):
                     if k == "step" or (torch.is_tensor(v) and v.shape == p.shape)]
                 for p, members in layout for n, _ in members}
         template = full_template(shapes, keys, groups_template(path))
-        template["model"].update({k: torch.empty_like(v) for k, v in self._buffers().items()})
+        template["model"] = self._aliased({**template["model"], **{
+            k: torch.empty_like(v) for k, v in self._buffers().items()}})
         model, state = load_state(template, path)["model"], template["optim"]["state"]
+        merged = merge_groups(self.optimizer.param_groups, template["optim"]["param_groups"],
+                              self._group_names(layout))  # before anything is set
+        order = {id(q): i for i, q in enumerate(q for g in self.optimizer.param_groups
+                                                for q in g["params"])}
         per_shard, rank = {}, self.rank
-        for i, (p, members) in enumerate(layout):
+        for p, members in layout:
             p.data.copy_(shard_of(model, members, p.numel(), rank).to(self.device))
+            if id(p) not in order:  # frozen: no optimizer entry
+                continue
             entries = {k: shard_of({n: state[n][k] for n, _ in members}, members, p.numel(), rank)
                        for k in keys[members[0][0]] if k != "step"}
             step = single_step(state, [n for n, _ in members])
-            per_shard[i] = {**entries, **({"step": step} if step is not None else {})}
+            per_shard[order[id(p)]] = {**entries, **({"step": step} if step is not None else {})}
         self.model.load_state_dict({k: model[clean_name(k)] for k in self.model.state_dict()
                                     if "_fsdp_shard" not in k}, strict=False)
-        groups = [{**g, "params": list(range(len(g["params"])))}
-                  for g in merge_groups(self.optimizer.param_groups, template["optim"]["param_groups"])]
-        if len(groups) != 1:
-            raise RuntimeError("XLA FSDP v1 load supports one optimizer param group")
+        groups = [{**g, "params": [order[id(q)] for q in live["params"]]}
+                  for g, live in zip(merged, self.optimizer.param_groups)]
         self.optimizer.load_state_dict({"state": per_shard, "param_groups": groups})
         xm.mark_step()
 
@@ -328,7 +349,7 @@ class XlaSpmdEngine(_Xla):
         model, units = self._build(model)
         model = self._wrap_units(model, units, lambda m: FSDPv2(
             m, mesh=self.mesh, shard_output=shard_output, **self.plan["kwargs"]))
-        return model, build_optimizer(optimizer, model.parameters())
+        return model, self._optimizer_over(optimizer, model)
 
     def parity_facts(self) -> dict:
         """How the parameters are laid out over the mesh (the tests assert real sharding)."""

@@ -40,9 +40,16 @@ def schedule(opt):
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * cosine(s))
 
 
+def param_groups(named):
+    """Weight decay on matrices only. `named` is the model as built (full shapes, original names) on
+    every backend; polyshard maps the groups onto the sharded parameters."""
+    return [{"params": [n for n, p in named if p.dim() >= 2]},
+            {"params": [n for n, p in named if p.dim() < 2], "weight_decay": 0.0}]
+
+
 model = engine.prepare(lambda: build_llama(config),
-                       optimizer=(torch.optim.AdamW, {"lr": args.lr, "weight_decay": 0.0}),
-                       scheduler=schedule)
+                       optimizer=(torch.optim.AdamW, {"lr": args.lr, "weight_decay": 0.1}),
+                       scheduler=schedule, param_groups=param_groups)
 with torch.device("meta"):  # count parameters without allocating them
     n_params = sum(p.numel() for p in build_llama(config).parameters())
 

@@ -49,6 +49,9 @@ def init_distributed(timeout_s: float) -> DistContext:
     A single process without a launcher still gets a world of size 1, so FSDP and DCP code paths are
     the same whether one rank or many run them.
     """
+    from parallel.agent import install_error_report
+
+    install_error_report()  # under a launcher: the first failing rank is reported once
     rank, world, local_rank = launched_world()
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)

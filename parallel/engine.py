@@ -33,6 +33,7 @@ from parallel.guards import (
     record_progress,
     timeout_error,
 )
+from parallel.params import ParamGroupsHook, ParamPlan, per_parameter
 from parallel.spec import Spec
 
 OptimizerArg = Callable[..., torch.optim.Optimizer] | tuple[type, dict[str, Any]]
@@ -100,6 +101,8 @@ class Engine(CheckpointMixin, ABC):
         self.loaders: list[ResumableLoader] = []
         self.before_step: Callable[[Engine], None] | None = None
         self._batch_signature: dict | None = None  # the first batch's keys/dtypes, later held to
+        self._param_groups_hook: ParamGroupsHook | None = None
+        self.params: ParamPlan | None = None  # set by the backend before sharding
 
     # ---- facts ----
     rank = property(lambda self: self.ctx.rank)
@@ -117,13 +120,34 @@ class Engine(CheckpointMixin, ABC):
 
     # ---- set-up ----
     def prepare(self, model: nn.Module | Callable[[], nn.Module], optimizer: OptimizerArg,
-                scheduler: Callable | None = None, loss_fn: LossFn | None = None) -> nn.Module:
+                scheduler: Callable | None = None, loss_fn: LossFn | None = None,
+                param_groups: ParamGroupsHook | None = None) -> nn.Module:
         """Shard `model` (a module, or a factory for memory-efficient loading), then build the
-        optimizer over the sharded parameters and the scheduler over the optimizer."""
+        optimizer over the sharded parameters and the scheduler over the optimizer.
+
+        `optimizer`: (class, kwargs), or a callable taking what to optimize. Param groups built from
+        the model before prepare (the usual habit) are mapped onto the sharded parameters by name.
+        `param_groups`: called once before sharding with the model's (name, parameter) pairs as
+        built (full shapes, on every backend), it returns torch-style groups whose "params" are
+        names or parameters; the optimizer is built over those groups of sharded parameters."""
         self.loss_fn = loss_fn
+        self._param_groups_hook = param_groups
         self.model, self.optimizer = self._prepare(model, optimizer)
         self.scheduler = scheduler(self._scheduled_optimizer()) if scheduler else None
         return self.model
+
+    def _record_params(self, model: nn.Module) -> ParamPlan:
+        """Before sharding: parameter names, tied weights and the param_groups hook's groups."""
+        self.params = ParamPlan(model, self._param_groups_hook)
+        return self.params
+
+    def _optimizer_over(self, optimizer: OptimizerArg, model: nn.Module,
+                        sharded=None) -> torch.optim.Optimizer:
+        """After sharding: the optimizer over `model`'s (sharded) parameters, groups mapped by name,
+        holding every trainable parameter exactly once (else OptimizerMismatch). `sharded`: each
+        trained tensor with the original names it holds, where that is not one per parameter."""
+        return self.params.optimizer(lambda groups: build_optimizer(optimizer, groups),
+                                     sharded or per_parameter(model))
 
     def _scheduled_optimizer(self) -> torch.optim.Optimizer:
         """The torch optimizer whose param_groups' lr a scheduler sets."""

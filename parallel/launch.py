@@ -21,6 +21,9 @@ SPEC_ENV = "POLYSHARD_SPEC"
 
 def current_spec(default: str | Path | dict | None = None, overrides: list[str] = ()) -> Spec:
     """The spec this process runs under: the one `polyshard launch` passed, else `default`."""
+    from parallel.agent import install_error_report
+
+    install_error_report()  # under a launcher: the first failing rank is reported once
     passed = os.environ.get(SPEC_ENV)
     return load_spec(Path(passed) if passed else default, list(overrides))
 
@@ -37,7 +40,8 @@ class LaunchArgs:
 
 def torchrun_command(spec: Spec, args: LaunchArgs, script: str, script_args: list[str]) -> list[str]:
     nnodes = spec.topology.nodes
-    cmd = [sys.executable, "-m", "torch.distributed.run",
+    # torchrun's own launcher, reporting a failure once (parallel/agent.py)
+    cmd = [sys.executable, "-m", "parallel.agent",
            "--nproc-per-node", str(spec.topology.procs_per_node),
            "--nnodes", str(nnodes), "--max-restarts", str(args.max_restarts)]
     if nnodes == 1 and not args.rdzv_endpoint:

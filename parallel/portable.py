@@ -6,7 +6,10 @@ In memory it is one nested dict, the shape torch's `get_state_dict` already uses
      "optim": {"state": {name: {"step": t, "exp_avg": t, ...}},
                "param_groups": [{"lr": ..., ..., "params": [name, ...]}]}}
 
-where every `name` is the parameter's name in the original, unwrapped model. On disk it is a
+where every `name` is the parameter's name in the original, unwrapped model. "model" holds every key
+of that model's `state_dict()`, tied weights under each of their names (torch's layout); the optimizer
+keys a tied parameter by its first name in `named_parameters()`. Frozen parameters are in "model"
+and nowhere in "optim". On disk it is a
 torch.distributed.checkpoint (DCP) directory, `state/`: DCP records each tensor's global shape and the
 chunks each rank wrote, so any world size, and any backend, reads it back into its own layout.
 Tensors may be DTensors or sharded tensors (each rank writes its shards) or whole tensors (written once).
@@ -25,10 +28,9 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from parallel.params import clean_name
+
 STATE_DIR = "state"
-# Wrapper modules insert these into parameter names; the portable names have none of them.
-WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_module.",
-                 "_fpw_module.", "_orig_mod.")
 
 
 @contextlib.contextmanager
@@ -43,12 +45,6 @@ def _quiet_dcp():
 
 class PortableStateError(RuntimeError):
     """The checkpoint's state does not fit this run (another model or another optimizer)."""
-
-
-def clean_name(name: str) -> str:
-    for part in WRAPPER_PARTS:
-        name = name.replace(part, "")
-    return name
 
 
 def hyperparams(group: dict) -> dict:
@@ -113,12 +109,23 @@ def groups_template(path: Path) -> None:
     return None
 
 
-def merge_groups(live: list[dict], stored: list[dict]) -> list[dict]:
+def merge_groups(live: list[dict], stored: list[dict], names: list[list[str]]) -> list[dict]:
     """This run's param_groups with every hyper-parameter it knows taken from the checkpoint (lr,
-    betas, weight_decay, momentum, initial_lr...); its own `params` are kept."""
+    betas, weight_decay, momentum, initial_lr...); its own `params` are kept. `names`: the parameter
+    names of each live group. The groups must hold the same parameters as the checkpoint's: a
+    parameter in another group would silently get another group's lr and decay."""
     if len(live) != len(stored):
         raise PortableStateError(f"the checkpoint's optimizer has {len(stored)} param groups, this "
                                  f"run's {len(live)}; build the optimizer with the same groups")
+    where = {n: i for i, g in enumerate(stored) for n in g["params"]}
+    moved = [(n, i, where.get(n)) for i, group in enumerate(names) for n in group
+             if where.get(n) != i]
+    if moved:
+        text = ", ".join(f"{n} (group {i} here, {'none' if j is None else f'group {j}'} in the "
+                         "checkpoint)" for n, i, j in moved[:3])
+        raise PortableStateError(f"{len(moved)} parameter(s) sit in other param groups than in the "
+                                 f"checkpoint: {text}; build the optimizer's groups as the run "
+                                 "that wrote it did")
     return [{**group, **{k: v for k, v in saved.items() if k in group and k != "params"}}
             for group, saved in zip(live, stored)]
 
@@ -199,8 +206,9 @@ def optim_for_torch(optimizer: torch.optim.Optimizer, state: dict, stored_groups
     """The inverse: a state dict `optimizer.load_state_dict` accepts (entries indexed by position),
     with this run's groups taking the checkpoint's hyper-parameters."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
+    names = [[name_of[id(p)] for p in g["params"]] for g in optimizer.param_groups]
     groups, index = [], 0
-    for group in merge_groups(optimizer.param_groups, stored_groups):
+    for group in merge_groups(optimizer.param_groups, stored_groups, names):
         groups.append({**group, "params": list(range(index, index + len(group["params"])))})
         index += len(group["params"])
     return {"state": {i: state[name_of[id(p)]] for i, p in enumerate(params)

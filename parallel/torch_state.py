@@ -36,6 +36,7 @@ def read_model_optim(path: Path, model, optimizer) -> None:
     msd, osd = get_state_dict(model, optimizer)
     template = {"model": msd, "optim": {"state": osd["state"], "param_groups": groups_template(path)}}
     load_state(template, path)
-    groups = merge_groups(osd["param_groups"], template["optim"]["param_groups"])
+    groups = merge_groups(osd["param_groups"], template["optim"]["param_groups"],
+                          [g["params"] for g in osd["param_groups"]])
     set_state_dict(model, optimizer, model_state_dict=template["model"],
                    optim_state_dict={"state": template["optim"]["state"], "param_groups": groups})

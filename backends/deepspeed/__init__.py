@@ -178,11 +178,16 @@ class DeepSpeedEngine(Engine):
             else:
                 model = model()
         require_fp32(model)
-        units = plan_wrap(model, self.spec.wrap)
+        self._record_params(model)
+        # DeepSpeed does not wrap: the wrap policy only picks the units activation checkpointing
+        # recomputes, so a model without _no_split_modules needs no policy unless that is on.
         if self.spec.checkpoint_activations:
-            apply_ac(model, units)
+            apply_ac(model, plan_wrap(model, self.spec.wrap))
+        # Built here and handed over as an instance, so the same checks as on every backend apply
+        # (ZeRO keeps the parameter objects: groups built before prepare need no mapping).
+        client = self._optimizer_over(self._optimizer_factory(optimizer), model)
         self.ds, ds_optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=self._optimizer_factory(optimizer),
+            model=model, optimizer=client,
             model_parameters=[p for p in model.parameters() if p.requires_grad],
             config=self.config, dist_init_required=False)
         return self.ds, ds_optimizer

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from parallel import portable as ps
+from parallel.params import aliases, tied_groups
 
 
 def is_zero(optimizer) -> bool:
@@ -30,28 +31,66 @@ def master_names(ds) -> dict[int, str]:
 
 
 def _buffers(ds) -> dict:
-    params = {ps.clean_name(n) for n, _ in ds.module.named_parameters()}
+    """Persistent buffers (never partitioned); tied parameters' other names are no buffers."""
+    params = {ps.clean_name(n) for n, _ in ds.module.named_parameters(remove_duplicate=False)}
     return {ps.clean_name(k): v.detach().cpu() for k, v in ds.module.state_dict().items()
             if ps.clean_name(k) not in params}
+
+
+def _frozen(ds, trained: set[str]) -> dict:
+    """Parameters the optimizer does not hold (requires_grad False), by name. ZeRO keeps no fp32
+    master for them, but they are part of the model: the checkpoint holds them too."""
+    return {n: p for n, p in ((ps.clean_name(n), p) for n, p in ds.module.named_parameters())
+            if n not in trained}
+
+
+def _whole(p) -> torch.Tensor:
+    """A module parameter's full value on CPU (ZeRO-3 partitions it: gathered, one at a time)."""
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters([p], enabled=hasattr(p, "ds_id")):
+        return p.detach().cpu().clone()
+
+
+def _set_whole(p, value: torch.Tensor) -> None:
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters([p], modifier_rank=0, enabled=hasattr(p, "ds_id")):
+        p.data.copy_(value)
+
+
+def _with_aliases(ds, model: dict) -> dict:
+    """Tied weights under each of their names, as the module's state_dict() has them."""
+    for alias, canonical in aliases(tied_groups(ds.module)).items():
+        if canonical in model:
+            model[alias] = model[canonical]
+    return model
 
 
 def unfused_state(ds) -> dict:
     names, base = master_names(ds), ds.optimizer.optimizer
     model = {names[id(m)]: m.detach().cpu() for group in ds.optimizer.fp32_groups for m in group}
-    return {"model": {**model, **_buffers(ds)}, "optim": ps.optim_by_name(base, names)}
+    model.update({n: _whole(p) for n, p in _frozen(ds, set(model)).items()})
+    return {"model": _with_aliases(ds, {**model, **_buffers(ds)}),
+            "optim": ps.optim_by_name(base, names)}
 
 
 def load_unfused(ds, path: Path) -> None:
     names, base = master_names(ds), ds.optimizer.optimizer
     ps.init_optimizer_state(base)
     masters = [m for group in ds.optimizer.fp32_groups for m in group]
-    template = {"model": {**{names[id(m)]: m.detach().clone().cpu() for m in masters},
-                          **{k: torch.empty_like(v) for k, v in _buffers(ds).items()}},
+    frozen = _frozen(ds, set(names.values()))
+    template = {"model": _with_aliases(ds, {
+                    **{names[id(m)]: m.detach().clone().cpu() for m in masters},
+                    **{n: torch.empty(p.shape) for n, p in frozen.items()},
+                    **{k: torch.empty_like(v) for k, v in _buffers(ds).items()}}),
                 "optim": {"state": ps.optim_by_name(base, names)["state"],
                           "param_groups": ps.groups_template(path)}}
     ps.load_state(template, path)
     for m in masters:
         m.data.copy_(template["model"][names[id(m)]])
+    for n, p in frozen.items():
+        p.data.copy_(template["model"][n])
     for lps, group in zip(ds.optimizer.fp16_groups, ds.optimizer.fp32_groups):  # masters -> model
         for p, m in zip(lps, group):
             p.data.copy_(m.data)
@@ -87,13 +126,26 @@ def _init_zero_state(zero) -> None:
         base.param_groups[group]["params"] = params
 
 
+def relink(zero) -> None:
+    """Point every parameter's optimizer-state fragment at its group's current state. DeepSpeed
+    0.19.8's ZeRO-1/2 and bf16 optimizers link all groups once, right after group 0's first step,
+    when later groups have no state yet: their fragments stay empty and the fragment API raises
+    "exp_avg not found in optimizer state fragment" (docs/deepspeed.md). Relinking reads the state
+    as it is now."""
+    if hasattr(zero, "_hp_optimizer_states_linked"):
+        zero._hp_optimizer_states_linked = False
+        zero._lazy_init_hp_params_optimizer_state()
+
+
 def zero_state(ds, mine, with_optimizer: bool = True) -> dict:
     """The portable state of a ZeRO engine: each parameter's fp32 master weight and optimizer entries
-    gathered whole (DeepSpeed's fragment API; collective), kept by the rank `mine(i)` picks."""
+    gathered whole (DeepSpeed's fragment API; collective), kept by the rank `mine(i)` picks; frozen
+    parameters whole, tied ones under every name."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     zero, names = ds.optimizer, {id(p): ps.clean_name(n) for n, p in ds.module.named_parameters()}
     base, i = zero.optimizer, 0
+    relink(zero)
     model, state = {}, {}
     groups = [{**ps.hyperparams(g), "params": []} for g in base.param_groups]
     for group, lps, flat in partitions(zero):
@@ -109,9 +161,14 @@ def zero_state(ds, mine, with_optimizer: bool = True) -> dict:
                 if step is not None:
                     state[names[id(p)]]["step"] = torch.as_tensor(step, dtype=torch.float32).clone()
             i += 1
+    for name, p in _frozen(ds, {n for g in groups for n in g["params"]}).items():
+        value = _whole(p)  # collective under ZeRO-3
+        if mine(i):
+            model[name] = value
+        i += 1
     if mine(0):
         model.update(_buffers(ds))  # buffers are never partitioned
-    return {"model": model, "optim": {"state": state, "param_groups": groups}}
+    return {"model": _with_aliases(ds, model), "optim": {"state": state, "param_groups": groups}}
 
 
 def load_zero_state(ds, path: Path) -> None:
@@ -122,8 +179,7 @@ def load_zero_state(ds, path: Path) -> None:
 
     zero, base = ds.optimizer, ds.optimizer.optimizer
     _init_zero_state(zero)  # a fresh optimizer has no state for the fragments to point at
-    if hasattr(zero, "_lazy_init_hp_params_optimizer_state"):
-        zero._lazy_init_hp_params_optimizer_state()
+    relink(zero)
     named = {ps.clean_name(n): p for n, p in ds.module.named_parameters()}
     name_of = {id(p): n for n, p in named.items()}
     members = [(flat, [name_of[id(p)] for p in lps]) for _, lps, flat in partitions(zero)]
@@ -133,7 +189,13 @@ def load_zero_state(ds, path: Path) -> None:
     template = ps.full_template({n: getattr(p, "ds_shape", p.shape) for n, p in named.items()}, keys,
                              ps.groups_template(path))
     template["model"].update({k: torch.empty_like(v, device="cpu") for k, v in buffers.items()})
+    _with_aliases(ds, template["model"])
     model, state = ps.load_state(template, path)["model"], template["optim"]["state"]
+    live = [[] for _ in base.param_groups]  # ZeRO-3's sub-groups collapse into their group
+    for group, lps, _ in partitions(zero):
+        live[group] += [name_of[id(p)] for p in lps]
+    # before anything is set: the same groups, or an error naming the parameters that moved
+    merged = ps.merge_groups(base.param_groups, template["optim"]["param_groups"], live)
 
     params = list(named.values())
     zero3 = hasattr(params[0], "ds_id")
@@ -151,6 +213,5 @@ def load_zero_state(ds, path: Path) -> None:
         if step is not None and "step" in base.state.get(flat, {}):
             old = base.state[flat]["step"]
             base.state[flat]["step"] = step.to(old) if torch.is_tensor(old) else type(old)(step)
-    merged = ps.merge_groups(base.param_groups, template["optim"]["param_groups"])
     for group, new in zip(base.param_groups, merged):
         group.update(new)

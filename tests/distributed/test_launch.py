@@ -47,3 +47,29 @@ def test_launch_xla_spmd_with_device_loader(tmp_path):
     text = launch(tmp_path, ["backend=xla_fsdp", "xla.fsdp_version=2", "topology.procs_per_node=1",
                              "micro_batch_size=4"], env={"CPU_NUM_DEVICES": "2"})
     assert "xla_fsdp (full, fp32) on 1 rank(s)" in text
+
+
+FAILING = """
+import torch
+from torch import nn
+from parallel import create_engine
+from parallel.launch import current_spec
+engine = create_engine(current_spec())
+engine.prepare(nn.Sequential(nn.Linear(4, 4)), (torch.optim.SGD, {"lr": 0.1}))  # no _no_split_modules
+"""
+
+
+@pytest.mark.timeout(200)
+def test_a_failing_job_reports_the_first_error_once(tmp_path):
+    """Every rank raises the same SpecError: one line per rank, then the first failure once, with
+    its exit code; no traceback and no torchrun ChildFailedError block."""
+    (tmp_path / "fail.py").write_text(FAILING)
+    out = subprocess.run([*POLYSHARD, "launch", "--nproc", "2", "configs/demo.yaml",
+                          str(tmp_path / "fail.py")], capture_output=True, text=True, timeout=180,
+                         cwd=ROOT)
+    text = out.stdout + out.stderr
+    assert out.returncode == 1, text[-3000:]
+    summary = text[text.index("polyshard launch: the job failed; rank"):]
+    assert "SpecError: wrap.policy: 'auto' reads `_no_split_modules`" in summary, text[-3000:]
+    assert "traceback: " in summary and "error.json" in summary
+    assert "Traceback (most recent call last)" not in text and "ChildFailedError" not in text, text

@@ -51,7 +51,16 @@ def test_optimizer_state_round_trips_through_names():
 
 def test_group_count_mismatch_is_an_error():
     with pytest.raises(PortableStateError, match="2 param groups, this run's 1"):
-        merge_groups([{"lr": 1, "params": []}], [{"lr": 1}, {"lr": 2}])
+        merge_groups([{"lr": 1, "params": []}], [{"lr": 1}, {"lr": 2}], [[]])
+
+
+def test_a_parameter_in_another_group_is_an_error_naming_it():
+    stored = [{"lr": 1, "params": ["a", "b"]}, {"lr": 2, "params": ["c"]}]
+    merged = merge_groups([{"lr": 5, "params": []}, {"lr": 5, "params": []}], stored,
+                          [["a", "b"], ["c"]])
+    assert [g["lr"] for g in merged] == [1, 2]
+    with pytest.raises(PortableStateError, match=r"b \(group 1 here, group 0 in the checkpoint\)"):
+        merge_groups([{"lr": 5}, {"lr": 5}], stored, [["a"], ["b", "c"]])
 
 
 def save(tmp_path, opt_cls, **kw):
