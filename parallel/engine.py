@@ -132,9 +132,21 @@ class Engine(CheckpointMixin, ABC):
         names or parameters; the optimizer is built over those groups of sharded parameters."""
         self.loss_fn = loss_fn
         self._param_groups_hook = param_groups
+        self._check_global_batch()
         self.model, self.optimizer = self._prepare(model, optimizer)
         self.scheduler = scheduler(self._scheduled_optimizer()) if scheduler else None
         return self.model
+
+    def _check_global_batch(self) -> None:
+        """global_batch_size against what this launch feeds (SPMD's devices are known only now)."""
+        wanted, fed = self.spec.global_batch_size, self.samples_per_step * self.world_size
+        if wanted is not None and wanted != fed:
+            from parallel.specio import SpecError
+
+            raise SpecError([("global_batch_size", f"{wanted}, but this launch feeds {fed} samples "
+                              f"per step ({self.samples_per_step} per process x {self.world_size} "
+                              "process(es)); change micro_batch_size, grad_accum_steps or the "
+                              "topology")])
 
     def _record_params(self, model: nn.Module) -> ParamPlan:
         """Before sharding: parameter names, tied weights and the param_groups hook's groups."""

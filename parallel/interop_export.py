@@ -1,8 +1,15 @@
 """A spec as the files other tools take: an accelerate config (what `accelerate launch` reads), a
 DeepSpeed JSON (what `deepspeed.initialize` takes, from the DeepSpeed adapter's own translation), and
-HF `TrainingArguments` keyword arguments (`fsdp`, `fsdp_config` with the XLA keys, `deepspeed`)."""
+HF `TrainingArguments` keyword arguments (`fsdp`, `fsdp_config` with the XLA keys, `deepspeed`).
+
+Accelerate exports mean what the spec means under accelerate 1.11's launcher (checked by importing them
+back and by accelerate's own plugin classes in tests/unit/test_real_configs.py): every key is written,
+none is left to a default, FSDP2 under FSDP2's names (fsdp_reshard_after_forward, no sharding strategy),
+a DeepSpeed spec as `deepspeed_config_file` pointing at the full DeepSpeed JSON written beside it."""
 
 from __future__ import annotations
+
+import json
 
 from parallel.interop import PREFETCH, STRATEGIES
 from parallel.registry import explain
@@ -27,34 +34,53 @@ def _wrap(spec: Spec) -> dict:
 
 
 def _common_accelerate(spec: Spec) -> dict:
-    return {"compute_environment": "LOCAL_MACHINE", "debug": False, "machine_rank": 0,
-            "main_training_function": "main", "mixed_precision": MIXED[spec.precision],
-            "num_machines": spec.topology.nodes, "num_processes": spec.world_size,
-            "rdzv_backend": "static", "same_network": True, "use_cpu": False}
+    nodes = spec.topology.nodes
+    common = {"compute_environment": "LOCAL_MACHINE", "debug": False, "machine_rank": 0,
+              "main_training_function": "main", "mixed_precision": MIXED[spec.precision],
+              "num_machines": nodes, "num_processes": spec.world_size,
+              "rdzv_backend": "c10d" if nodes > 1 else "static", "same_network": nodes == 1,
+              "use_cpu": False}
+    if spec.topology.rdzv_endpoint:
+        host, _, port = spec.topology.rdzv_endpoint.rpartition(":")
+        common.update(main_process_ip=host, main_process_port=int(port))
+    return common
 
 
 def _accelerate_deepspeed(spec: Spec) -> dict:
-    zero = explain(spec)["config"]["zero_optimization"]
-    return {**_common_accelerate(spec), "distributed_type": "DEEPSPEED", "deepspeed_config": {
-        "zero_stage": zero["stage"], "gradient_accumulation_steps": spec.grad_accum_steps,
-        "gradient_clipping": spec.grad_clip or 0.0,
-        "offload_optimizer_device": zero.get("offload_optimizer", {}).get("device", "none"),
-        "offload_param_device": zero.get("offload_param", {}).get("device", "none"),
-        "zero3_init_flag": spec.deepspeed.zero_init}}
+    config = explain(spec)["config"]
+    name = "deepspeed_config.json"
+    common = _common_accelerate(spec)
+    del common["mixed_precision"]  # beside deepspeed_config_file accelerate refuses it: the JSON says
+    return {**common, "distributed_type": "DEEPSPEED", "deepspeed_config": {
+        "deepspeed_config_file": name, "zero3_init_flag": spec.deepspeed.zero_init,
+        "deepspeed_multinode_launcher": "standard"},
+        "__files__": {name: json.dumps(config, indent=2) + "\n"}}
 
 
 def _accelerate_fsdp(spec: Spec) -> dict:
-    fsdp = {"fsdp_version": spec.fsdp.version, "fsdp_sharding_strategy": STRATEGY_OF[spec.shard],
-            "fsdp_offload_params": spec.offload == "params", **_wrap(spec),
-            "fsdp_backward_prefetch": PREFETCH_OF[spec.fsdp.backward_prefetch],
-            "fsdp_forward_prefetch": spec.fsdp.forward_prefetch,
+    if spec.shard == "none":  # replicate everything, all-reduce gradients: accelerate's DDP
+        kind = "MULTI_GPU" if spec.world_size > 1 else "NO"
+        return {**_common_accelerate(spec), "distributed_type": kind}
+    f = spec.fsdp
+    fsdp = {"fsdp_version": f.version, "fsdp_offload_params": spec.offload == "params", **_wrap(spec),
             "fsdp_state_dict_type": "FULL_STATE_DICT" if spec.state_dict == "full"
             else "SHARDED_STATE_DICT",
-            "fsdp_sync_module_states": spec.fsdp.sync_module_states,
-            "fsdp_use_orig_params": spec.fsdp.use_orig_params,
-            "fsdp_cpu_ram_efficient_loading": spec.fsdp.cpu_ram_efficient_loading,
+            "fsdp_cpu_ram_efficient_loading": f.cpu_ram_efficient_loading,
             "fsdp_activation_checkpointing": spec.activation_checkpointing}
-    return {**_common_accelerate(spec), "distributed_type": "FSDP", "fsdp_config": fsdp}
+    if f.version == 1:
+        fsdp.update(fsdp_sharding_strategy=STRATEGY_OF[spec.shard],
+                    fsdp_backward_prefetch=PREFETCH_OF[f.backward_prefetch],
+                    fsdp_forward_prefetch=f.forward_prefetch, fsdp_use_orig_params=f.use_orig_params,
+                    fsdp_sync_module_states=f.sync_module_states)
+        return {**_common_accelerate(spec), "distributed_type": "FSDP", "fsdp_config": fsdp}
+    # FSDP2 reads the resharding choice, and replicates across groups through parallelism_config
+    fsdp["fsdp_reshard_after_forward"] = spec.shard in ("full", "hybrid")
+    out = {**_common_accelerate(spec), "distributed_type": "FSDP", "fsdp_config": fsdp}
+    if spec.shard in ("hybrid", "hybrid_grad_op"):
+        group = spec.shard_group_size
+        out["parallelism_config"] = {"parallelism_config_dp_replicate_size": spec.world_size // group,
+                                     "parallelism_config_dp_shard_size": group}
+    return out
 
 
 ACCELERATE = {"fsdp": _accelerate_fsdp, "deepspeed": _accelerate_deepspeed}  # no XLA FSDP there

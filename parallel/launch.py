@@ -44,12 +44,14 @@ def torchrun_command(spec: Spec, args: LaunchArgs, script: str, script_args: lis
     cmd = [sys.executable, "-m", "parallel.agent",
            "--nproc-per-node", str(spec.topology.procs_per_node),
            "--nnodes", str(nnodes), "--max-restarts", str(args.max_restarts)]
-    if nnodes == 1 and not args.rdzv_endpoint:
+    endpoint = args.rdzv_endpoint or spec.topology.rdzv_endpoint
+    if nnodes == 1 and not endpoint:
         cmd.append("--standalone")  # a private rendezvous on a free port: parallel jobs never clash
     else:
-        if not args.rdzv_endpoint:
-            raise ValueError("--rdzv-endpoint HOST:PORT is required with more than one node")
-        cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint]
+        if not endpoint:
+            raise ValueError("--rdzv-endpoint HOST:PORT (or topology.rdzv_endpoint) is required "
+                             "with more than one node")
+        cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint]
         if args.node_rank is not None:
             cmd += ["--node-rank", str(args.node_rank)]
     # "--" ends torchrun's options: a script flag such as --log would otherwise be taken as an

@@ -37,6 +37,12 @@ class Topology(Section):
             "Default: procs_per_node (shard inside a host, replicate across hosts).",
         ),
     ] = None
+    rdzv_endpoint: Annotated[
+        str | None,
+        Field(pattern=r"^[^:\s]+:\d+$", description="HOST:PORT every node of a multi-node job "
+              "meets at (torchrun --rdzv-endpoint; accelerate's main_process_ip:main_process_port). "
+              "`polyshard launch --rdzv-endpoint` overrides it."),
+    ] = None
 
     @property
     def world_size(self) -> int:
@@ -191,11 +197,21 @@ class DeepSpeedOptions(Section):
         bool, Field(description="With offload, replace a client Adam/AdamW by DeepSpeed's compiled "
                     "CPU Adam (faster; compiled on first use). Off keeps the client optimizer.")
     ] = False
+    offload_device: Annotated[
+        Literal["cpu", "nvme"],
+        Field(description="Where `offload` puts what it offloads: host memory, or NVMe files "
+              "under nvme_path (DeepSpeed's ZeRO-Infinity)."),
+    ] = "cpu"
+    nvme_path: Annotated[
+        str | None, Field(description="Directory on local NVMe for offload_device: nvme.")
+    ] = None
     reduce_bucket_size: Annotated[
-        int | None, Field(ge=1, description="Elements per gradient reduction bucket.")
+        int | None, Field(gt=0, description="Elements per gradient reduction bucket (unset: "
+                          "DeepSpeed's 5e8; DeepSpeed refuses 0).")
     ] = None
     prefetch_bucket_size: Annotated[
-        int | None, Field(ge=1, description="ZeRO-3: elements prefetched ahead of use.")
+        int | None, Field(ge=0, description="ZeRO-3: elements prefetched ahead of use (unset: "
+                          "DeepSpeed's 5e7).")
     ] = None
     param_persistence_threshold: Annotated[
         int | None, Field(ge=0, description="ZeRO-3: parameters smaller than this stay unsharded.")
@@ -205,6 +221,14 @@ class DeepSpeedOptions(Section):
         Field(description="A DeepSpeed config dict or a path to its JSON, merged last. \"auto\" "
               "values are filled from the spec; a value that contradicts the spec is an error."),
     ] = {}
+
+
+    @model_validator(mode="after")
+    def _nvme(self) -> DeepSpeedOptions:
+        if (self.offload_device == "nvme") != (self.nvme_path is not None):
+            raise rule_error(("deepspeed.nvme_path", "is required by offload_device: nvme, and "
+                              "read only with it; set both or neither"))
+        return self
 
 
 class XlaOptions(Section):

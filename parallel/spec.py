@@ -61,6 +61,18 @@ class Spec(Section):
             "fp32. fp16 adds dynamic loss scaling (see loss_scale)."
         ),
     ] = "fp32"
+    reduce_dtype: Annotated[
+        Literal["fp32", "compute", "bf16", "fp16"],
+        Field(description="Dtype gradients are reduced in across ranks. fp32 (default): exact sums "
+              "on every backend. compute: the compute dtype of `precision` (DeepSpeed's own default, "
+              "half the bytes with bf16/fp16). bf16 / fp16: that dtype whatever the compute dtype."),
+    ] = "fp32"
+    pin_memory: Annotated[
+        bool,
+        Field(description="With offload: keep the CPU copies in page-locked memory, for faster "
+              "copies to and from the GPU (DeepSpeed's and FSDP2's default). No effect on a "
+              "CPU-only host."),
+    ] = True
     loss_scale: Annotated[
         LossScale, Field(description="Dynamic loss scaling knobs; read only with precision: fp16.")
     ] = LossScale()
@@ -78,6 +90,13 @@ class Spec(Section):
         Field(ge=1, description="Micro-batches per optimizer step. A step's batch on each rank holds "
               "micro_batch_size * grad_accum_steps samples; the loss is their mean."),
     ] = 1
+    global_batch_size: Annotated[
+        int | None,
+        Field(ge=1, description="Samples per optimizer step over all data-parallel ranks "
+              "(DeepSpeed's train_batch_size). Optional: when set, micro_batch_size x "
+              "grad_accum_steps x the data-parallel size must equal it, so a launch at another "
+              "world size fails instead of silently changing the batch."),
+    ] = None
     grad_clip: Annotated[
         float | None,
         Field(gt=0, description="Clip the global gradient 2-norm to this value. Off when unset "
@@ -120,6 +139,11 @@ class Spec(Section):
         return self.world_size
 
     @property
+    def grad_reduce_dtype(self) -> str:
+        """fp32, bf16 or fp16: what `reduce_dtype` means with this `precision`."""
+        return self.precision if self.reduce_dtype == "compute" else self.reduce_dtype
+
+    @property
     def checkpoint_activations(self) -> bool:
         """activation_checkpointing, or its XLA alias `xla.xla_fsdp_grad_ckpt` (either spelling)."""
         return self.activation_checkpointing or bool(self.xla_grad_ckpt_setting())
@@ -155,6 +179,7 @@ class Spec(Section):
         if self.loss_scale != LossScale() and self.precision != "fp16":
             problems.append(("loss_scale", f"loss scaling applies to precision: fp16 only, not "
                              f"{self.precision!r}; remove loss_scale or use precision: fp16"))
+        problems += self._batch_rules()
         xla_ckpt = self.xla_grad_ckpt_setting()
         if (xla_ckpt is not None and "activation_checkpointing" in self.model_fields_set
                 and xla_ckpt != self.activation_checkpointing):
@@ -164,4 +189,18 @@ class Spec(Section):
         if problems:
             raise rule_error(*problems)
         return self
+
+    def _batch_rules(self) -> list[tuple[str, str]]:
+        problems = []
+        if self.deepspeed.offload_device == "nvme" and self.offload == "none":
+            problems.append(("deepspeed.offload_device", "'nvme' says where offloaded state goes, "
+                             "but offload is 'none'; set offload: optimizer or params"))
+        spmd = self.backend == "xla_fsdp" and self.xla.fsdp_version == 2  # devices known at run time
+        per_step = self.micro_batch_size * self.grad_accum_steps * self.world_size
+        if self.global_batch_size is not None and not spmd and per_step != self.global_batch_size:
+            problems.append(("global_batch_size", f"{self.global_batch_size} != micro_batch_size "
+                             f"{self.micro_batch_size} x grad_accum_steps {self.grad_accum_steps} x "
+                             f"{self.world_size} rank(s) = {per_step}; change one of them (e.g. "
+                             "--set topology.procs_per_node=N) so the product is the global batch"))
+        return problems
 

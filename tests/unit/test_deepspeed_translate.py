@@ -80,5 +80,5 @@ def test_native_merges_last_auto_fills_and_conflicts_name_both_values(tmp_path):
     path.write_text(json.dumps({"bf16": {"enabled": True}}))
     with pytest.raises(SpecError, match="deepspeed.native.bf16.enabled"):
         ds(deepspeed={"native": str(path)})
-    with pytest.raises(SpecError, match="not a readable DeepSpeed JSON"):
+    with pytest.raises(SpecError, match="not a readable DeepSpeed config"):
         ds(deepspeed={"native": str(tmp_path / "missing.json")})

@@ -37,7 +37,7 @@ def test_meshes():
 def test_precision_and_offload():
     out = fsdp(precision="bf16", offload="params")["kwargs"]
     assert out["mp_policy"] == {"param_dtype": "bf16", "reduce_dtype": "fp32"}
-    assert out["offload_policy"] == "cpu"
+    assert out["offload_policy"] == {"pin_memory": True}
     assert "mp_policy" not in fsdp()["kwargs"]
     v1 = fsdp(1, precision="fp16", offload="params", fsdp={"backward_prefetch": "backward_post",
                                                             "forward_prefetch": True})["kwargs"]

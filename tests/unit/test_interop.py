@@ -1,85 +1,207 @@
-"""accelerate / DeepSpeed / HF Trainer interop: the seed's accelerate config converts field by field;
-exported files are accepted by the tools' own config classes; import after export is a round trip."""
+"""accelerate / DeepSpeed / HF Trainer interop, one test per class of defect issue #13 found (the
+whole real-file corpus runs through the tools' own parsers in test_real_configs.py)."""
 
 import json
 
 import pytest
 import yaml
 
-from parallel.interop import from_accelerate, from_deepspeed
+from backends.deepspeed.interop import from_deepspeed
+from parallel.cli import main
+from parallel.interop import from_accelerate
 from parallel.interop_export import to_accelerate, to_deepspeed, to_hf_trainer
-from parallel.specio import load_spec
+from parallel.registry import explain
+from parallel.specio import SpecError, load_spec
 
 DATA = __import__("pathlib").Path(__file__).with_name("data")
+FSDP = {"distributed_type": "FSDP", "num_processes": 2}
 
 
-def test_the_seed_accelerate_config_converts_every_field():
+def problems(fn, *args, **kwargs) -> dict[str, str]:
+    with pytest.raises(SpecError) as err:
+        fn(*args, **kwargs)
+    return dict(err.value.problems)
+
+
+def test_the_seed_accelerate_config_means_what_accelerate_makes_of_it():
     cfg = yaml.safe_load((DATA / "accelerate_fsdp_seed.yaml").read_text())
     data, report = from_accelerate(cfg)
     spec = load_spec(data)
-    fields = {f.split(".")[-1] for f, _, _ in report}
-    assert set(cfg) - {"fsdp_config"} <= fields and set(cfg["fsdp_config"]) <= fields
-    assert not [r for r in report if r[1] == "unsupported"], report
     assert (spec.backend, spec.shard, spec.offload, spec.precision) == ("fsdp", "full", "params",
                                                                         "bf16")
     assert spec.wrap.layer_classes == ["BertLayer"] and spec.fsdp.version == 1
-    assert spec.topology.procs_per_node == 2 and spec.state_dict == "sharded"
+    # accelerate 1.11 reads fsdp_backward_prefetch, not this older name: no prefetch, and it says so
+    assert spec.fsdp.backward_prefetch == "none"
+    assert any(f == "fsdp_config.fsdp_backward_prefetch_policy" and o == "ignored"
+               for f, o, _ in report)
 
 
-@pytest.mark.parametrize("value,shard", [(1, "full"), ("2", "grad_op"), ("NO_SHARD", "none"),
-                                         (4, "hybrid"), ("HYBRID_SHARD_ZERO2", "hybrid_grad_op")])
-def test_sharding_strategy_as_number_or_name(value, shard):
-    data, _ = from_accelerate({"distributed_type": "FSDP", "num_processes": 4,
-                               "fsdp_config": {"fsdp_sharding_strategy": value}})
-    assert data["shard"] == shard
+def test_transformer_wrap_without_classes_is_auto_and_demo_export_imports_back(tmp_path, capsys):
+    data, _ = from_accelerate({**FSDP, "fsdp_config": {
+        "fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}})
+    assert data["wrap"] == {"policy": "auto"}
+    out = tmp_path / "acc.yaml"
+    assert main(["export", "--to", "accelerate", "configs/demo.yaml", "-o", str(out)]) == 0
+    assert main(["import", "accelerate", str(out)]) == 0
+    back = load_spec(yaml.safe_load(capsys.readouterr().out))
+    demo = load_spec(yaml.safe_load(open("configs/demo.yaml")))
+    for field in ("backend", "shard", "offload", "precision", "wrap", "topology", "state_dict"):
+        assert getattr(back, field) == getattr(demo, field), field
 
 
-def test_xla_keys_select_xla_fsdp():
-    data, report = from_accelerate({"distributed_type": "FSDP", "xla": True, "fsdp_config": {
-        "fsdp_sharding_strategy": 1, "xla_fsdp_settings": {"flatten_parameters": False},
-        "xla_fsdp_grad_ckpt": True}})
-    spec = load_spec(data)
-    assert spec.backend == "xla_fsdp" and spec.checkpoint_activations
-    assert spec.xla.xla_fsdp_settings == {"flatten_parameters": False}
-
-
-def test_unknown_fields_are_reported_not_dropped():
-    _, report = from_accelerate({"distributed_type": "FSDP", "mixed_precision": "fp8",
-                                 "fsdp_config": {"fsdp_magic": 1}})
-    bad = {f for f, outcome, _ in report if outcome == "unsupported"}
-    assert bad == {"mixed_precision", "fsdp_config.fsdp_magic"}
-
-
-def test_deepspeed_json_with_auto_values():
-    cfg = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 4,
-           "gradient_clipping": 1.0, "bf16": {"enabled": True},
-           "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
-                                 "overlap_comm": True, "reduce_bucket_size": "auto"},
-           "steps_per_print": 10}
+def test_auto_precision_is_decided_by_the_spec_never_by_key_order():
+    cfg = {"fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"},
+           "zero_optimization": {"stage": 2}}
     data, report = from_deepspeed(cfg)
+    assert "precision" not in data  # the spec's (default fp32), reported as decided there
+    assert any(o == "auto" and "precision" in d for _, o, d in report)
+    data, _ = from_deepspeed(cfg, given={"precision": "bf16"})
+    assert load_spec({**data, "precision": "bf16"}).precision == "bf16"
+    assert problems(from_deepspeed, {"fp16": {"enabled": True}, "bf16": {"enabled": True}})
+
+
+def test_absent_fields_mean_deepspeeds_defaults():
+    data, _ = from_deepspeed({"train_micro_batch_size_per_gpu": 2})
     spec = load_spec(data)
-    assert (spec.shard, spec.offload, spec.precision, spec.grad_accum_steps) == (
-        "full", "optimizer", "bf16", 4)
-    assert spec.deepspeed.native == {"zero_optimization": {"overlap_comm": True}}
-    assert {f for f, o, _ in report if o == "auto"} == {"train_micro_batch_size_per_gpu",
-                                                        "zero_optimization.reduce_bucket_size"}
+    assert spec.shard == "none"  # no zero_optimization: ZeRO-0
+    assert spec.grad_clip == 1.0 and spec.reduce_dtype == "compute"  # DeepSpeed's, not polyshard's
+    data, _ = from_deepspeed({"train_batch_size": 256, "train_micro_batch_size_per_gpu": 1,
+                              "gradient_accumulation_steps": 8, "zero_optimization": {"stage": 3}},
+                             given={"topology": {"nodes": 4, "procs_per_node": 8}})
+    assert data["global_batch_size"] == 256
+    spec = load_spec({**data, "topology": {"nodes": 4, "procs_per_node": 8}})
+    assert explain(spec)["config"]["train_batch_size"] == 256
+    # the global batch is a constraint: another world size fails instead of changing it
+    assert "global_batch_size" in problems(load_spec, {**data, "topology": {"procs_per_node": 8}})
+    data, _ = from_deepspeed({"fp16": {"enabled": True, "loss_scale_window": 100,
+                                       "initial_scale_power": 32}})
+    assert load_spec(data).loss_scale.growth_interval == 100
+    assert load_spec(data).loss_scale.initial_scale_power == 32
 
 
-def test_accelerate_export_loads_in_accelerate_and_round_trips(tmp_path):
-    pytest.importorskip("accelerate")
-    from accelerate.commands.config.config_args import ClusterConfig
+def test_offload_details_are_kept_pinning_and_nvme():
+    zero = {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
+    assert load_spec(from_deepspeed({"zero_optimization": zero})[0]).pin_memory is True  # default
+    nvme = {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"},
+            "offload_param": {"device": "nvme", "nvme_path": "/nvme", "pin_memory": False,
+                              "buffer_count": 6}}
+    nvme["offload_optimizer"]["pin_memory"] = False
+    spec = load_spec(from_deepspeed({"zero_optimization": nvme})[0])
+    zero_out = explain(spec)["config"]["zero_optimization"]
+    assert zero_out["offload_param"] == {"device": "nvme", "pin_memory": False, "nvme_path": "/nvme",
+                                         "buffer_count": 6}
+    assert zero_out["offload_optimizer"]["device"] == "nvme"
+    data, _ = from_deepspeed({"fp16": {"enabled": True, "auto_cast": True}})
+    assert explain(load_spec(data))["config"]["fp16"]["auto_cast"] is True
 
-    spec = load_spec({"backend": "fsdp", "shard": "hybrid", "precision": "bf16",
-                      "wrap": {"policy": "layer_classes", "layer_classes": ["LlamaDecoderLayer"]},
-                      "topology": {"nodes": 2, "procs_per_node": 4}, "fsdp": {"version": 2}})
-    path = tmp_path / "accelerate.yaml"
-    path.write_text(yaml.safe_dump(to_accelerate(spec)))
-    cluster = ClusterConfig.from_yaml_file(str(path))
-    assert cluster.distributed_type == "FSDP" and cluster.num_processes == 8
-    back = load_spec(from_accelerate(yaml.safe_load(path.read_text()))[0])
-    for field in ("backend", "shard", "precision", "offload", "wrap", "topology", "state_dict"):
-        assert getattr(back, field) == getattr(spec, field), field
-    assert back.fsdp.version == 2
+
+@pytest.mark.parametrize("cfg,field", [
+    ({"distributed_type": "MEGATRON_LM", "num_processes": 1}, "distributed_type"),
+    ({"distributed_type": "XLA", "num_processes": 8}, "distributed_type"),
+    ({}, "<file>"),
+    ({"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": 1}, "<file>"),
+    ({**FSDP, "mixed_precision": "fp8"}, "mixed_precision"),
+    ({**FSDP, "fsdp_config": {"fsdp_sharding_strategy": "FULL_SHARDS"}},
+     "fsdp_config.fsdp_sharding_strategy"),
+    ({**FSDP, "fsdp_confg": {}}, "fsdp_confg"),
+])
+def test_what_cannot_be_kept_fails_naming_the_field(cfg, field):
+    assert field in problems(from_accelerate, cfg)
+
+
+def test_data_parallel_types_map_to_shard_none():
+    for kind in ("MULTI_GPU", "MULTI_CPU"):
+        spec = load_spec(from_accelerate({"distributed_type": kind, "num_processes": 4})[0])
+        assert (spec.backend, spec.shard, spec.world_size) == ("fsdp", "none", 4)
+    one = load_spec(from_accelerate({"distributed_type": "NO", "num_processes": 8})[0])
+    assert one.world_size == 1  # NO launches one process whatever num_processes says
+
+
+def test_deepspeed_refusals_match_deepspeeds_own():
+    from backends.deepspeed.schema import zero_key_problems  # noqa: F401 - same tables as native
+
+    found = problems(from_deepspeed, {"zero_optimisation": {"stage": 3}, "gradient_cliping": 1.0})
+    assert "did you mean 'zero_optimization'" in found["zero_optimisation"]
+    assert "did you mean 'gradient_clipping'" in found["gradient_cliping"]
+    found = problems(from_deepspeed, {"zero_optimization": {"stage": 3, "overlap_com": True,
+                                                            "offload_optimiser": {"device": "cpu"}}})
+    assert set(found) == {"zero_optimization.overlap_com", "zero_optimization.offload_optimiser"}
+    # the adapter's own passthrough: what DeepSpeed refuses is refused at validate
+    axolotl_pair = {"backend": "deepspeed", "deepspeed": {"native": {"zero_optimization": {
+        "gather_16bit_weights_on_model_save": True}}}}
+    config = explain(load_spec(axolotl_pair))["config"]["zero_optimization"]
+    assert "gather_16bit_weights_on_model_save" not in config  # one name: stage3_ ...
+    assert config["stage3_gather_16bit_weights_on_model_save"] is True
+    bad = {"backend": "deepspeed", "deepspeed": {"native": {"zero_optimization": {
+        "stage3_gather_16bit_weights_on_model_save": True, "gather_16bit_weights_on_model_save": True}}}}
+    assert "under two names" in " ".join(problems(explain, load_spec(bad)).values())
+    assert problems(explain, load_spec({"backend": "deepspeed", "deepspeed": {
+        "native": {"optimizer": {"type": "AdamW"}}}}))
+
+
+def test_parallelism_config_is_hybrid_sharding_and_round_trips():
+    cfg = {"distributed_type": "FSDP", "num_processes": 8, "num_machines": 2,
+           "fsdp_config": {"fsdp_version": 2},
+           "parallelism_config": {"parallelism_config_dp_replicate_size": 2,
+                                  "parallelism_config_dp_shard_size": 4}}
+    spec = load_spec(from_accelerate(cfg)[0])
+    assert (spec.shard, spec.shard_group_size) == ("hybrid", 4)
+    assert to_accelerate(spec)["parallelism_config"] == cfg["parallelism_config"]
+    tp = {**cfg, "parallelism_config": {"parallelism_config_tp_size": 2}}
+    assert "parallelism_config.parallelism_config_tp_size" in problems(from_accelerate, tp)
+
+
+def test_names_accelerate_uses_today():
+    data, report = from_accelerate({**FSDP, "fsdp_config": {
+        "fsdp_version": 2, "fsdp_reshard_after_forward": False, "fsdp_ignored_modules": None}})
+    assert data["shard"] == "grad_op"
+    data, report = from_accelerate({"distributed_type": "DEEPSPEED", "num_processes": 8,
+                                    "deepspeed_config": {"zero_stage": 3,
+                                                         "zero3_save_16bit_model": True,
+                                                         "deepspeed_multinode_launcher": "standard"}})
+    spec = load_spec(data)
+    assert spec.deepspeed.gather_16bit_weights_on_model_save and spec.deepspeed.zero_init
+    assert ("deepspeed_config.deepspeed_multinode_launcher", "launch") in [(f, o) for f, o, _ in report]
+
+
+def test_optimizer_blocks_with_values_are_refused_all_auto_ones_left_to_the_script():
+    auto = {"optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}}}
+    _, report = from_deepspeed(auto)
+    assert ("optimizer", "auto") in [(f, o) for f, o, _ in report]
+    valued = {"optimizer": {"type": "AdamW", "params": {"lr": 3e-5}}}
+    assert "torch.optim.AdamW" in problems(from_deepspeed, valued)["optimizer"]
+    _, report = from_deepspeed(valued, lossy=True)
+    assert ("optimizer", "lost") in [(f, o) for f, o, _ in report]
+
+
+def test_cli_bad_input_exits_2_without_a_traceback(tmp_path, capsys):
+    (tmp_path / "tabs.yaml").write_text("distributed_type: FSDP\nfsdp_config:\n\tfsdp_version: 2\n")
+    assert main(["import", "accelerate", str(tmp_path / "tabs.yaml")]) == 2
+    assert "never tabs" in capsys.readouterr().err
+    (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 7}}')
+    assert main(["import", "deepspeed", str(tmp_path / "ds.json")]) == 2
+    assert "zero_optimization.stage: 7 is no ZeRO stage" in capsys.readouterr().err
+    (tmp_path / "dup.json").write_text('{"gradient_clipping": 1, "gradient_clipping": 2}')
+    assert main(["import", "deepspeed", str(tmp_path / "dup.json")]) == 2
+    assert "duplicate keys" in capsys.readouterr().err
+    (tmp_path / "hjson.json").write_text('{\n  // DeepSpeed reads comments\n  "zero_optimization": '
+                                         '{"stage": 1}\n}')
+    assert main(["import", "deepspeed", str(tmp_path / "hjson.json")]) == 0
+    assert main(["import", "accelerate", str(tmp_path / "missing.yaml")]) == 2
+
+
+def test_accelerate_export_keeps_what_it_used_to_drop(tmp_path):
+    spec = load_spec({"backend": "fsdp", "shard": "grad_op", "precision": "bf16",
+                      "topology": {"nodes": 2, "procs_per_node": 4, "rdzv_endpoint": "10.0.0.1:29400"}})
+    out = to_accelerate(spec)
+    assert out["main_process_ip"] == "10.0.0.1" and out["main_process_port"] == 29400
+    fsdp = out["fsdp_config"]
+    assert fsdp["fsdp_reshard_after_forward"] is False and "fsdp_sharding_strategy" not in fsdp
+    ds = to_accelerate(load_spec({"backend": "deepspeed", "shard": "full", "precision": "bf16"}))
+    files = ds.pop("__files__")
+    assert ds["deepspeed_config"]["deepspeed_config_file"] in files
+    assert json.loads(next(iter(files.values())))["bf16"]["enabled"] is True
+    assert "mixed_precision" not in ds  # accelerate refuses it beside a config file
 
 
 def test_deepspeed_export_is_accepted_by_deepspeed_config():
@@ -88,7 +210,7 @@ def test_deepspeed_export_is_accepted_by_deepspeed_config():
 
     spec = load_spec({"backend": "fsdp", "shard": "grad_op", "offload": "params",
                       "micro_batch_size": 2, "grad_accum_steps": 3})
-    with pytest.raises(Exception, match="offload"):  # FSDP's params offload has no ZeRO-2 twin
+    with pytest.raises(SpecError, match="offload"):  # FSDP's params offload has no ZeRO-2 twin
         to_deepspeed(spec)
     spec = load_spec({"backend": "deepspeed", "shard": "full", "offload": "optimizer",
                       "micro_batch_size": 2, "grad_accum_steps": 3, "precision": "bf16"})
@@ -117,12 +239,3 @@ def test_hf_trainer_arguments_build_training_arguments(tmp_path, data):
         assert args.deepspeed["zero_optimization"]["stage"] == 1
     else:
         assert "full_shard" in [str(o.value) for o in args.fsdp]
-
-
-def test_bad_input_exits_2_naming_the_field(tmp_path, capsys):
-    from parallel.cli import main
-
-    (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 7}}')
-    assert main(["import", "deepspeed", str(tmp_path / "ds.json")]) == 2
-    assert "zero_optimization.stage: 7 is no ZeRO stage" in capsys.readouterr().err
-    assert main(["import", "accelerate", str(tmp_path / "missing.yaml")]) == 2

@@ -38,7 +38,19 @@ from parallel.wrap import disable_kv_cache, plan_wrap
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
+def _check_reduce(spec: Spec) -> None:
+    """v1 reduces in fp32 or in the compute dtype (fp32_reduce_scatter); SPMD v2 reduces the fp32
+    gradients of its fp32 parameters in the compiled graph."""
+    reduce, x = spec.grad_reduce_dtype, spec.xla
+    allowed = {"fp32"} if x.fsdp_version == 2 else {"fp32", spec.precision}
+    if reduce not in allowed:
+        raise SpecError([("reduce_dtype", f"{spec.reduce_dtype!r} ({reduce}) with precision "
+                          f"{spec.precision!r}: XLA FSDP v{x.fsdp_version} reduces gradients in "
+                          f"{' or '.join(sorted(allowed))}; use one of those")])
+
+
 def translate(spec: Spec) -> dict:
+    _check_reduce(spec)
     x = spec.xla
     settings = {k: v for k, v in x.xla_fsdp_settings.items() if k != "xla_fsdp_grad_ckpt"}
     if x.fsdp_version == 2:
@@ -59,9 +71,9 @@ def translate(spec: Spec) -> dict:
               "flatten_parameters": x.flatten_parameters,
               "compute_dtype": DTYPE_NAMES[spec.precision],
               "buffer_dtype": "float32",
-              "fp32_reduce_scatter": mixed}  # gradients reduced in fp32, as on every backend
+              "fp32_reduce_scatter": mixed and spec.grad_reduce_dtype == "fp32"}
     origins = {"reshard_after_forward": "shard", "flatten_parameters": "xla.flatten_parameters",
-               "compute_dtype": "precision", "fp32_reduce_scatter": "precision"}
+               "compute_dtype": "precision", "fp32_reduce_scatter": "reduce_dtype"}
     kwargs = merge_native(kwargs, origins, settings, "xla.xla_fsdp_settings")
     kwargs = merge_native(kwargs, origins, x.native, "xla.native")
     return {"api": "XlaFullyShardedDataParallel", "kwargs": kwargs,

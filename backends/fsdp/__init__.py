@@ -24,7 +24,7 @@ from parallel.specio import SpecError, merge_native
 from parallel.torch_state import read_model_optim, write_model_optim
 from parallel.wrap import apply_ac, plan_wrap
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # fp32 / None: no cast
 FSDP1_STRATEGY = {"full": "FULL_SHARD", "grad_op": "SHARD_GRAD_OP", "none": "NO_SHARD",
                   "hybrid": "HYBRID_SHARD", "hybrid_grad_op": "_HYBRID_SHARD_ZERO2"}
 
@@ -51,13 +51,17 @@ def translate(spec: Spec) -> dict:
     """The FSDP keyword arguments this spec means, as plain values, with `fsdp.native` merged last."""
     _check_loss_scale(spec)
     low = spec.precision if spec.precision in DTYPES else None
+    reduce = spec.grad_reduce_dtype
+    mixed = {"param_dtype": low, "reduce_dtype": reduce} if low or reduce != "fp32" else None
     if spec.fsdp.version == 2:
         kwargs = {"reshard_after_forward": spec.shard in ("full", "hybrid")}
         origins = {"reshard_after_forward": "shard"}
-        if low:
-            kwargs["mp_policy"] = {"param_dtype": low, "reduce_dtype": "fp32"}
+        if mixed:
+            kwargs["mp_policy"] = mixed
+            origins["mp_policy"] = "precision / reduce_dtype"
         if spec.offload == "params":
-            kwargs["offload_policy"] = "cpu"
+            kwargs["offload_policy"] = {"pin_memory": spec.pin_memory}
+            origins["offload_policy"] = "offload / pin_memory"
         native = merge_native(kwargs, origins, spec.fsdp.native, "fsdp.native")
         return {"api": "fully_shard", "mesh": list(mesh_shape(spec)), "kwargs": native}
     f = spec.fsdp
@@ -68,6 +72,10 @@ def translate(spec: Spec) -> dict:
                           "trains each replica alone (torch clamps a 1-rank shard group to NO_SHARD "
                           "and skips the replica all-reduce); use `shard: none` for pure replication, "
                           "a shard_group_size > 1, or `fsdp.version: 2`")])
+    if spec.offload == "params" and not spec.pin_memory:
+        raise SpecError([("pin_memory", "false with fsdp.version: 1: FSDP1 always pins offloaded "
+                          "shards (CPUOffload has no switch); use fsdp.version: 2 or pin_memory: "
+                          "true")])
     kwargs = {"sharding_strategy": FSDP1_STRATEGY[spec.shard], "backward_prefetch":
               None if f.backward_prefetch == "none" else f.backward_prefetch.upper(),
               "forward_prefetch": f.forward_prefetch, "sync_module_states": f.sync_module_states,
@@ -75,9 +83,9 @@ def translate(spec: Spec) -> dict:
               "cpu_offload": spec.offload == "params"}
     origins = {"sharding_strategy": "shard", "cpu_offload": "offload"}
     origins.update({k: f"fsdp.{k}" for k in kwargs if k not in origins})
-    if low:
-        kwargs["mixed_precision"] = {"param_dtype": low, "reduce_dtype": "fp32"}
-        origins["mixed_precision"] = "precision"
+    if mixed:
+        kwargs["mixed_precision"] = mixed
+        origins["mixed_precision"] = "precision / reduce_dtype"
     native = merge_native(kwargs, origins, f.native, "fsdp.native")
     mesh = list(mesh_shape(spec)) if spec.shard in HYBRID_SHARDS else None
     return {"api": "FullyShardedDataParallel", "mesh": mesh, "kwargs": native}
@@ -187,10 +195,13 @@ class FSDP2Engine(_TorchFSDP):
         kwargs = dict(self.plan["kwargs"])
         if "mp_policy" in kwargs:
             mp = kwargs["mp_policy"]
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=DTYPES[mp["param_dtype"]],
-                                                       reduce_dtype=torch.float32)
-        if kwargs.get("offload_policy") == "cpu":
-            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=DTYPES.get(mp["param_dtype"]),
+                                                       reduce_dtype=DTYPES.get(mp["reduce_dtype"],
+                                                                               torch.float32))
+        if isinstance(kwargs.get("offload_policy"), dict):
+            # pinning needs a CUDA driver; on a CPU-only host there is nothing to pin
+            pin = kwargs["offload_policy"]["pin_memory"] and self.device.type == "cuda"
+            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=pin)
         _check_kwargs(fully_shard, kwargs)
         shape = self.plan["mesh"]
         names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
@@ -274,8 +285,10 @@ class FSDP1Engine(_TorchFSDP):
         on_cpu = self.device.type == "cpu"
         kwargs["cpu_offload"] = CPUOffload(offload_params=kwargs["cpu_offload"] and not on_cpu)
         if "mixed_precision" in kwargs:
-            low = DTYPES[kwargs["mixed_precision"]["param_dtype"]]
-            kwargs["mixed_precision"] = MixedPrecision(param_dtype=low, reduce_dtype=torch.float32)
+            mp = kwargs["mixed_precision"]
+            kwargs["mixed_precision"] = MixedPrecision(
+                param_dtype=DTYPES.get(mp["param_dtype"]),
+                reduce_dtype=DTYPES.get(mp["reduce_dtype"], torch.float32))
         if self.plan["mesh"]:
             kwargs["device_mesh"] = init_device_mesh(self.device.type, tuple(self.plan["mesh"]),
                                                      mesh_dim_names=("replicate", "shard"))

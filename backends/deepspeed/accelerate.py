@@ -1,0 +1,136 @@
+"""An accelerate YAML's `deepspeed_config` as a spec, meaning what accelerate 1.11's DeepSpeedPlugin and
+Accelerator make of it (measured with accelerate's own launcher and plugin in
+tests/unit/test_real_configs.py):
+
+- without `deepspeed_config_file`, the plugin builds a config: ZeRO stage 2 when zero_stage is absent,
+  the offload devices, gradient_accumulation_steps (1), gradient_clipping ("auto", which Accelerator
+  fills with 1.0), no 16-bit gather on save, zero.Init on at stage 3 unless zero3_init_flag says
+  otherwise; mixed_precision fp16 adds `auto_cast: true`;
+- with `deepspeed_config_file`, the JSON decides (its "auto" values filled by accelerate: precision
+  from mixed_precision, clipping 1.0, no 16-bit gather), and the other yaml keys must agree with it.
+"""
+
+from __future__ import annotations
+
+import difflib
+
+from backends.deepspeed.interop import import_into, zero_section
+from parallel.interop import Import
+
+PLUGIN_KEYS = {"zero_stage", "offload_optimizer_device", "offload_param_device",
+               "offload_optimizer_nvme_path", "offload_param_nvme_path",
+               "gradient_accumulation_steps", "gradient_clipping", "zero3_init_flag",
+               "zero3_save_16bit_model", "deepspeed_config_file"}
+LAUNCH_KEYS = {"deepspeed_multinode_launcher": "polyshard launch starts torchrun on every node "
+               "(--emit slurm writes the job)", "deepspeed_hostfile": "hosts: polyshard launch "
+               "--nnodes / --emit slurm", "deepspeed_inclusion_filter": "hosts: polyshard launch",
+               "deepspeed_exclusion_filter": "hosts: polyshard launch"}
+SHARD_OF_STAGE = {0: "none", 1: "optimizer", 2: "grad_op", 3: "full"}
+
+
+def deepspeed_section(imp: Import, ds: dict, cfg: dict, read_json) -> None:
+    imp.set("backend", "deepspeed", "distributed_type")
+    for key, value in ds.items():
+        if key in LAUNCH_KEYS:
+            imp.note(f"deepspeed_config.{key}", "launch", LAUNCH_KEYS[key])
+        elif key == "deepspeed_moe_layer_cls_names" and value:
+            imp.refuse(f"deepspeed_config.{key}", "mixture-of-experts layers have no polyshard "
+                       "equivalent")
+        elif key not in PLUGIN_KEYS and key != "deepspeed_moe_layer_cls_names":
+            hint = difflib.get_close_matches(key, sorted(PLUGIN_KEYS | set(LAUNCH_KEYS)), n=1,
+                                             cutoff=0.75)
+            if hint:
+                imp.problems.append((f"deepspeed_config.{key}", f"accelerate does not read it; "
+                                     f"did you mean {hint[0]!r}?"))
+            else:
+                imp.note(f"deepspeed_config.{key}", "ignored", "accelerate does not read it")
+    if ds.get("deepspeed_config_file"):
+        _from_file(imp, ds, read_json)
+    else:
+        _from_plugin(imp, ds)
+    stage3 = imp.spec.get("shard") in ("full", "hybrid")
+    flag = ds.get("zero3_init_flag")
+    imp.set("deepspeed.zero_init", bool(stage3 if flag is None else flag and stage3),
+            "deepspeed_config.zero3_init_flag", "mapped" if flag is not None else "default",
+            "zero.Init" + (" (absent: on at ZeRO-3, accelerate's default)" if flag is None else ""))
+
+
+def _from_plugin(imp: Import, ds: dict) -> None:
+    stage = ds.get("zero_stage", 2)
+    if stage not in SHARD_OF_STAGE:
+        imp.problems.append(("deepspeed_config.zero_stage", f"{stage!r} is no ZeRO stage; 0-3"))
+        return
+    imp.set("shard", SHARD_OF_STAGE[stage], "deepspeed_config.zero_stage",
+            "mapped" if "zero_stage" in ds else "default",
+            f"shard: {SHARD_OF_STAGE[stage]}" + ("" if "zero_stage" in ds else
+                                                 " (absent: ZeRO-2, accelerate's default)"))
+    optimizer = ds.get("offload_optimizer_device", "none") or "none"
+    param = ds.get("offload_param_device", "none") or "none"
+    zero = {"offload_optimizer": {"device": optimizer}, "offload_param": {"device": param}}
+    for name, device in (("offload_optimizer", optimizer), ("offload_param", param)):
+        path = ds.get(f"{name}_nvme_path")
+        if device == "nvme" and path not in (None, "none"):
+            zero[name]["nvme_path"] = path
+    zero_section(imp, {"stage": stage, **zero})  # the zero_optimization the plugin builds
+    _yaml_fields(imp, ds)
+    if imp.spec.get("precision") == "fp16":  # Accelerator.set_mixed_precision's fp16 block
+        imp.set("deepspeed.native.fp16", {"auto_cast": True}, "mixed_precision", "native",
+                "accelerate's fp16 block casts floating inputs to fp16 (auto_cast: true)")
+    imp.set("reduce_dtype", "compute", "deepspeed_config", "default",
+            "DeepSpeed reduces in the compute dtype (accelerate sets no communication_data_type)")
+
+
+def _yaml_fields(imp: Import, ds: dict) -> None:
+    accum = ds.get("gradient_accumulation_steps", 1)
+    imp.set("grad_accum_steps", int(accum), "deepspeed_config.gradient_accumulation_steps",
+            "mapped" if "gradient_accumulation_steps" in ds else "default")
+    clip = ds.get("gradient_clipping")
+    if clip is None:
+        imp.set("grad_clip", 1.0, "deepspeed_config.gradient_clipping", "default",
+                "absent: accelerate's Accelerator fills 1.0")
+    else:
+        imp.set("grad_clip", float(clip) if float(clip) > 0 else None,
+                "deepspeed_config.gradient_clipping")
+    if "zero3_save_16bit_model" in ds:  # absent: false, as zero_section already wrote
+        imp.set("deepspeed.gather_16bit_weights_on_model_save", bool(ds["zero3_save_16bit_model"]),
+                "deepspeed_config.zero3_save_16bit_model")
+
+
+def _from_file(imp: Import, ds: dict, read_json) -> None:
+    name = ds["deepspeed_config_file"]
+    clash = [f"deepspeed_config.{k}" for k in sorted(ds) if k in
+             PLUGIN_KEYS - {"deepspeed_config_file", "zero3_init_flag"}]
+    clash += ["mixed_precision"] if "mixed_precision" in imp.sources.get("precision", "") and \
+        imp.spec.get("precision") != "fp32" else []
+    if clash:
+        imp.problems += [(key, "is set beside deepspeed_config_file, which accelerate refuses (the "
+                          "JSON decides; set it there, e.g. bf16.enabled): remove it")
+                         for key in clash]
+        return
+    if read_json is None:
+        imp.problems.append(("deepspeed_config.deepspeed_config_file", "cannot be read here"))
+        return
+    try:
+        config = read_json(name)
+    except (OSError, ValueError) as err:
+        imp.problems.append(("deepspeed_config.deepspeed_config_file", f"{name!r}: {err}"))
+        return
+    inner = Import(imp.lossy, {**imp.given, "precision": imp.spec.get("precision")})
+    import_into(inner, config, caller="accelerate")  # "auto" precision: mixed_precision decides
+    imp.problems += [(f"deepspeed_config_file: {p}", m) for p, m in inner.problems]
+    imp.report += [(f"deepspeed_config_file: {f}", o, d) for f, o, d in inner.report]
+    precision = imp.spec.get("precision")
+    _deep_update(imp.spec, inner.spec)
+    if inner.spec.get("precision") not in (None, precision) and precision != "fp32":
+        imp.problems.append(("mixed_precision", f"{precision!r} contradicts the DeepSpeed file's "
+                             f"{inner.spec['precision']!r}; accelerate refuses the pair"))
+    elif inner.spec.get("precision") is None:
+        imp.spec["precision"] = precision  # the file's "auto": accelerate's mixed_precision
+
+
+def _deep_update(into: dict, new: dict) -> None:
+    for key, value in new.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _deep_update(into[key], value)
+        else:
+            into[key] = value

@@ -1,0 +1,395 @@
+"""A DeepSpeed JSON as a spec (`polyshard import deepspeed FILE`), keeping what DeepSpeed meant by it.
+
+The rule: every field keeps its meaning, or the import fails naming the field, why, and the fix
+(`--lossy` accepts such losses and reports them). "auto" means "decided by the caller" (Hugging Face
+fills it from TrainingArguments): polyshard is the caller here, so the spec decides, and the report says
+which spec field. An absent field means DeepSpeed's own default, written into the spec explicitly where
+polyshard's default differs (gradient_clipping 1.0, pin_memory true, reduction in the compute dtype,
+no 16-bit gather on save). Keys the spec has no field for go verbatim under `deepspeed.native`, which
+the adapter merges last. Plain data: no deepspeed import (backends/deepspeed/schema.py has its rules).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from backends.deepspeed import schema
+from parallel.interop import Import, Report
+SHARD_OF_STAGE = {0: "none", 1: "optimizer", 2: "grad_op", 3: "full"}
+LOGGING = {"steps_per_print", "wall_clock_breakdown", "comms_logger", "tensorboard", "wandb",
+           "csv_monitor", "comet", "flops_profiler", "memory_breakdown", "timers", "log_level"}
+
+
+def read_config(path: Path) -> Any:
+    """A DeepSpeed config file read as DeepSpeed 0.19.8 reads it: hjson (so `//` comments and
+    unquoted keys are allowed), duplicate keys refused. Without hjson (it comes with deepspeed), JSON."""
+    from parallel.specio import SpecError
+
+    text = path.read_text()
+    try:
+        import hjson
+    except ImportError:
+        hjson = None
+    try:
+        if hjson is None:
+            return json.loads(text, object_pairs_hook=_no_duplicates)
+        return hjson.loads(text, object_pairs_hook=_no_duplicates)
+    except ValueError as err:  # hjson.HjsonDecodeError and json.JSONDecodeError are ValueErrors
+        raise SpecError([(str(path), f"is not a DeepSpeed config DeepSpeed could read: {err}")]) \
+            from None
+
+
+def _no_duplicates(pairs):
+    keys = [k for k, _ in pairs]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise ValueError(f"duplicate keys {twice} (DeepSpeed refuses them)")
+    return dict(pairs)
+
+
+def from_deepspeed(cfg: Any, lossy: bool = False, given: dict | None = None) -> tuple[dict, Report]:
+    """DeepSpeed config (a dict, as DeepSpeed's hjson reader gives it) -> (spec dict, report).
+    `given`: spec fields set on the command line (they decide "auto" and derived values).
+    Raises SpecError listing every field that cannot keep its meaning."""
+    imp = Import(lossy, given or {})
+    import_into(imp, cfg)
+    return imp.finish()
+
+
+def import_into(imp: Import, cfg: Any, caller: str = "polyshard") -> None:
+    """Map `cfg` into `imp`. `caller` fills "auto": polyshard (the spec decides), or accelerate
+    (a deepspeed_config_file under accelerate: clipping 1.0 and no 16-bit gather, as its Accelerator
+    fills them)."""
+    if not isinstance(cfg, dict):
+        imp.problems.append(("<file>", f"a DeepSpeed config is a JSON object, not "
+                             f"{type(cfg).__name__}"))
+        return
+    imp.spec["backend"] = "deepspeed"
+    imp.caller = caller
+    for key, value in cfg.items():
+        if key not in schema.TOP_LEVEL:
+            _unknown(imp, key)
+        elif key not in HANDLED:
+            _native(imp, key, value)
+    _batch(imp, cfg)
+    _clipping(imp, cfg)
+    _precision(imp, cfg)
+    zero_section(imp, cfg.get("zero_optimization"))
+    _reduction(imp, cfg)
+    for block in ("optimizer", "scheduler"):
+        if block in cfg:
+            _client_block(imp, block, cfg[block])
+    for key in ("zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer"):
+        if key in cfg:
+            imp.note(key, "ignored", "polyshard always hands DeepSpeed your optimizer and allows it "
+                     "(deepspeed.cpu_adam picks DeepSpeed's CPU Adam)")
+
+
+def _unknown(imp: Import, key: str) -> None:
+    hint = schema.closest(key, schema.TOP_LEVEL)
+    if hint:
+        imp.problems.append((key, f"DeepSpeed 0.19.8 reads no such key and ignores it silently: did "
+                             f"you mean {hint!r}? Fix the name or remove it"))
+    else:
+        imp.note(key, "ignored", "DeepSpeed 0.19.8 does not read this key: it had no effect there "
+                 "and has none here")
+
+
+def _native(imp: Import, key: str, value) -> None:
+    if _has_auto(value):
+        imp.problems.append((key, "holds \"auto\", which only the fields polyshard decides take "
+                             "(batch sizes, clipping, precision, buckets); give a value"))
+        return
+    imp.set(f"deepspeed.native.{key}", value, key, "native",
+            "logging only, kept for DeepSpeed" if key in LOGGING else "kept verbatim for DeepSpeed")
+
+
+def _has_auto(value) -> bool:
+    if isinstance(value, dict):
+        return any(_has_auto(v) for v in value.values())
+    return value == "auto"
+
+
+def _int(imp: Import, source: str, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+        imp.problems.append((source, f"{value!r} is not a whole number"))
+        return None
+    return int(value)
+
+
+def _batch(imp: Import, cfg: dict) -> None:
+    """micro batch, accumulation, global batch: DeepSpeed derives a missing one from the others and
+    the world size (DeepSpeedConfig._set_batch_related_parameters); so does this import."""
+    fields = {"train_micro_batch_size_per_gpu": "micro_batch_size",
+              "gradient_accumulation_steps": "grad_accum_steps",
+              "train_batch_size": "global_batch_size"}
+    values = {}
+    for key, field in fields.items():
+        value = cfg.get(key)
+        if value == "auto" or value is None:
+            imp.note(key, "auto" if value == "auto" else "absent",
+                     f"decided by the spec ({field})" if value == "auto" else
+                     f"derived as DeepSpeed derives it, or the spec's {field}")
+            continue
+        values[field] = _int(imp, key, value)
+    if None in values.values():
+        return
+    nodes = imp.given_value("topology.nodes") or 1
+    world = nodes * (imp.given_value("topology.procs_per_node") or 1)
+    mb, ga, gb = (values.get(f) for f in ("micro_batch_size", "grad_accum_steps", "global_batch_size"))
+    if gb is not None and (mb is None or ga is None):
+        if mb is None and ga is None:
+            ga = 1
+        if mb is None:
+            mb = gb // (ga * world)
+        else:
+            ga = gb // (mb * world)
+        imp.note("train_batch_size", "derived", f"micro_batch_size {mb}, grad_accum_steps {ga} at "
+                 f"world size {world} (pass --set topology.* for another world size)")
+    for field, value in (("micro_batch_size", mb), ("grad_accum_steps", ga),
+                         ("global_batch_size", gb)):
+        if value is not None:
+            imp.set(field, value, next(k for k, f in fields.items() if f == field))
+
+
+def _clipping(imp: Import, cfg: dict) -> None:
+    value = cfg.get("gradient_clipping")
+    if value == "auto" and imp.caller == "accelerate":
+        imp.set("grad_clip", 1.0, "gradient_clipping", "auto", "auto: accelerate fills 1.0")
+    elif value == "auto":
+        imp.note("gradient_clipping", "auto", "decided by the spec (grad_clip: unset is off; "
+                 "accelerate and HF Trainer would fill 1.0: --set grad_clip=1.0 for that)")
+    elif value is None:
+        imp.set("grad_clip", schema.DEFAULTS["gradient_clipping"], "gradient_clipping", "default",
+                "absent: DeepSpeed's default 1.0, written as grad_clip: 1.0")
+    elif isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+        imp.set("grad_clip", float(value) if value > 0 else None, "gradient_clipping")
+    else:
+        imp.problems.append(("gradient_clipping", f"{value!r} is not a number >= 0"))
+
+
+def _enabled(block) -> Any:
+    if block is None:
+        return None
+    return block.get("enabled", False) if isinstance(block, dict) else block
+
+
+def _precision(imp: Import, cfg: dict) -> None:
+    bf16_key = "bf16" if "bf16" in cfg else "bfloat16"
+    for key, fields in (("fp16", schema.FP16_FIELDS), (bf16_key, schema.BF16_FIELDS)):
+        block = cfg.get(key)
+        for sub in (block or {}) if isinstance(block, dict) else ():
+            if sub not in fields:
+                hint = schema.closest(sub, fields)
+                imp.problems.append((f"{key}.{sub}", "is no DeepSpeed setting (its parser refuses "
+                                     "it)" + (f"; did you mean {hint!r}?" if hint else "")))
+    fp16, bf16 = _enabled(cfg.get("fp16")), _enabled(cfg.get(bf16_key))
+    if fp16 is True and bf16 is True:
+        imp.problems.append(("fp16.enabled", f"true together with {bf16_key}.enabled true: "
+                             "DeepSpeed refuses both; enable one"))
+        return
+    chosen = "fp16" if fp16 is True else "bf16" if bf16 is True else None
+    if chosen:
+        imp.set("precision", chosen, f"{'fp16' if chosen == 'fp16' else bf16_key}.enabled")
+    elif "auto" in (fp16, bf16):
+        imp.note("fp16.enabled / bf16.enabled", "auto", "decided by the spec (precision: fp32 "
+                 "unless you --set precision=bf16 or fp16)")
+    else:
+        imp.set("precision", "fp32", "fp16.enabled / bf16.enabled", "default",
+                "neither enabled: fp32, DeepSpeed's default")
+    precision = imp.given_value("precision") or chosen
+    _fp16_knobs(imp, cfg.get("fp16") if isinstance(cfg.get("fp16"), dict) else {}, precision)
+    bf16_block = cfg.get(bf16_key) if isinstance(cfg.get(bf16_key), dict) else {}
+    if bf16_block.get("bf16_master_weights_and_grads") or bf16_block.get("bf16_optimizer_states"):
+        imp.refuse(f"{bf16_key}.bf16_master_weights_and_grads", "keeps master weights or optimizer "
+                   "state in bf16; polyshard keeps them fp32 on every backend")
+    extra = {k: v for k, v in bf16_block.items() if k in ("immediate_grad_update",)}
+    if extra:
+        imp.set("deepspeed.native.bf16", extra, f"{bf16_key}.immediate_grad_update", "native")
+
+
+FP16_KNOBS = {"initial_scale_power": "initial_scale_power", "loss_scale_window": "growth_interval",
+              "hysteresis": "hysteresis", "min_loss_scale": "min_scale"}
+FP16_DEFAULTS = {"initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2,
+                 "min_loss_scale": 1}
+
+
+def _fp16_knobs(imp: Import, block: dict, precision: str | None) -> None:
+    if block.get("loss_scale", 0) != 0:
+        imp.refuse("fp16.loss_scale", f"{block['loss_scale']!r} is a static loss scale; polyshard "
+                   "scales dynamically on every backend: use 0")
+    if block.get("fp16_master_weights_and_grads"):
+        imp.refuse("fp16.fp16_master_weights_and_grads", "keeps master weights in fp16; polyshard "
+                   "keeps them fp32 on every backend: set it false")
+    own = {k: block[k] for k in ("auto_cast", "consecutive_hysteresis") if block.get(k)}
+    if own:  # DeepSpeed-only fp16 details (auto_cast: cast floating inputs to fp16)
+        imp.set("deepspeed.native.fp16", dict(own), "fp16." + "/".join(own), "native",
+                f"kept verbatim for DeepSpeed: {own}")
+    knobs = {k: block[k] for k in FP16_KNOBS if k in block and block[k] != FP16_DEFAULTS[k]}
+    if not knobs:
+        return
+    if precision != "fp16":  # inert while fp16 is off; a contradiction is reported if it is turned on
+        imp.set("deepspeed.native.fp16", {**own, **knobs}, "fp16." + "/".join(knobs), "native",
+                "kept for DeepSpeed, where they apply only when fp16 is on (--set precision=fp16 "
+                "at import makes them loss_scale fields)")
+        return
+    for key, value in knobs.items():
+        imp.set(f"loss_scale.{FP16_KNOBS[key]}", value, f"fp16.{key}")
+
+
+def _reduction(imp: Import, cfg: dict) -> None:
+    value = cfg.get("communication_data_type")
+    if value is None:
+        imp.set("reduce_dtype", "compute", "communication_data_type", "default",
+                "absent: DeepSpeed reduces gradients in the compute dtype (reduce_dtype: compute)")
+    elif str(value).lower() in ("fp32", "bf16", "fp16"):
+        imp.set("reduce_dtype", str(value).lower(), "communication_data_type")
+    else:
+        imp.problems.append(("communication_data_type", f"{value!r}: DeepSpeed takes fp32, bf16 or "
+                             "fp16"))
+
+
+def zero_section(imp: Import, zero) -> None:
+    if zero is None:
+        imp.set("shard", "none", "zero_optimization", "default", "absent: ZeRO-0 (DeepSpeed's "
+                "default), shard: none")
+        imp.set("deepspeed.gather_16bit_weights_on_model_save", False, "zero_optimization", "default",
+                "absent: no 16-bit gather on save (DeepSpeed's default)")
+        return
+    if not isinstance(zero, dict):
+        imp.problems.append(("zero_optimization", f"must be an object, not {zero!r}"))
+        return
+    imp.problems += schema.zero_key_problems(zero, "zero_optimization")
+    fields = {schema.ZERO_DEPRECATED.get(k, schema.field_of(k)): (k, v) for k, v in zero.items()}
+    stage = fields.pop("stage", ("stage", 0))[1]
+    if stage not in SHARD_OF_STAGE:
+        imp.problems.append(("zero_optimization.stage", f"{stage!r} is no ZeRO stage; use 0, 1, 2 "
+                             "or 3"))
+        return
+    hpz = fields.pop("zero_hpz_partition_size", (None, 1))[1]
+    if stage == 3 and hpz not in (1, None, "auto"):
+        imp.set("shard", "hybrid", "zero_optimization.zero_hpz_partition_size")
+        imp.set("topology.shard_group_size", int(hpz), "zero_optimization.zero_hpz_partition_size")
+    else:
+        imp.set("shard", SHARD_OF_STAGE[stage], "zero_optimization.stage")
+    _offload(imp, fields.pop("offload_optimizer", (None, None))[1],
+             fields.pop("offload_param", (None, None))[1])
+    spec_fields = {"reduce_bucket_size": "deepspeed.reduce_bucket_size",
+                   "prefetch_bucket_size": "deepspeed.prefetch_bucket_size",
+                   "param_persistence_threshold": "deepspeed.param_persistence_threshold",
+                   "gather_16bit_weights_on_model_save": "deepspeed.gather_16bit_weights_on_model_save"}
+    for field, path in spec_fields.items():
+        key, value = fields.pop(field, (None, None))
+        source = f"zero_optimization.{key or schema.json_key(field)}"
+        if value == "auto" and field == "gather_16bit_weights_on_model_save":
+            imp.set(path, False, source, "auto", "auto: false (accelerate fills it so; DeepSpeed "
+                    "drops \"auto\" and defaults to false)")
+        elif value == "auto" and key == schema.json_key(field):  # the spelling HF fills
+            imp.set(f"deepspeed.native.zero_optimization.{key}", "auto", source, "auto",
+                    "filled at prepare from the model's hidden_size h as Hugging Face and accelerate "
+                    "fill it (reduce h*h, prefetch 0.9*h*h, persistence 10*h)")
+        elif value == "auto":
+            imp.note(source, "auto", "under this spelling neither Hugging Face nor accelerate fills "
+                     "it; DeepSpeed drops \"auto\" and uses its default, and so does the spec")
+        elif value is not None:
+            imp.set(path, value if isinstance(value, bool) else int(value), source)
+        elif field == "gather_16bit_weights_on_model_save":
+            imp.set(path, False, source, "default", "absent: DeepSpeed's default false")
+    for field, (key, value) in fields.items():
+        if value == "auto":
+            imp.note(f"zero_optimization.{key}", "auto", "DeepSpeed drops \"auto\" and uses its "
+                     "default; so does the spec")
+        else:
+            imp.set(f"deepspeed.native.zero_optimization.{schema.json_key(field)}", value,
+                    f"zero_optimization.{key}", "native", "kept verbatim for DeepSpeed")
+
+
+def _offload(imp: Import, optimizer, param) -> None:
+    blocks = {"offload_optimizer": optimizer, "offload_param": param}
+    devices = {k: (b or {}).get("device", "none") if isinstance(b, dict) else "none"
+               for k, b in blocks.items()}
+    if devices["offload_param"] != "none" and devices["offload_optimizer"] == "none":
+        imp.refuse("zero_optimization.offload_param", "offloads parameters but not the optimizer; "
+                   "polyshard's offload: params moves both (as FSDP's CPU offload does): add "
+                   "offload_optimizer with the same device")
+    on = {d for d in devices.values() if d != "none"}
+    if len(on) > 1:
+        imp.problems.append(("zero_optimization.offload_param.device", f"{devices}: polyshard "
+                             "offloads to one device; use the same for both"))
+    if not on:
+        return
+    level = "params" if devices["offload_param"] != "none" else "optimizer"
+    device = on.pop()
+    if device not in ("cpu", "nvme"):
+        imp.problems.append(("zero_optimization.offload_optimizer.device", f"{device!r}: DeepSpeed "
+                             "offloads to cpu or nvme"))
+        return
+    imp.set("offload", level, f"zero_optimization.{'offload_param' if level == 'params' else 'offload_optimizer'}.device")
+    if device == "nvme":
+        imp.set("deepspeed.offload_device", "nvme", "zero_optimization.offload_*.device")
+    _offload_details(imp, blocks)
+
+
+def _offload_details(imp: Import, blocks: dict) -> None:
+    pins = {b.get("pin_memory", True) for b in blocks.values() if isinstance(b, dict)
+            and b.get("device", "none") != "none"}
+    if len(pins) > 1:
+        imp.problems.append(("zero_optimization.offload_param.pin_memory", "differs from "
+                             "offload_optimizer.pin_memory; polyshard pins both or neither"))
+    elif pins:
+        pin = pins.pop()
+        outcome = "mapped" if any("pin_memory" in (b or {}) for b in blocks.values()) else "default"
+        imp.set("pin_memory", bool(pin), "zero_optimization.offload_*.pin_memory", outcome,
+                f"pin_memory: {bool(pin)}" + (" (absent: DeepSpeed's default true)"
+                                              if outcome == "default" else ""))
+    paths = {b.get("nvme_path") for b in blocks.values() if isinstance(b, dict) and b.get("nvme_path")}
+    if len(paths) > 1:
+        imp.problems.append(("zero_optimization.offload_param.nvme_path", "differs from "
+                             "offload_optimizer.nvme_path; polyshard takes one nvme_path"))
+    elif paths:
+        imp.set("deepspeed.nvme_path", paths.pop(), "zero_optimization.offload_*.nvme_path")
+    for name, block in blocks.items():
+        rest = {k: v for k, v in (block or {}).items() if k not in ("device", "pin_memory",
+                                                                    "nvme_path") and v != "auto"}
+        if rest and isinstance(block, dict) and block.get("device", "none") != "none":
+            imp.set(f"deepspeed.native.zero_optimization.{name}", rest, f"zero_optimization.{name}",
+                    "native", f"kept verbatim for DeepSpeed: {sorted(rest)}")
+
+
+def _client_block(imp: Import, block: str, value) -> None:
+    """polyshard builds the optimizer and scheduler the script passes to engine.prepare(), on every
+    backend (DeepSpeed silently ignores these blocks when a script passes its own). A block whose
+    settings are all "auto" leaves them to the caller, which is that script; one with values would
+    lose them."""
+    kind = value.get("type", "?") if isinstance(value, dict) else "?"
+    params = (value.get("params") or {}) if isinstance(value, dict) else {}
+    # DeepSpeed's AdamW with torch_adam / adam_w_mode true is torch.optim.AdamW itself
+    same_as_torch = {"torch_adam": True, "adam_w_mode": True} if str(kind).lower() == "adamw" else {}
+    params = {k: v for k, v in params.items() if same_as_torch.get(k) is not v}
+    if all(v == "auto" for v in params.values()) and set(value) <= {"type", "params"}:
+        imp.note(block, "auto", f"{kind} with every setting \"auto\": decided by the caller, "
+                 f"which is your script: pass it to engine.prepare() ({_python_hint(block, value)})")
+        return
+    imp.refuse(block, f"a DeepSpeed {block} block with values ({kind}, {params}) builds a "
+               f"DeepSpeed-only {block}; polyshard uses the one your script passes to "
+               f"engine.prepare() on every backend. Pass {_python_hint(block, value)} there and "
+               "remove the block")
+
+
+def _python_hint(block: str, value) -> str:
+    if not isinstance(value, dict):
+        return "see the DeepSpeed docs"
+    params = {k: v for k, v in (value.get("params") or {}).items() if v != "auto"}
+    kind = value.get("type", "?")
+    if block == "optimizer" and str(kind).lower() in ("adamw", "adam", "sgd"):
+        cls = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}[str(kind).lower()]
+        return f"optimizer=(torch.optim.{cls}, {params})"
+    return f"{block} {kind} with {params}"
+
+
+HANDLED = {"train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
+           "gradient_clipping", "fp16", "bf16", "bfloat16", "zero_optimization",
+           "communication_data_type", "optimizer", "scheduler", "zero_allow_untested_optimizer",
+           "zero_force_ds_cpu_optimizer"}
