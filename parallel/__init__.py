@@ -3,10 +3,10 @@
 Importing this package needs neither deepspeed nor torch_xla: backends load lazily through the registry.
 """
 
-__version__ = "0.1.0"  # before the imports below: parallel.engine reads it
+__version__ = "0.1.0"  # before the imports below: parallel.engine.base reads it
 
-from parallel.spec import Spec
-from parallel.specio import SpecError, dump_spec, load_spec
+from parallel.spec.model import Spec
+from parallel.spec.io import SpecError, dump_spec, load_spec
 
 __all__ = ["Spec", "SpecError", "dump_spec", "load_spec", "create_engine"]
 

@@ -8,9 +8,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import get_args
 
-from parallel.capabilities import CAPABILITIES
-from parallel.envinfo import detect_pjrt_device
-from parallel.spec import Backend, Spec
+from parallel.spec.capabilities import CAPABILITIES
+from parallel.launch.envinfo import detect_pjrt_device
+from parallel.spec.model import Backend, Spec
 
 
 @dataclass(frozen=True)

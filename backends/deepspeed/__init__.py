@@ -12,12 +12,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from parallel import portable as ps
-from parallel.engine import Engine, OptimizerArg, build_optimizer, require_fp32
-from parallel.spec import Spec
-from parallel.specio import SpecError
-from parallel.torch_state import read_model_optim, write_model_optim
-from parallel.wrap import apply_ac, plan_wrap
+from parallel.checkpoint import portable as ps
+from parallel.engine.base import Engine, OptimizerArg, build_optimizer, require_fp32
+from parallel.spec.model import Spec
+from parallel.spec.io import SpecError
+from parallel.checkpoint.dcp_state import read_model_optim, write_model_optim
+from parallel.engine.wrap import apply_ac, plan_wrap
 
 from . import schema
 from .state import (

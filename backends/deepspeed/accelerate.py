@@ -15,7 +15,7 @@ from __future__ import annotations
 import difflib
 
 from backends.deepspeed.interop import import_into, zero_section
-from parallel.interop import Import
+from parallel.interop.accelerate import Import
 
 PLUGIN_KEYS = {"zero_stage", "offload_optimizer_device", "offload_param_device",
                "offload_optimizer_nvme_path", "offload_param_nvme_path",

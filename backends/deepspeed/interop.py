@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from backends.deepspeed import schema
-from parallel.interop import Import, Report
+from parallel.interop.accelerate import Import, Report
 SHARD_OF_STAGE = {0: "none", 1: "optimizer", 2: "grad_op", 3: "full"}
 LOGGING = {"steps_per_print", "wall_clock_breakdown", "comms_logger", "tensorboard", "wandb",
            "csv_monitor", "comet", "flops_profiler", "memory_breakdown", "timers", "log_level"}
@@ -25,7 +25,7 @@ LOGGING = {"steps_per_print", "wall_clock_breakdown", "comms_logger", "tensorboa
 def read_config(path: Path) -> Any:
     """A DeepSpeed config file read as DeepSpeed 0.19.8 reads it: hjson (so `//` comments and
     unquoted keys are allowed), duplicate keys refused. Without hjson (it comes with deepspeed), JSON."""
-    from parallel.specio import SpecError
+    from parallel.spec.io import SpecError
 
     text = path.read_text()
     try:

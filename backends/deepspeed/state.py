@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from parallel import portable as ps
-from parallel.params import aliases, tied_groups
+from parallel.checkpoint import portable as ps
+from parallel.engine.params import aliases, tied_groups
 
 
 def is_zero(optimizer) -> bool:

@@ -17,12 +17,12 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from parallel.engine import Engine, OptimizerArg, require_fp32
-from parallel.params import Sharded, clean_name
-from parallel.spec import HYBRID_SHARDS, Spec
-from parallel.specio import SpecError, merge_native
-from parallel.torch_state import read_model_optim, write_model_optim
-from parallel.wrap import apply_ac, plan_wrap
+from parallel.engine.base import Engine, OptimizerArg, require_fp32
+from parallel.engine.params import Sharded, clean_name
+from parallel.spec.model import HYBRID_SHARDS, Spec
+from parallel.spec.io import SpecError, merge_native
+from parallel.checkpoint.dcp_state import read_model_optim, write_model_optim
+from parallel.engine.wrap import apply_ac, plan_wrap
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # fp32 / None: no cast
 FSDP1_STRATEGY = {"full": "FULL_SHARD", "grad_op": "SHARD_GRAD_OP", "none": "NO_SHARD",

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import difflib
 
-from parallel.interop import PREFETCH, Import, strategy, wrap_section
+from parallel.interop.accelerate import PREFETCH, Import, strategy, wrap_section
 
 KEYS = {"fsdp_version", "fsdp_sharding_strategy", "fsdp_reshard_after_forward", "fsdp_offload_params",
         "fsdp_auto_wrap_policy", "fsdp_transformer_layer_cls_to_wrap", "fsdp_min_num_params",

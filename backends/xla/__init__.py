@@ -16,9 +16,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from parallel.engine import Engine, OptimizerArg, require_fp32
-from parallel.params import aliases, retie
-from parallel.portable import (
+from parallel.engine.base import Engine, OptimizerArg, require_fp32
+from parallel.engine.params import aliases, retie
+from parallel.checkpoint.portable import (
     clean_name,
     full_template,
     groups_template,
@@ -31,9 +31,9 @@ from parallel.portable import (
     save_state,
     single_step,
 )
-from parallel.spec import Spec
-from parallel.specio import SpecError, merge_native
-from parallel.wrap import disable_kv_cache, plan_wrap
+from parallel.spec.model import Spec
+from parallel.spec.io import SpecError, merge_native
+from parallel.engine.wrap import disable_kv_cache, plan_wrap
 
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
 
@@ -84,7 +84,7 @@ def local_run(spec: Spec) -> tuple[dict, dict]:
     """The same job on one host's CPU client (PJRT_DEVICE=CPU), which is single-process: v1 runs
     at world size 1 with the whole global batch in its micro-batches; v2 runs one process over
     `world_size` virtual devices. Other devices run the spec as written."""
-    from parallel.envinfo import detect_pjrt_device
+    from parallel.launch.envinfo import detect_pjrt_device
 
     data = spec.model_dump(mode="json", exclude_unset=True)
     if detect_pjrt_device() != "CPU":

@@ -19,7 +19,7 @@ import time
 import torch
 
 from parallel import create_engine
-from parallel.launch import current_spec
+from parallel.launch.torchrun import current_spec
 from parallel.toy import build_llama, llama_config
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from parallel import create_engine, load_spec
-from parallel.portable import read_model
+from parallel.checkpoint.portable import read_model
 from parallel.toy import build_llama, llama_config
 
 SEQ, ROWS = 16, 2  # per rank and micro-batch: ROWS samples of SEQ tokens

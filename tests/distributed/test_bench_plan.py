@@ -62,7 +62,7 @@ def test_every_cell_trains_from_the_same_start(results):
 
 @pytest.mark.timeout(1200)
 def test_plan_predicts_the_measured_model_state_bytes(results):
-    from parallel.plan import model_states
+    from parallel.tools.plan import model_states
     from parallel.toy import build_llama, llama_config
 
     shapes = [tuple(p.shape) for p in build_llama(llama_config("tiny")).parameters()]
@@ -78,7 +78,7 @@ def test_plan_predicts_the_measured_model_state_bytes(results):
 
 @pytest.mark.timeout(1200)
 def test_counted_collective_bytes_match_the_formulas(results):
-    from parallel.plan import comm_volume
+    from parallel.tools.plan import comm_volume
 
     default, textbook, _ = results
     expected = {"fsdp/none/w2": 2, "fsdp/grad_op/w2": 2, "fsdp/full/w2": 3,
@@ -101,7 +101,7 @@ def test_counted_collective_bytes_match_the_formulas(results):
 
 
 def test_plan_reproduces_the_zero_paper_table():
-    from parallel.plan import zero_paper
+    from parallel.tools.plan import zero_paper
 
     table = {k: round(v / 1e9, 1) for k, v in zero_paper(7.5e9, 64).items()}
     assert table == {"DP": 120.0, "ZeRO-1": 31.4, "ZeRO-2": 16.6, "ZeRO-3": 1.9}

@@ -53,7 +53,7 @@ FAILING = """
 import torch
 from torch import nn
 from parallel import create_engine
-from parallel.launch import current_spec
+from parallel.launch.torchrun import current_spec
 engine = create_engine(current_spec())
 engine.prepare(nn.Sequential(nn.Linear(4, 4)), (torch.optim.SGD, {"lr": 0.1}))  # no _no_split_modules
 """

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from parallel.cli import main
+from parallel.cli.main import main
 
 
 def cli(*args):
@@ -65,7 +65,7 @@ def test_schema_written(tmp_path):
 
 
 def test_ckpt_verify_and_inspect(tmp_path, capsys):
-    from parallel.checkpoint import write_checkpoint
+    from parallel.checkpoint.directory import write_checkpoint
 
     meta = {"backend": "fsdp", "step": 3, "world_size": 2, "state_dict": "sharded"}
     ckpt = write_checkpoint(tmp_path / "ck", 0, lambda t: (t / "a.bin").write_bytes(b"abc"), meta)

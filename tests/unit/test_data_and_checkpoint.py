@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from parallel.checkpoint import CheckpointError, verify_checkpoint, write_checkpoint
-from parallel.data import ResumableLoader, ResumableSampler
+from parallel.checkpoint.directory import CheckpointError, verify_checkpoint, write_checkpoint
+from parallel.engine.data import ResumableLoader, ResumableSampler
 
 
 def loader(rank=0, world=2, batch=2, seed=3):

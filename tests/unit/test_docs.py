@@ -3,14 +3,14 @@ from pathlib import Path
 import yaml
 
 from parallel import load_spec
-from parallel.specdoc import reference
+from parallel.spec.doc import reference
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_readme_spec_reference_is_generated_from_the_models():
     assert reference() in (ROOT / "README.md").read_text(), (
-        "README's spec reference is stale: python -m parallel.specdoc README.md")
+        "README's spec reference is stale: python -m parallel.spec.doc README.md")
 
 
 def test_readme_opens_with_the_two_commands():

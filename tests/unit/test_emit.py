@@ -8,9 +8,9 @@ import subprocess
 import pytest
 import yaml
 
-from parallel.emit import k8s_manifest, slurm_script
-from parallel.launch import LaunchArgs, torchrun_command
-from parallel.specio import load_spec
+from parallel.launch.emit import k8s_manifest, slurm_script
+from parallel.launch.torchrun import LaunchArgs, torchrun_command
+from parallel.spec.io import load_spec
 
 SPEC = load_spec({"backend": "deepspeed", "shard": "full",
                   "topology": {"nodes": 4, "procs_per_node": 8}})
@@ -68,7 +68,7 @@ def test_tpu_specs_ask_for_no_gpus():
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_cli_emits_parseable_files(tmp_path, capsys):
-    from parallel.cli import main
+    from parallel.cli.main import main
 
     assert main(["launch", "--emit", "k8s", "--set", "topology.nodes=3", "configs/zero3.yaml",
                  "train.py"]) == 0
@@ -86,8 +86,8 @@ def test_cli_emits_parseable_files(tmp_path, capsys):
     ({"PJRT_DEVICE": "CPU"}, "local"),
 ])
 def test_launcher_is_detected_from_the_environment(env, launcher):
-    from parallel.dist import launched_world
-    from parallel.envinfo import detect_launcher
+    from parallel.engine.dist import launched_world
+    from parallel.launch.envinfo import detect_launcher
 
     assert detect_launcher(env) == launcher
     if launcher == "slurm":
@@ -95,7 +95,7 @@ def test_launcher_is_detected_from_the_environment(env, launcher):
 
 
 def test_srun_without_a_master_address_is_a_clear_error():
-    from parallel.dist import launched_world
+    from parallel.engine.dist import launched_world
 
     with pytest.raises(RuntimeError, match="MASTER_ADDR"):
         launched_world({"SLURM_PROCID": "0", "SLURM_NTASKS": "4"})

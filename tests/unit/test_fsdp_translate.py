@@ -5,8 +5,8 @@ from torch import nn
 
 from backends.fsdp import mesh_shape, translate
 from parallel import SpecError, load_spec
-from parallel.sections import Wrap
-from parallel.wrap import plan_wrap
+from parallel.spec.sections import Wrap
+from parallel.engine.wrap import plan_wrap
 
 
 def fsdp(version=2, **data):

@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reliability import record
 
-from parallel.spec import Spec
-from parallel.specio import SpecError, load_spec
+from parallel.spec.model import Spec
+from parallel.spec.io import SpecError, load_spec
 
 FIELDS = sorted(Spec.model_fields)
 SECTIONS = {name: sorted(f.annotation.model_fields) for name, f in Spec.model_fields.items()

@@ -4,9 +4,9 @@ import subprocess
 import sys
 from typing import get_args
 
-from parallel.capabilities import CAPABILITIES
+from parallel.spec.capabilities import CAPABILITIES
 from parallel.registry import BACKENDS
-from parallel.spec import Backend
+from parallel.spec.model import Backend
 
 BLOCK = "import sys; sys.modules['deepspeed'] = None; sys.modules['torch_xla'] = None; "
 
@@ -21,12 +21,12 @@ def run(code):
 
 
 def test_import_parallel_without_optional_backends():
-    out = run("import parallel, parallel.cli, parallel.registry, parallel.launch; "
+    out = run("import parallel, parallel.cli.main, parallel.registry, parallel.launch.torchrun; "
               "print(parallel.load_spec({'backend': 'deepspeed'}).backend)")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "deepspeed"
-    lazy = subprocess.run([sys.executable, "-c", "import sys, parallel.cli, parallel.registry, "
-                           "parallel.launch; print('deepspeed' in sys.modules, 'torch_xla' in sys.modules)"],
+    lazy = subprocess.run([sys.executable, "-c", "import sys, parallel.cli.main, parallel.registry, "
+                           "parallel.launch.torchrun; print('deepspeed' in sys.modules, 'torch_xla' in sys.modules)"],
                           capture_output=True, text=True, timeout=120)
     assert lazy.stdout.split() == ["False", "False"], lazy.stderr  # imported only on demand
 
@@ -34,6 +34,6 @@ def test_import_parallel_without_optional_backends():
 def test_validate_cli_without_optional_backends(tmp_path):
     cfg = tmp_path / "s.yaml"
     cfg.write_text("backend: xla_fsdp\nshard: full\n")
-    out = run(f"from parallel.cli import main; raise SystemExit(main(['validate', '{cfg}']))")
+    out = run(f"from parallel.cli.main import main; raise SystemExit(main(['validate', '{cfg}']))")
     assert out.returncode == 0, out.stderr
     assert "backend: xla_fsdp" in out.stdout

@@ -7,11 +7,11 @@ import pytest
 import yaml
 
 from backends.deepspeed.interop import from_deepspeed
-from parallel.cli import main
-from parallel.interop import from_accelerate
-from parallel.interop_export import to_accelerate, to_deepspeed, to_hf_trainer
+from parallel.cli.main import main
+from parallel.interop.accelerate import from_accelerate
+from parallel.interop.export import to_accelerate, to_deepspeed, to_hf_trainer
 from parallel.registry import explain
-from parallel.specio import SpecError, load_spec
+from parallel.spec.io import SpecError, load_spec
 
 DATA = __import__("pathlib").Path(__file__).with_name("data")
 FSDP = {"distributed_type": "FSDP", "num_processes": 2}

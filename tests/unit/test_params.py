@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from parallel.params import OptimizerMismatch, ParamPlan, per_parameter, retie, tied_groups
+from parallel.engine.params import OptimizerMismatch, ParamPlan, per_parameter, retie, tied_groups
 
 
 class Tied(nn.Module):

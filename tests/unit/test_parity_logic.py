@@ -1,6 +1,6 @@
 """`polyshard parity`'s verdict: per-backend maxima and the tolerance decide the exit code."""
 
-from parallel.parity import compare
+from parallel.tools.parity.report import compare
 
 REF = [{"loss": 5.0, "grad_norm": 1.0, "checksum": 10.0}, {"loss": 4.0, "grad_norm": 0.5,
                                                            "checksum": 9.0}]

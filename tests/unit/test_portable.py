@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from backends.xla import shard_of, split_members
-from parallel.checkpoint import publish, resolve, write_checkpoint
-from parallel.portable import (
+from parallel.checkpoint.directory import publish, resolve, write_checkpoint
+from parallel.checkpoint.portable import (
     PortableStateError,
     clean_name,
     load_state,

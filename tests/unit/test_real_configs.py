@@ -21,10 +21,10 @@ import pytest
 import torch
 import yaml
 
-from parallel.interop import from_accelerate
-from parallel.interop_export import to_accelerate
+from parallel.interop.accelerate import from_accelerate
+from parallel.interop.export import to_accelerate
 from parallel.registry import explain
-from parallel.specio import SpecError, load_spec
+from parallel.spec.io import SpecError, load_spec
 
 deepspeed = pytest.importorskip("deepspeed")
 pytest.importorskip("accelerate")

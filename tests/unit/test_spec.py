@@ -7,7 +7,7 @@ import yaml
 from pydantic import ValidationError
 
 from parallel import Spec, SpecError, dump_spec, load_spec
-from parallel.specio import json_schema
+from parallel.spec.io import json_schema
 
 
 def problems(data, overrides=()):

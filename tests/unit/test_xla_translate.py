@@ -6,7 +6,7 @@ import pytest
 
 from backends.xla import translate
 from parallel import SpecError, load_spec
-from parallel.launch import launch_env, tpu_vm_command
+from parallel.launch.torchrun import launch_env, tpu_vm_command
 
 
 def xla(**data):

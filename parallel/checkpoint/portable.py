@@ -1,0 +1,216 @@
+"""The portable state every backend writes and reads (docs/checkpoint-format.md).
+
+In memory it is one nested dict, the shape torch's `get_state_dict` already uses:
+
+    {"model": {name: tensor},
+     "optim": {"state": {name: {"step": t, "exp_avg": t, ...}},
+               "param_groups": [{"lr": ..., ..., "params": [name, ...]}]}}
+
+where every `name` is the parameter's name in the original, unwrapped model. "model" holds every key
+of that model's `state_dict()`, tied weights under each of their names (torch's layout); the optimizer
+keys a tied parameter by its first name in `named_parameters()`. Frozen parameters are in "model"
+and nowhere in "optim". On disk it is a
+torch.distributed.checkpoint (DCP) directory, `state/`: DCP records each tensor's global shape and the
+chunks each rank wrote, so any world size, and any backend, reads it back into its own layout.
+Tensors may be DTensors or sharded tensors (each rank writes its shards) or whole tensors (written once).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from parallel.engine.params import clean_name
+
+STATE_DIR = "state"
+
+
+@contextlib.contextmanager
+def _quiet_dcp():
+    """DCP's writer calls the deprecated tensor.storage(), and single-writer saves and reads
+    (no_dist) are deliberate here: both warnings are torch's, not the user's."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
+        yield
+
+
+class PortableStateError(RuntimeError):
+    """The checkpoint's state does not fit this run (another model or another optimizer)."""
+
+
+def hyperparams(group: dict) -> dict:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def save_state(state: dict, tmp: Path, planner=None, collective: bool = True) -> None:
+    """Write `state` under tmp/state. Collective: every rank calls it with its part (a rank may hold
+    a subset of the keys; whole tensors held by several ranks are written once)."""
+    optim = state.get("optim")
+    if optim is not None:  # one object: DCP's and XLA's SPMD planners would flatten a list apart
+        state = {**state, "optim": {**optim, "param_groups": tuple(optim["param_groups"])}}
+    with _quiet_dcp():
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp / STATE_DIR)), planner=planner,
+                 no_dist=not (collective and dist.is_initialized()))
+
+
+def load_state(template: dict, path: Path, planner=None, collective: bool = True) -> dict:
+    """Fill `template` (this run's layout: DTensors, shards or whole tensors) from path/state.
+    Strict both ways within the sections asked for ("model", "optim"): DCP itself refuses a template
+    key the checkpoint lacks; a stored entry the template does not ask for would be silently
+    dropped, so it is refused here."""
+    sections = tuple(f"{name}." if name == "model" else "optim.state." for name in template)
+    unread = {k for k in stored_keys(path) if k.startswith(sections)}
+    unread -= set(flatten_state_dict(template)[0])
+    if unread:
+        raise PortableStateError(
+            f"{path / STATE_DIR}: holds {len(unread)} entries this run has no place for (e.g. "
+            f"{sorted(unread)[:3]}); it was written for another model or optimizer")
+    try:
+        with _quiet_dcp():
+            dcp.load(template, storage_reader=dcp.FileSystemReader(str(path / STATE_DIR)),
+                     planner=planner, no_dist=not (collective and dist.is_initialized()))
+    except (Exception, CheckpointException) as err:  # DCP's is a BaseException; name the cause
+        raise PortableStateError(_explain_load_failure(path, template, err)) from err
+    if isinstance(template.get("optim"), dict):
+        template["optim"]["param_groups"] = list(template["optim"]["param_groups"])
+    return template
+
+
+def _explain_load_failure(path: Path, template: dict, err: Exception) -> str:
+    try:
+        saved = stored_keys(path)
+    except Exception:  # noqa: BLE001 - unreadable metadata: report the original error
+        return f"{path / STATE_DIR}: could not be read ({err})"
+    wanted = set(flatten_state_dict(template)[0])
+    missing, extra = sorted(wanted - saved), sorted(saved - wanted)
+    if missing or extra:
+        return (f"{path / STATE_DIR}: this run needs {len(missing)} entries the checkpoint lacks "
+                f"(e.g. {missing[:3]}) and the checkpoint has {len(extra)} this run does not use "
+                f"(e.g. {extra[:3]}); it was written for another model or optimizer (an SGD "
+                "checkpoint has momentum_buffer, an Adam one exp_avg/exp_avg_sq)")
+    return f"{path / STATE_DIR}: {type(err).__name__}: {err}"
+
+
+def groups_template(path: Path) -> None:
+    """Placeholder for the stored param_groups, read whole: which hyper-parameters a group holds
+    depends on the optimizer that wrote it, not on this run's."""
+    if "optim.param_groups" not in stored_keys(path):
+        raise PortableStateError(f"{path / STATE_DIR}: no optimizer state (optim.param_groups); "
+                                 "load it with weights only, or resume from a training checkpoint")
+    return None
+
+
+def merge_groups(live: list[dict], stored: list[dict], names: list[list[str]]) -> list[dict]:
+    """This run's param_groups with every hyper-parameter it knows taken from the checkpoint (lr,
+    betas, weight_decay, momentum, initial_lr...); its own `params` are kept. `names`: the parameter
+    names of each live group. The groups must hold the same parameters as the checkpoint's: a
+    parameter in another group would silently get another group's lr and decay."""
+    if len(live) != len(stored):
+        raise PortableStateError(f"the checkpoint's optimizer has {len(stored)} param groups, this "
+                                 f"run's {len(live)}; build the optimizer with the same groups")
+    where = {n: i for i, g in enumerate(stored) for n in g["params"]}
+    moved = [(n, i, where.get(n)) for i, group in enumerate(names) for n in group
+             if where.get(n) != i]
+    if moved:
+        text = ", ".join(f"{n} (group {i} here, {'none' if j is None else f'group {j}'} in the "
+                         "checkpoint)" for n, i, j in moved[:3])
+        raise PortableStateError(f"{len(moved)} parameter(s) sit in other param groups than in the "
+                                 f"checkpoint: {text}; build the optimizer's groups as the run "
+                                 "that wrote it did")
+    return [{**group, **{k: v for k, v in saved.items() if k in group and k != "params"}}
+            for group, saved in zip(live, stored)]
+
+
+def metadata(path: Path):
+    return dcp.FileSystemReader(str(path / STATE_DIR)).read_metadata()
+
+
+def stored_keys(path: Path) -> set[str]:
+    return set(metadata(path).state_dict_metadata)
+
+
+def tensor_shapes(path: Path, prefix: str = "") -> dict[str, tuple[list[int], torch.dtype]]:
+    """Global shape and dtype of every stored tensor whose key starts with `prefix`."""
+    md = metadata(path).state_dict_metadata
+    return {k[len(prefix):]: (list(v.size), v.properties.dtype) for k, v in md.items()
+            if isinstance(v, TensorStorageMetadata) and k.startswith(prefix)}
+
+
+def read_model(path: Path) -> dict[str, torch.Tensor]:
+    """The whole model state as plain CPU tensors, in this process only (no collectives): for
+    export, inspection and tests."""
+    template = {"model": {name: torch.empty(shape, dtype=dtype)
+                          for name, (shape, dtype) in tensor_shapes(path, "model.").items()}}
+    return load_state(template, path, collective=False)["model"]
+
+
+def full_template(names_shapes: dict[str, torch.Size], optim_keys: dict[str, list[str]],
+                  groups: None, dtype=torch.float32) -> dict:
+    """Whole-tensor CPU template for backends that hold no DTensors (DeepSpeed, XLA FSDP v1): every
+    parameter, each optimizer state entry (`step` is a scalar), and the param_groups object."""
+    state = {name: {key: torch.zeros(()) if key == "step" else torch.empty(shape, dtype=dtype)
+                    for key in optim_keys.get(name, [])}
+             for name, shape in names_shapes.items()}
+    return {"model": {name: torch.empty(shape, dtype=dtype) for name, shape in names_shapes.items()},
+            "optim": {"state": state, "param_groups": groups}}
+
+
+def single_step(per_name: dict[str, dict], names) -> torch.Tensor | None:
+    """The one step count shared by parameters that live in one flat optimizer tensor."""
+    steps = {float(per_name[n]["step"]) for n in names if "step" in per_name.get(n, {})}
+    if len(steps) > 1:
+        raise PortableStateError(f"parameters {list(names)[:3]}... share one flat optimizer tensor "
+                                 f"but the checkpoint has different step counts {sorted(steps)}")
+    return torch.tensor(steps.pop()) if steps else None
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state by one step with zero gradients and lr 0, which changes no
+    parameter for SGD, Adam and AdamW (decoupled decay is scaled by lr). DCP and DeepSpeed's
+    fragment links fill existing state only; a fresh optimizer has none until its first step."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if not params or optimizer.state.get(params[0]):
+        return
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    grads = [p.grad for p in params]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    for p, g in zip(params, grads):
+        p.grad = g
+
+
+def optim_by_name(optimizer: torch.optim.Optimizer, name_of: dict[int, str]) -> dict:
+    """A torch optimizer's state keyed by parameter name (`name_of`: id(param) -> name)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    return {"state": {name_of[id(p)]: dict(optimizer.state[p]) for p in params if optimizer.state.get(p)},
+            "param_groups": [{**hyperparams(g), "params": [name_of[id(p)] for p in g["params"]]}
+                             for g in optimizer.param_groups]}
+
+
+def optim_for_torch(optimizer: torch.optim.Optimizer, state: dict, stored_groups: list[dict],
+                    name_of: dict[int, str]) -> dict:
+    """The inverse: a state dict `optimizer.load_state_dict` accepts (entries indexed by position),
+    with this run's groups taking the checkpoint's hyper-parameters."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    names = [[name_of[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+    groups, index = [], 0
+    for group in merge_groups(optimizer.param_groups, stored_groups, names):
+        groups.append({**group, "params": list(range(index, index + len(group["params"])))})
+        index += len(group["params"])
+    return {"state": {i: state[name_of[id(p)]] for i, p in enumerate(params)
+                      if name_of[id(p)] in state},
+            "param_groups": groups}

@@ -1,0 +1,5 @@
+import sys
+
+from parallel.cli.main import main
+
+sys.exit(main())

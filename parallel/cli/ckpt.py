@@ -1,0 +1,100 @@
+"""`polyshard ckpt inspect|verify|import|export`: checkpoints from the command line, one process."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+EXAMPLES = """example: polyshard ckpt inspect runs/demo   # a checkpoint, or a dir with `latest`
+more:
+  polyshard ckpt verify runs/demo/step-30     # exit 1 naming the first corrupted file
+  polyshard ckpt import deepspeed ds_ckpt/ runs/imported --step 1000
+  polyshard ckpt export --to hf runs/demo hf_model/"""
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("ckpt", help="inspect, verify, import or export checkpoints",
+                       description="inspect, verify, import or export checkpoints", epilog=EXAMPLES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    actions = p.add_subparsers(dest="action", required=True)
+    for name, text in (("inspect", "summary of a checkpoint (verified first)"),
+                       ("verify", "check every file's size and sha256; exit 1 on corruption")):
+        a = actions.add_parser(name, help=text, description=text)
+        a.add_argument("path", help="checkpoint directory, or a directory holding `latest`")
+    a = actions.add_parser("import", help="convert a native checkpoint into polyshard's format",
+                           description="convert a native checkpoint into polyshard's format")
+    a.add_argument("kind", choices=["dcp", "deepspeed", "xla"],
+                   help="dcp: torch.distributed.checkpoint dir; deepspeed: ZeRO checkpoint dir "
+                   "(with `latest` or a tag dir); xla: dir of XLA FSDP *rank-R-of-N* shard files")
+    a.add_argument("src")
+    a.add_argument("out")
+    a.add_argument("--step", type=int, help="optimizer steps taken (when the source has no record)")
+    a = actions.add_parser("export", help="write weights for another tool",
+                           description="write weights for another tool")
+    a.add_argument("--to", choices=["hf"], required=True,
+                   help="hf: model.safetensors + config.json for transformers' from_pretrained")
+    a.add_argument("path")
+    a.add_argument("out")
+    a.add_argument("--config", help="Hugging Face config.json (default: the one saved with it)")
+
+
+def run(args) -> int:
+    from parallel.checkpoint.directory import CheckpointError, resolve, verify_checkpoint
+    from parallel.checkpoint.importers import CheckpointImportError, export_hf, import_checkpoint
+    from parallel.checkpoint.portable import PortableStateError
+
+    try:
+        if args.action == "import":
+            out = import_checkpoint(args.kind, args.src, args.out, args.step)
+            print(f"imported {args.kind} checkpoint {args.src} -> {out}")
+            return 0
+        if args.action == "export":
+            print(f"exported {export_hf(args.path, args.out, args.config)}")
+            return 0
+        path = resolve(args.path)
+        manifest = verify_checkpoint(path)  # sizes and sha256 of every file
+    except (CheckpointError, CheckpointImportError, PortableStateError, OSError) as err:
+        print(f"ckpt {args.action}: {err}", file=sys.stderr)
+        return 1
+    if args.action == "inspect":
+        _inspect(path, manifest)
+    total = sum(f["size"] for f in manifest["files"].values())
+    print(f"ok: {len(manifest['files'])} files, {total:,} bytes verified")
+    return 0
+
+
+def _inspect(path, manifest) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from parallel.checkpoint.portable import tensor_shapes
+
+    console = Console()
+    versions = ", ".join(f"{k} {v}" for k, v in manifest.get("versions", {}).items())
+    console.print(f"[bold]{path}[/]: written by {manifest['backend']} at step {manifest['step']} "
+                  f"on {manifest['world_size']} rank(s); {versions}")
+    if not (path / "state").is_dir():
+        model, optim = {}, {}
+    else:
+        model, optim = tensor_shapes(path, "model."), tensor_shapes(path, "optim.state.")
+    table = Table(title=f"model: {len(model)} tensors, "
+                  f"{sum(_numel(s) for s, _ in model.values()):,} values")
+    for column in ("parameter", "shape", "dtype", "optimizer state"):
+        table.add_column(column)
+    for name, (shape, dtype) in model.items():
+        entries = sorted(k[len(name) + 1:] for k in optim if k.startswith(name + "."))
+        table.add_row(name, str(tuple(shape)), str(dtype).replace("torch.", ""), ", ".join(entries))
+    console.print(table)
+    files = Table(title="files")
+    for column in ("file", "bytes", "sha256"):
+        files.add_column(column)
+    for name, info in manifest["files"].items():
+        files.add_row(name, f"{info['size']:,}", info["sha256"][:16])
+    console.print(files)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

@@ -1,0 +1,116 @@
+"""`polyshard import accelerate|deepspeed FILE` and `polyshard export --to accelerate|deepspeed|hf-trainer`."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import yaml
+
+OUTCOME_STYLE = {"lost": "bold red", "ignored": "yellow", "launch": "dim", "default": "cyan",
+                 "auto": "magenta", "absent": "cyan", "derived": "cyan"}
+
+
+def add_parsers(sub, command, add_spec_args) -> None:
+    p = command("import", "turn an accelerate config or a DeepSpeed JSON into a spec that means the "
+                "same; every source field is reported, and one that cannot keep its meaning stops "
+                "the import (exit 2) naming it, unless --lossy")
+    p.add_argument("kind", choices=["accelerate", "deepspeed"])
+    p.add_argument("file", help="accelerate config YAML, or DeepSpeed JSON (hjson, as DeepSpeed "
+                   "reads it)")
+    p.add_argument("-o", "--output", help="write the spec YAML here (default: stdout)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                   help="what the file leaves to its caller (\"auto\") or its launch: e.g. --set "
+                   "precision=bf16 --set topology.procs_per_node=8 (they win over the file)")
+    p.add_argument("--lossy", action="store_true", help="import even where a field cannot keep its "
+                   "meaning; each loss is listed as 'lost'")
+    p = command("export", "write a spec as an accelerate config, a DeepSpeed JSON or HF "
+                "TrainingArguments keyword arguments")
+    p.add_argument("--to", required=True, choices=["accelerate", "deepspeed", "hf-trainer"])
+    add_spec_args(p)
+    p.add_argument("-o", "--output", help="file to write (default: stdout); an accelerate export "
+                   "of a DeepSpeed spec also writes the DeepSpeed JSON beside it")
+
+
+def _read_yaml(path: Path):
+    from parallel.spec.io import SpecError
+
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise SpecError([(str(path), f"is not valid YAML{where}: {getattr(err, 'problem', err)}; "
+                          "YAML indents with spaces, never tabs")]) from None
+
+
+def run_import(args) -> int:
+    from backends.deepspeed.interop import from_deepspeed, read_config
+    from parallel.interop.accelerate import from_accelerate
+    from parallel.spec.io import SpecError, apply_override, load_spec
+
+    source = Path(args.file)
+    if not source.is_file():
+        raise SpecError([(str(source), "no such file")])
+    given: dict = {}
+    for item in args.overrides:
+        apply_override(given, item)
+    if args.kind == "accelerate":
+        def read_json(name):
+            return read_config(source.parent / name)
+
+        data, report = from_accelerate(_read_yaml(source), read_json, args.lossy, given)
+    else:
+        data, report = from_deepspeed(read_config(source), args.lossy, given)
+    _merge(data, given)
+    report += [(f"--set {item}", "set", "from the command line") for item in args.overrides]
+    _print_report(source, report)
+    load_spec(data)  # the result must itself be a valid spec (SpecError -> exit 2)
+    text = yaml.safe_dump(data, sort_keys=False)
+    if args.output:
+        Path(args.output).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def _merge(into: dict, given: dict) -> None:
+    for key, value in given.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
+
+
+def _print_report(source: Path, report) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    lost = sum(1 for _, outcome, _ in report if outcome == "lost")
+    table = Table(title=f"{source}: {len(report)} fields" + (f", [bold red]{lost} lost[/]" if lost
+                                                              else ""))
+    for column in ("field", "outcome", "detail"):
+        table.add_column(column, overflow="fold")
+    for field, outcome, detail in report:
+        style = OUTCOME_STYLE.get(outcome, "")
+        table.add_row(field, f"[{style}]{outcome}[/]" if style else outcome, detail)
+    Console(stderr=True).print(table)
+
+
+def run_export(args, spec) -> int:
+    from parallel.interop.export import EXPORTERS
+
+    result = EXPORTERS[args.to](spec)
+    extra = result.pop("__files__", {}) if isinstance(result, dict) else {}
+    text = (yaml.safe_dump(result, sort_keys=False) if args.to == "accelerate"
+            else json.dumps(result, indent=2) + "\n")
+    if args.output:
+        Path(args.output).write_text(text)
+        for name, content in extra.items():  # files the export refers to, beside it
+            (Path(args.output).parent / name).write_text(content)
+    else:
+        sys.stdout.write(text)
+        for name, content in extra.items():
+            sys.stderr.write(f"# {name} (written beside the accelerate file with -o):\n{content}")
+    return 0

@@ -1,0 +1,250 @@
+"""`polyshard`: validate, explain, launch, schema. Bad input prints `path: message` lines and exits 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from parallel.cli import ckpt as cli_ckpt, interop as cli_interop
+from parallel.spec.io import SpecError, dump_spec, json_schema, load_spec
+
+EXAMPLES = {
+    "validate": "polyshard validate configs/demo.yaml --set backend=deepspeed",
+    "explain": "polyshard explain configs/demo.yaml --set fsdp.version=1 --model toy:demo",
+    "launch": "polyshard launch --nproc 2 configs/demo.yaml examples/train_lm.py --steps 40  "
+              "(or --emit slurm|k8s|tpu-vm to write the cluster job instead)",
+    "schema": "polyshard schema -o polyshard.schema.json",
+    "ckpt": "polyshard ckpt verify runs/demo/final",
+    "import": "polyshard import accelerate accelerate_config.yaml -o spec.yaml",
+    "export": "polyshard export --to hf-trainer configs/xla-v1-tpu.yaml",
+    "bench": "polyshard bench configs/demo.yaml --backends fsdp,deepspeed,xla_fsdp --steps 5",
+    "plan": "polyshard plan configs/llama3-8b-fsdp.yaml --model config.json --world 8 --budget 80",
+    "parity": "polyshard parity configs/demo.yaml --backends fsdp,deepspeed,xla_fsdp --steps 5",
+}
+
+
+def _add_spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="YAML or JSON spec")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a field, e.g. --set backend=deepspeed (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="polyshard", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="One training-strategy spec for torch FSDP, DeepSpeed ZeRO and PyTorch/XLA FSDP.",
+        epilog="examples:\n" + "\n".join(f"  {v}" for v in EXAMPLES.values()))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def command(name: str, help_: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help_, description=help_,
+                              epilog=f"example: {EXAMPLES[name]}")
+
+    p = command("validate", "check a spec; print the resolved spec")
+    _add_spec_args(p)
+    p.add_argument("--full", action="store_true", help="print every field, defaults included")
+    p = command("explain", "print what a spec becomes on its backend, as JSON")
+    _add_spec_args(p)
+    p.add_argument("--model", help="also list the shard units: a Hugging Face config.json, or "
+                   "toy:demo / toy:tiny (built on the meta device: nothing is allocated)")
+    p = command("launch", "start the processes of a job (torchrun semantics)")
+    p.add_argument("--nproc", type=int, help="processes per node (sets topology.procs_per_node)")
+    p.add_argument("--nnodes", type=int, help="number of nodes (sets topology.nodes)")
+    p.add_argument("--node-rank", type=int, help="this node's rank (multi-node)")
+    p.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous (multi-node)")
+    p.add_argument("--max-restarts", type=int, default=0, help="elastic restarts on failure")
+    p.add_argument("--emit", choices=["tpu-vm", "slurm", "k8s"], help="print what runs this job on "
+                   "a cluster instead of running it here: the gcloud line for every TPU VM worker, "
+                   "an sbatch script, or a Kubeflow PyTorchJob manifest")
+    p.add_argument("--image", default="polyshard-gpu:latest", help="container image (--emit k8s)")
+    p.add_argument("--job-name", default="polyshard", help="job name (--emit slurm / k8s)")
+    p.add_argument("--time", default="24:00:00", help="Slurm time limit (--emit slurm)")
+    p.add_argument("--tpu", default="TPU_NAME", help="TPU VM name (--emit tpu-vm)")
+    p.add_argument("--zone", default="ZONE", help="TPU VM zone (--emit tpu-vm)")
+    p.add_argument("--workdir", default="~/polyshard", help="checkout on the workers (--emit tpu-vm)")
+    _add_spec_args(p)
+    p.add_argument("script", help="training script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    cli_ckpt.add_parser(sub)
+    cli_interop.add_parsers(sub, command, _add_spec_args)
+    p = command("parity", "train the same job on several backends and compare every step with "
+                "one process (exit 1 beyond the tolerance)")
+    _add_spec_args(p)
+    p.add_argument("--backends", default="fsdp,deepspeed,xla_fsdp", help="comma-separated")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--model", default="toy:tiny", help="toy:tiny, toy:demo or a Hugging Face "
+                   "config.json (random weights from the spec's seed)")
+    p.add_argument("--seq", type=int, default=32, help="tokens per sample")
+    p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--tol", type=float, help="loss tolerance (default 1e-5 fp32, 5e-2 bf16/fp16)")
+    p.add_argument("--json", help="also write every number to this file")
+    p = command("bench", "time, memory and communication of the same job on several backends, "
+                "each cell in a fresh launch; table, JSON, CSV and figures")
+    _add_spec_args(p)
+    p.add_argument("--backends", default="fsdp,deepspeed,xla_fsdp")
+    p.add_argument("--shard", help="comma-separated shard levels (default: the spec's)")
+    p.add_argument("--world", help="comma-separated world sizes (default: the spec's)")
+    p.add_argument("--steps", type=int, default=5, help="measured steps (after --warmup)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--model", default="toy:demo")
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--out", default="runs/bench", help="directory for bench.json/csv/png")
+    p.add_argument("--vs-native", action="store_true", help="also run each cell's hand-written "
+                   "loop (benchmarks/) and report polyshard's step time over it")
+    p = command("plan", "predict per-rank memory for every backend x shard x offload and pick the "
+                "fastest that fits")
+    _add_spec_args(p)
+    p.add_argument("--model", required=True, help="HF config.json, toy:demo / toy:tiny, or a "
+                   "parameter count such as 7.5e9")
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--budget", type=float, help="GiB per device")
+    p.add_argument("--seq", type=int, default=2048)
+    p = command("schema", "write the spec's JSON Schema (for editor completion)")
+    p.add_argument("-o", "--output", help="file to write (default: stdout)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return HANDLERS[args.command](args)
+    except SpecError as err:
+        for path, message in err.problems:
+            print(f"{path}: {message}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as err:  # unreadable or malformed input file: no traceback
+        print(f"{args.command}: {err}", file=sys.stderr)
+        return 2
+
+
+def _spec(args):
+    overrides = list(args.overrides)
+    for flag, field in (("nproc", "topology.procs_per_node"), ("nnodes", "topology.nodes")):
+        if getattr(args, flag, None) is not None:
+            overrides.append(f"{field}={getattr(args, flag)}")
+    return load_spec(Path(args.config), overrides)
+
+
+def _validate(args) -> int:
+    from parallel.registry import explain
+
+    spec = _spec(args)
+    try:
+        explain(spec)  # native passthroughs are checked against the spec by the translation
+    except RuntimeError as err:  # backend not installed: the spec itself is still valid
+        print(f"note: {err}", file=sys.stderr)
+    print(dump_spec(spec, full=args.full), end="")
+    print(f"# ok: backend {spec.backend}, {spec.world_size} rank(s), shard {spec.shard}",
+          file=sys.stderr)
+    return 0
+
+
+def _explain(args) -> int:
+    from parallel.registry import explain
+
+    spec = _spec(args)
+    plan = explain(spec)
+    if args.model:
+        from parallel.engine.wrap import plan_wrap
+
+        plan["wrap_units"] = [name for name, _ in plan_wrap(_meta_model(args.model), spec.wrap)]
+    print(json.dumps(plan, indent=2))
+    return 0
+
+
+def _meta_model(source: str):
+    import os
+
+    import torch
+
+    from parallel.toy import build_model
+
+    os.environ.setdefault("USE_TORCH_XLA", "0")  # a meta-device build needs no XLA runtime
+    with torch.device("meta"):
+        return build_model(source)
+
+
+def _launch(args) -> int:
+    from parallel.launch.torchrun import LaunchArgs, launch, tpu_vm_command
+
+    spec = _spec(args)
+    script_args = [a for a in args.script_args if a != "--"]
+    if args.emit == "tpu-vm":
+        print(tpu_vm_command(args.config, args.overrides, args.script, script_args, args.tpu,
+                             args.zone, args.workdir))
+        return 0
+    if args.emit in ("slurm", "k8s"):
+        import yaml
+
+        from parallel.launch.emit import k8s_manifest, slurm_script
+
+        where = (args.config, args.overrides, args.script, script_args)
+        if args.emit == "slurm":
+            print(slurm_script(spec, *where, job_name=args.job_name, time=args.time,
+                               max_restarts=args.max_restarts), end="")
+        else:
+            print(yaml.safe_dump(k8s_manifest(spec, *where, image=args.image, name=args.job_name,
+                                              max_restarts=args.max_restarts), sort_keys=False))
+        return 0
+    launch_args = LaunchArgs(node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
+                             max_restarts=args.max_restarts)
+    try:
+        return launch(spec, launch_args, args.script, script_args)
+    except ValueError as err:
+        print(f"launch: {err}", file=sys.stderr)
+        return 2
+
+
+def _schema(args) -> int:
+    text = json.dumps(json_schema(), indent=2)
+    if args.output:
+        Path(args.output).write_text(text + "\n")
+    else:
+        print(text)
+    return 0
+
+
+def _parity(args) -> int:
+    from parallel.tools.parity.report import parity
+
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    spec = _spec(args)
+    unknown = sorted(set(backends) - {"fsdp", "deepspeed", "xla_fsdp"})
+    if unknown:
+        raise SpecError([("--backends", f"{unknown} unknown; choose from fsdp, deepspeed, xla_fsdp")])
+    options = {"model": args.model, "steps": args.steps, "seq": args.seq,
+               "optimizer": args.optimizer, "lr": args.lr}
+    return parity(spec, backends, options, tol=args.tol, output=args.json)
+
+
+def _bench(args) -> int:
+    from rich.console import Console
+
+    from parallel.tools.bench.report import bench, render
+
+    spec = _spec(args)
+    split = lambda text: [x.strip() for x in text.split(",") if x.strip()] if text else None  # noqa: E731
+    options = {"model": args.model, "steps": args.steps, "warmup": args.warmup, "seq": args.seq}
+    with Console(stderr=True).status("bench") as status:
+        results = bench(spec, split(args.backends), split(args.shard),
+                        [int(w) for w in split(args.world) or []], options, Path(args.out),
+                        status=status, vs_native=args.vs_native)
+    render(results, Path(args.out))
+    return 0 if all("error" not in r for r in results.values()) else 1
+
+
+def _plan(args) -> int:
+    from parallel.cli.plan import run_plan
+
+    return run_plan(_spec(args), args)
+
+
+HANDLERS = {"validate": _validate, "explain": _explain, "launch": _launch, "schema": _schema,
+            "ckpt": cli_ckpt.run, "parity": _parity, "bench": _bench, "plan": _plan, "import": cli_interop.run_import,
+            "export": lambda args: cli_interop.run_export(args, _spec(args))}
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,337 @@
+"""The interface every backend implements, and the training loop they share.
+
+`train_step` is a template: split the step's batch into micro-batches, forward/backward each, then one
+optimizer step. Backends fill in only what differs (how to wrap the model, how to run backward, how to
+clip and step), so the loop reads top to bottom in one place.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader
+
+from parallel.engine import dist as pdist
+from parallel.engine.data import ResumableLoader, ResumableSampler
+from parallel.engine.checkpointing import CheckpointMixin
+from parallel.engine.guards import (
+    BatchError,
+    CollectiveTimeout,
+    NonFiniteLossError,
+    agree,
+    batch_problem,
+    is_timeout,
+    record_progress,
+    timeout_error,
+)
+from parallel.engine.params import ParamGroupsHook, ParamPlan, per_parameter
+from parallel.spec.model import Spec
+
+OptimizerArg = Callable[..., torch.optim.Optimizer] | tuple[type, dict[str, Any]]
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step did. Tensors stay on device until read, so logging decides when the
+    host waits (the loss is a global mean over ranks, as a single process would compute it)."""
+
+    step: int
+    loss_tensor: torch.Tensor
+    grad_norm_tensor: torch.Tensor | None
+    lr: float
+    tokens: int
+    step_time: float
+    stepped: bool = True  # False when fp16 loss scaling skipped the update
+
+    @property
+    def loss(self) -> float:
+        return float(self.loss_tensor)
+
+    @property
+    def grad_norm(self) -> float | None:
+        return None if self.grad_norm_tensor is None else float(self.grad_norm_tensor)
+
+
+def build_optimizer(optimizer: OptimizerArg, params) -> torch.optim.Optimizer:
+    """Optimizers are built after sharding (they must see the sharded parameters)."""
+    if isinstance(optimizer, tuple):
+        cls, kwargs = optimizer
+        return cls(params, **kwargs)
+    return optimizer(params)
+
+
+def require_fp32(model: nn.Module) -> None:
+    """Every precision keeps fp32 master weights; a model loaded in 16 bits would silently not."""
+    bad = sorted({str(p.dtype) for p in model.parameters()
+                  if p.dtype != torch.float32 and p.device.type != "meta"})
+    if bad:
+        raise ValueError(f"model: parameters are {bad}; every precision keeps fp32 master weights, "
+                         "so pass an fp32 model (torch_dtype=torch.float32) and set "
+                         "`precision: bf16` for bf16 compute")
+
+
+class Engine(CheckpointMixin, ABC):
+    """prepare -> train_step / eval_step -> save / load -> close."""
+
+    name: str = "base"
+    # Devices one process feeds. 1 except under SPMD, where one process drives every local device
+    # and its step batch holds micro_batch_size x grad_accum_steps samples for each of them.
+    devices_per_process: int = 1
+
+    def __init__(self, spec: Spec):
+        self.spec = spec
+        self.ctx = pdist.init_distributed(spec.timeout_s)
+        self._check_world()
+        pdist.seed_everything(spec.seed)
+        self.step = 0
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler = None
+        self.loss_fn: LossFn | None = None
+        self.loaders: list[ResumableLoader] = []
+        self.before_step: Callable[[Engine], None] | None = None
+        self._batch_signature: dict | None = None  # the first batch's keys/dtypes, later held to
+        self._param_groups_hook: ParamGroupsHook | None = None
+        self.params: ParamPlan | None = None  # set by the backend before sharding
+
+    # ---- facts ----
+    rank = property(lambda self: self.ctx.rank)
+    world_size = property(lambda self: self.ctx.world_size)
+    device = property(lambda self: self.ctx.device)
+    is_main = property(lambda self: self.ctx.is_main)
+
+    def _check_world(self) -> None:
+        if self.ctx.world_size != self.spec.world_size:
+            raise RuntimeError(
+                f"topology: the spec describes {self.spec.world_size} ranks (nodes "
+                f"{self.spec.topology.nodes} x procs_per_node {self.spec.topology.procs_per_node}) "
+                f"but {self.ctx.world_size} processes were launched; launch with "
+                f"`polyshard launch` (it reads the topology) or fix topology.procs_per_node")
+
+    # ---- set-up ----
+    def prepare(self, model: nn.Module | Callable[[], nn.Module], optimizer: OptimizerArg,
+                scheduler: Callable | None = None, loss_fn: LossFn | None = None,
+                param_groups: ParamGroupsHook | None = None) -> nn.Module:
+        """Shard `model` (a module, or a factory for memory-efficient loading), then build the
+        optimizer over the sharded parameters and the scheduler over the optimizer.
+
+        `optimizer`: (class, kwargs), or a callable taking what to optimize. Param groups built from
+        the model before prepare (the usual habit) are mapped onto the sharded parameters by name.
+        `param_groups`: called once before sharding with the model's (name, parameter) pairs as
+        built (full shapes, on every backend), it returns torch-style groups whose "params" are
+        names or parameters; the optimizer is built over those groups of sharded parameters."""
+        self.loss_fn = loss_fn
+        self._param_groups_hook = param_groups
+        self._check_global_batch()
+        self.model, self.optimizer = self._prepare(model, optimizer)
+        self.scheduler = scheduler(self._scheduled_optimizer()) if scheduler else None
+        return self.model
+
+    def _check_global_batch(self) -> None:
+        """global_batch_size against what this launch feeds (SPMD's devices are known only now)."""
+        wanted, fed = self.spec.global_batch_size, self.samples_per_step * self.world_size
+        if wanted is not None and wanted != fed:
+            from parallel.spec.io import SpecError
+
+            raise SpecError([("global_batch_size", f"{wanted}, but this launch feeds {fed} samples "
+                              f"per step ({self.samples_per_step} per process x {self.world_size} "
+                              "process(es)); change micro_batch_size, grad_accum_steps or the "
+                              "topology")])
+
+    def _record_params(self, model: nn.Module) -> ParamPlan:
+        """Before sharding: parameter names, tied weights and the param_groups hook's groups."""
+        self.params = ParamPlan(model, self._param_groups_hook)
+        return self.params
+
+    def _optimizer_over(self, optimizer: OptimizerArg, model: nn.Module,
+                        sharded=None) -> torch.optim.Optimizer:
+        """After sharding: the optimizer over `model`'s (sharded) parameters, groups mapped by name,
+        holding every trainable parameter exactly once (else OptimizerMismatch). `sharded`: each
+        trained tensor with the original names it holds, where that is not one per parameter."""
+        return self.params.optimizer(lambda groups: build_optimizer(optimizer, groups),
+                                     sharded or per_parameter(model))
+
+    def _scheduled_optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer whose param_groups' lr a scheduler sets."""
+        return self.optimizer
+
+    @abstractmethod
+    def _prepare(self, model, optimizer: OptimizerArg) -> tuple[nn.Module, torch.optim.Optimizer]:
+        ...
+
+    def dataloader(self, dataset, batch_size: int | None = None, shuffle: bool = True,
+                   collate_fn=None) -> ResumableLoader:
+        """Per-rank loader of step batches (micro_batch_size * grad_accum_steps samples each) whose
+        position is saved and restored with the checkpoint."""
+        size = batch_size or self.samples_per_step
+        sampler = ResumableSampler(len(dataset), self.world_size, self.rank, self.spec.seed, shuffle)
+        loader = DataLoader(dataset, batch_size=size, sampler=sampler, collate_fn=collate_fn,
+                            drop_last=True)
+        self.loaders.append(ResumableLoader(self._device_loader(loader), sampler, size))
+        return self.loaders[-1]
+
+    def _device_loader(self, loader: DataLoader):
+        """Where batches meet the device; backends with their own input pipeline wrap `loader`."""
+        return loader
+
+    @property
+    def samples_per_step(self) -> int:
+        """Samples this process feeds per optimizer step."""
+        return self.spec.micro_batch_size * self.spec.grad_accum_steps * self.devices_per_process
+
+    # ---- the step ----
+    def train_step(self, batch) -> StepResult:
+        """One optimizer step on this rank's batch. Every rank first agrees the batches are usable
+        (BatchError on all ranks otherwise, before any collective of the step); a collective that
+        times out raises CollectiveTimeout naming the ranks that fell behind."""
+        start = time.perf_counter()
+        record_progress(self.rank, f"step {self.step + 1}")
+        with self._guard(f"step {self.step + 1}"):
+            problem, signature = batch_problem(batch, self._batch_signature, self.samples_per_step)
+            bad = agree(problem is None, problem, self.world_size)
+            if bad:
+                raise BatchError(f"step {self.step + 1}: " + "; ".join(
+                    f"rank {r}: {why}" for r, why in sorted(bad.items())))
+            self._batch_signature = self._batch_signature or signature
+            return self._train_step(batch, start)
+
+    @contextmanager
+    def _guard(self, what: str):
+        """A collective that times out (or loses its peer) becomes a CollectiveTimeout naming the
+        ranks whose last recorded progress differs from this rank's."""
+        try:
+            yield
+        except RuntimeError as err:
+            if isinstance(err, CollectiveTimeout) or not is_timeout(err):
+                raise
+            raise timeout_error(self.rank, self.world_size, what, self.spec.timeout_s) from err
+
+    def _train_step(self, batch, start: float) -> StepResult:
+        self.model.train()
+        micro_batches = self._split(batch)
+        total = torch.zeros((), device=self.device)
+        for i, micro in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            with self._sync_context(last):  # skip gradient reduction until the last micro-batch
+                loss = self._loss(self._to_device(micro))
+                self._backward(loss, len(micro_batches))
+            total += loss.detach().float()
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate this update uses (schedule moves after)
+        if self._nonfinite(total):  # on_nonfinite: skip (raise has raised on every rank)
+            grad_norm, stepped = self._skip_step(), False
+        else:
+            if self.before_step is not None:  # measurement hook (bench): gradients exist only now
+                self.before_step(self)
+            grad_norm, stepped = self._optimizer_step()
+        if self.scheduler is not None and stepped:
+            self.scheduler.step()
+        self.step += 1
+        return StepResult(
+            step=self.step,
+            loss_tensor=pdist.all_mean(total / len(micro_batches)),
+            grad_norm_tensor=grad_norm,
+            lr=lr,
+            tokens=self._count_tokens(batch) * self.world_size,
+            step_time=time.perf_counter() - start,
+            stepped=stepped,
+        )
+
+    def _nonfinite(self, total: torch.Tensor) -> bool:
+        """Agree across ranks whether any rank's loss is NaN/inf (one host read of the loss)."""
+        value = float(total)
+        bad = agree(math.isfinite(value), f"loss {value}", self.world_size)
+        if bad and self.spec.on_nonfinite == "raise":
+            raise NonFiniteLossError(
+                f"step {self.step + 1}: non-finite loss on rank(s) {sorted(bad)} "
+                f"({'; '.join(f'rank {r}: {m}' for r, m in sorted(bad.items()))}); nothing was "
+                "updated. Set on_nonfinite: skip to skip such steps, or check the data and lr")
+        return bool(bad)
+
+    def _skip_step(self) -> None:
+        """Drop this step's gradients without touching parameters or optimizer state."""
+        self.optimizer.zero_grad(set_to_none=True)
+        return None
+
+    @torch.no_grad()
+    def eval_step(self, batch) -> float:
+        self.model.eval()
+        return float(pdist.all_mean(self._loss(self._to_device(batch)).detach().float()))
+
+    def _loss(self, batch) -> torch.Tensor:
+        with self._autocast():
+            if self.loss_fn is not None:
+                return self.loss_fn(self.model, batch)
+            return self.model(**batch).loss
+
+    def _autocast(self):
+        return nullcontext()  # backends that cast by themselves (FSDP, DeepSpeed) need none
+
+    def _sync_context(self, last: bool):
+        return nullcontext()
+
+    def _backward(self, loss: torch.Tensor, micro_batches: int) -> None:
+        """The step's loss is the mean over micro-batches, so each contributes loss / count."""
+        (loss / micro_batches).backward()
+
+    @abstractmethod
+    def _optimizer_step(self) -> tuple[torch.Tensor | None, bool]:
+        """Clip (if the spec says so), step, zero gradients; return (grad norm, whether it stepped)."""
+
+    def _split(self, batch) -> list:
+        accum = self.spec.grad_accum_steps  # rows were checked by batch_problem
+        if accum == 1:
+            return [batch]
+        if isinstance(batch, dict):
+            parts = {k: torch.tensor_split(v, accum) for k, v in batch.items()}
+            return [{k: v[i] for k, v in parts.items()} for i in range(accum)]
+        return list(zip(*(torch.tensor_split(v, accum) for v in batch)))
+
+    def _to_device(self, batch):
+        if isinstance(batch, dict):
+            return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        return type(batch)(v.to(self.device, non_blocking=True) for v in batch)
+
+    @staticmethod
+    def _count_tokens(batch) -> int:
+        if isinstance(batch, dict) and "input_ids" in batch:
+            return batch["input_ids"].numel()
+        return _first(batch).numel()
+
+    # ---- checkpoints ----
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """What this rank holds for the model: parameters, gradients, optimizer state (bench)."""
+        params = list(self.model.parameters())
+        return {"params": params, "grads": [p.grad for p in params],
+                "optimizer": [v for st in self.optimizer.state.values() for v in st.values()
+                              if isinstance(v, torch.Tensor) and v.dim() > 0]}
+
+    @abstractmethod
+    def gather_model(self) -> dict[str, torch.Tensor]:
+        """Whole weights on CPU, keyed by the original parameter names, on every rank. Collective;
+        for inspection and parity checks of models that fit in host memory."""
+
+    # ---- collectives and shutdown ----
+    def barrier(self) -> None:
+        if dist.is_initialized():
+            record_progress(self.rank, f"barrier after step {self.step}")
+            with self._guard("barrier"):
+                dist.barrier()
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def _first(batch) -> torch.Tensor:
+    return next(iter(batch.values())) if isinstance(batch, dict) else batch[0]

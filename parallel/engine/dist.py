@@ -1,0 +1,123 @@
+"""Process-group set-up: the one place that reads the launcher's environment (RANK, WORLD_SIZE, ...)."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from parallel.launch.envinfo import detect_launcher
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+JOIN_TIMEOUT_S = 300.0
+
+
+def launched_world(env=None) -> tuple[int, int, int]:
+    """(rank, world size, local rank) as torchrun (or any PyTorch-style launcher) exported them, or
+    as Slurm did when srun starts one task per device without torchrun."""
+    env = os.environ if env is None else env
+    if detect_launcher(env) == "slurm":
+        if "MASTER_ADDR" not in env and int(env["SLURM_NTASKS"]) > 1:
+            raise RuntimeError("launched by srun with one task per device, but MASTER_ADDR is not "
+                               "set; export MASTER_ADDR (the first node) and MASTER_PORT, or use "
+                               "the script from `polyshard launch --emit slurm` (torchrun per node)")
+        return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0))
+    return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
+
+
+def init_distributed(timeout_s: float) -> DistContext:
+    """Join (or create) the default process group: NCCL on CUDA with gloo for CPU tensors, else gloo.
+
+    A single process without a launcher still gets a world of size 1, so FSDP and DCP code paths are
+    the same whether one rank or many run them.
+    """
+    from parallel.launch.agent import install_error_report
+
+    install_error_report()  # under a launcher: the first failing rank is reported once
+    rank, world, local_rank = launched_world()
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "cpu:gloo,cuda:nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        if "MASTER_ADDR" not in os.environ:  # one process started by hand: a private rendezvous
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        # Joining waits for every rank to start (imports, a restart's re-launch: tens of seconds);
+        # only then do collectives get the spec's timeout_s (measured: timeout_s 5 made restarted
+        # workers fail in gloo's connectFullMesh).
+        join = timedelta(seconds=max(timeout_s, JOIN_TIMEOUT_S))
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=join,
+                                store=_attempt_store(rank, world, join))
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))
+    return DistContext(rank, world, local_rank, device)
+
+
+def _attempt_store(rank: int, world: int, timeout: timedelta):
+    """After an elastic restart, a store namespaced by the attempt. torchrun's agent store outlives
+    the workers, and gloo publishes each rank's address under the same key every attempt: a
+    restarted rank could read the dead previous rank's address and fail to connect (measured:
+    "connectFullMesh failed ... Connection refused" on most restarts). None: the default store."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or "MASTER_ADDR" not in os.environ:
+        return None
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=rank == 0 and not agent, timeout=timeout)
+    return dist.PrefixStore(f"polyshard/attempt_{attempt}/", store)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def all_mean(value: torch.Tensor) -> torch.Tensor:
+    """Mean over ranks. gloo has no ReduceOp.AVG, so sum then divide."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        value /= dist.get_world_size()
+    return value

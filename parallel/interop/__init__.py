@@ -1,0 +1,1 @@
+"""Configs people already have: accelerate files in (accelerate.py), every export (export.py)."""

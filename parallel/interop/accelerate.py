@@ -1,0 +1,279 @@
+"""`accelerate config` files as specs (`polyshard import accelerate FILE`), meaning what accelerate
+meant by them.
+
+The rule (as for DeepSpeed JSON, backends/deepspeed/interop.py): every field keeps its meaning, or the
+import fails naming the field, why and the fix; `--lossy` accepts such losses and reports them. A key
+the file leaves out means what `accelerate launch` 1.11 does without it (measured with accelerate's own
+launcher and plugin classes: tests/unit/test_real_configs.py), written into the spec explicitly:
+FSDP wraps nothing, FSDP1 does not prefetch in backward, cpu_ram_efficient_loading is on, the state
+dict is FULL (v1) or SHARDED (v2). A key accelerate does not read is reported (and refused with a
+did-you-mean when it is close to one it reads). Plain data: accelerate is not imported.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+from parallel.spec.io import SpecError
+
+TOP_LEVEL = {  # accelerate 1.11's ClusterConfig fields; it refuses any other key
+    "compute_environment", "distributed_type", "mixed_precision", "use_cpu", "debug",
+    "num_processes", "machine_rank", "num_machines", "gpu_ids", "main_process_ip",
+    "main_process_port", "rdzv_backend", "same_network", "main_training_function",
+    "enable_cpu_affinity", "fp8_config", "deepspeed_config", "fsdp_config", "parallelism_config",
+    "megatron_lm_config", "ipex_config", "mpirun_config", "downcast_bf16", "tpu_name", "tpu_zone",
+    "tpu_use_cluster", "tpu_use_sudo", "command_file", "commands", "tpu_vm", "tpu_env",
+    "dynamo_config", "fp16", "dynamo_backend"}  # the last two: old names it still converts
+PRECISION = {"no": "fp32", "fp16": "fp16", "bf16": "bf16"}
+STRATEGIES = {"FULL_SHARD": "full", "SHARD_GRAD_OP": "grad_op", "NO_SHARD": "none",
+              "HYBRID_SHARD": "hybrid", "HYBRID_SHARD_ZERO2": "hybrid_grad_op"}
+BY_NUMBER = dict(zip("12345", STRATEGIES))  # accelerate's menu numbers 1-5
+PREFETCH = {"BACKWARD_PRE": "backward_pre", "BACKWARD_POST": "backward_post", "NO_PREFETCH": "none"}
+LAUNCH_ONLY = {"machine_rank": "polyshard launch --node-rank (per node)",
+               "rdzv_backend": "polyshard launch uses torchrun's c10d rendezvous",
+               "same_network": "polyshard launch uses torchrun's c10d rendezvous",
+               "compute_environment": "LOCAL_MACHINE: polyshard launch, or --emit slurm|k8s",
+               "debug": "not a training setting", "main_training_function": "notebooks only",
+               "enable_cpu_affinity": "not a training setting",
+               "tpu_name": "polyshard launch --emit tpu-vm --tpu", "tpu_zone": "--emit tpu-vm --zone",
+               "tpu_use_cluster": "--emit tpu-vm runs on every worker", "tpu_use_sudo": "not a "
+               "training setting", "tpu_env": "TPU VM environment: --emit tpu-vm",
+               "command_file": "TPU VM set-up commands", "commands": "TPU VM set-up commands",
+               "tpu_vm": "TPU VM names"}
+EMPTY_OK = {"fp8_config", "megatron_lm_config", "ipex_config", "mpirun_config", "dynamo_config",
+            "parallelism_config"}
+Report = list[tuple[str, str, str]]
+
+
+class Import:
+    """The spec being built, the report, and what cannot be kept (shared shape with the DeepSpeed
+    import)."""
+
+    def __init__(self, lossy: bool, given: dict):
+        self.spec: dict = {}
+        self.report: Report = []
+        self.problems: list[tuple[str, str]] = []
+        self.lossy, self.given = lossy, given  # given: --set values (they win, and decide "auto")
+        self.caller = "polyshard"  # who fills "auto": polyshard (the spec) or accelerate
+        self.sources: dict[str, str] = {}  # spec path -> the source field that set it
+
+    def given_value(self, path: str):
+        node = self.given
+        for part in path.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return None
+            node = node[part]
+        return node
+
+    def set(self, path: str, value, source: str, outcome: str = "mapped", detail: str = "") -> None:
+        node = self.spec
+        *parents, leaf = path.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+        self.sources[path] = source
+        self.report.append((source, outcome, detail or f"{path}: {value!r}"))
+
+    def finish(self) -> tuple[dict, Report]:
+        """The spec and report, or SpecError naming the source fields: what cannot be kept, and
+        values the spec refuses (its rules are the target tool's, e.g. DeepSpeed's bucket bounds)."""
+        from parallel.spec.io import load_spec
+
+        try:  # also with problems already found: every problem is reported at once
+            load_spec(_merged(self.spec, self.given))
+        except SpecError as err:
+            self.problems += [(self._source_of(path), f"{message} (as spec field {path})")
+                              for path, message in err.problems]
+        if self.problems:
+            raise SpecError(self.problems)
+        return self.spec, self.report
+
+    def _source_of(self, path: str) -> str:
+        while path and path not in self.sources:
+            path = path.rpartition(".")[0]
+        return self.sources.get(path, path or "<file>")
+
+
+    def note(self, source: str, outcome: str, detail: str) -> None:
+        self.report.append((source, outcome, detail))
+
+    def refuse(self, source: str, why: str, lossy_ok: bool = True) -> None:
+        if self.lossy and lossy_ok:
+            self.note(source, "lost", why)
+        else:
+            self.problems.append((source, why + ("; or pass --lossy to import without it"
+                                                 if lossy_ok else "")))
+
+
+def _merged(spec: dict, given: dict) -> dict:
+    out = dict(spec)
+    for key, value in given.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(
+            out.get(key), dict) else value
+    return out
+
+
+def from_accelerate(cfg: Any, read_json=None, lossy: bool = False,
+                    given: dict | None = None) -> tuple[dict, Report]:
+    """An accelerate config (the YAML as a dict) -> (spec dict, report). `read_json(name)` reads a
+    `deepspeed_config_file` relative to the YAML. Raises SpecError naming what cannot be kept."""
+    if not isinstance(cfg, dict) or not cfg:
+        raise SpecError([("<file>", "is empty or not a mapping: an accelerate config is a YAML "
+                          "mapping with at least distributed_type")])
+    if "zero_optimization" in cfg or "train_micro_batch_size_per_gpu" in cfg:
+        raise SpecError([("<file>", "looks like a DeepSpeed JSON config: use `polyshard import "
+                          "deepspeed FILE`")])
+    imp = Import(lossy, given or {})
+    kind = str(cfg.get("distributed_type", "NO")).upper()
+    _top_level(imp, cfg, kind)
+    fsdp = dict(cfg.get("fsdp_config") or {})
+    if kind in ("FSDP", "XLA") and (fsdp.get("xla") or cfg.get("xla") or kind == "XLA"):
+        from backends.xla.accelerate import xla_section
+
+        xla_section(imp, {**fsdp, **({"xla": cfg["xla"]} if "xla" in cfg else {})}, kind)
+    elif kind == "FSDP":
+        from backends.fsdp.accelerate import fsdp_section
+
+        fsdp_section(imp, fsdp)
+        _parallelism(imp, cfg.get("parallelism_config") or {})
+    elif kind == "DEEPSPEED":
+        from backends.deepspeed.accelerate import deepspeed_section
+
+        deepspeed_section(imp, dict(cfg.get("deepspeed_config") or {}), cfg, read_json)
+    elif kind in ("MULTI_GPU", "MULTI_CPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_MUSA",
+                  "MULTI_HPU", "MULTI_SDAA", "NO"):
+        imp.set("backend", "fsdp", "distributed_type", detail=f"{kind}: data parallel = backend "
+                "fsdp, shard: none (gradients all-reduced, nothing sharded)")
+        imp.set("shard", "none", "distributed_type")
+    else:
+        imp.problems.append(("distributed_type", f"{kind!r}: polyshard runs FSDP, DEEPSPEED, XLA "
+                             "(with fsdp_config xla: true) and data-parallel (MULTI_*, NO) jobs; "
+                             "there is no Megatron or other engine here"))
+    return imp.finish()
+
+
+def _parallelism(imp: Import, par: dict) -> None:
+    """accelerate's ND parallelism (FSDP2): replicas x shard groups is hybrid sharding; tensor and
+    context parallelism have no polyshard equivalent yet."""
+    size = {k.removeprefix("parallelism_config_"): v for k, v in par.items()}
+    for axis in ("tp_size", "cp_size"):
+        if int(size.get(axis, 1) or 1) > 1:
+            imp.refuse(f"parallelism_config.parallelism_config_{axis}", f"{size[axis]}: tensor / "
+                       "context parallelism has no polyshard equivalent yet (data parallel only)")
+    replicas = int(size.get("dp_replicate_size", 1) or 1)
+    if replicas > 1:
+        shard = imp.spec.get("shard")
+        imp.set("shard", "hybrid" if shard in ("full", "hybrid") else "hybrid_grad_op",
+                "parallelism_config.parallelism_config_dp_replicate_size",
+                detail=f"{replicas} replicas of shard groups: hybrid sharding")
+        imp.set("topology.shard_group_size", int(size.get("dp_shard_size", 1) or 1),
+                "parallelism_config.parallelism_config_dp_shard_size")
+
+
+def _top_level(imp: Import, cfg: dict, kind: str) -> None:
+    for key, value in cfg.items():
+        if key not in TOP_LEVEL and key != "xla":
+            hint = difflib.get_close_matches(key, sorted(TOP_LEVEL), n=1, cutoff=0.75)
+            imp.problems.append((key, "accelerate's ClusterConfig refuses this key" + (
+                f"; did you mean {hint[0]!r}?" if hint else "")))
+        elif key in LAUNCH_ONLY:
+            imp.note(key, "launch", LAUNCH_ONLY[key])
+        elif key in EMPTY_OK and value and key != "parallelism_config" and not (
+                key == "dynamo_config" and str(value.get("dynamo_backend", "NO")).upper() == "NO"):
+            imp.refuse(key, f"{key} has no polyshard equivalent yet (torch.compile: issue 18; fp8, "
+                       "Megatron, IPEX, MPI: none)")
+    _precision(imp, cfg)
+    _topology(imp, cfg, kind)
+    if cfg.get("use_cpu"):
+        imp.refuse("use_cpu", "true trains on the CPU even where GPUs exist; polyshard uses the "
+                   "host's accelerator")
+    ids = cfg.get("gpu_ids")
+    if ids not in (None, "all"):
+        imp.refuse("gpu_ids", f"{ids!r} picks GPUs: export CUDA_VISIBLE_DEVICES={ids} before "
+                   "polyshard launch")
+    if cfg.get("downcast_bf16") not in (None, False, "no"):
+        imp.refuse("downcast_bf16", "downcasts fp32 tensors to bf16 on TPUs, which changes the math "
+                   "on no other backend")
+
+
+def _precision(imp: Import, cfg: dict) -> None:
+    value = cfg.get("mixed_precision")
+    if value is None and "fp16" in cfg:  # accelerate's old format
+        value = "fp16" if cfg["fp16"] else "no"
+    value = "no" if value is None else str(value).lower()
+    if value not in PRECISION:
+        imp.problems.append(("mixed_precision", f"{value!r}: polyshard computes in fp32 ('no'), "
+                             "bf16 or fp16 (fp8 has no equivalent)"))
+        return
+    imp.set("precision", PRECISION[value], "mixed_precision",
+            outcome="mapped" if "mixed_precision" in cfg or "fp16" in cfg else "default")
+
+
+def _topology(imp: Import, cfg: dict, kind: str) -> None:
+    machines = int(cfg.get("num_machines", 1) or 1)
+    procs = cfg.get("num_processes")
+    if kind == "NO":
+        imp.set("topology.nodes", 1, "distributed_type", detail="NO: one process")
+        imp.set("topology.procs_per_node", 1, "num_processes", "default",
+                f"distributed_type NO launches one process (num_processes {procs!r} unused)")
+        return
+    if procs in (None, -1):
+        imp.note("num_processes", "launch", "not set: pass --nproc to polyshard launch")
+    elif int(procs) % machines:
+        imp.problems.append(("num_processes", f"{procs} processes over {machines} machines: "
+                             "accelerate's num_processes counts all machines; use a multiple"))
+    else:
+        imp.set("topology.nodes", machines, "num_machines")
+        imp.set("topology.procs_per_node", int(procs) // machines, "num_processes",
+                detail="num_processes / num_machines (accelerate counts all machines)")
+    ip, port = cfg.get("main_process_ip"), cfg.get("main_process_port")
+    if ip is not None and machines > 1:
+        imp.set("topology.rdzv_endpoint", f"{ip}:{port or 29500}", "main_process_ip",
+                detail="rendezvous of a multi-node job")
+    elif ip is not None or port is not None:
+        imp.note("main_process_ip / main_process_port", "launch", "one machine: polyshard launch "
+                 "picks a free port")
+
+
+
+def wrap_section(imp: Import, fsdp: dict) -> None:
+    """TRANSFORMER_BASED_WRAP (+ classes, or none: the model's _no_split_modules), SIZE_BASED_WRAP
+    (+ fsdp_min_num_params, 1e8 when absent), NO_WRAP or absent: only the root."""
+    policy = fsdp.get("fsdp_auto_wrap_policy")
+    classes = fsdp.get("fsdp_transformer_layer_cls_to_wrap")
+    if isinstance(classes, str):
+        classes = [c.strip() for c in classes.split(",") if c.strip()]
+    source = "fsdp_config.fsdp_auto_wrap_policy"
+    if policy == "TRANSFORMER_BASED_WRAP":
+        if classes:
+            imp.set("wrap", {"policy": "layer_classes", "layer_classes": list(classes)}, source,
+                    detail=f"wrap: layer_classes {list(classes)}")
+        else:
+            imp.set("wrap", {"policy": "auto"}, source, detail="wrap.policy: auto (no class list: "
+                    "accelerate reads the model's _no_split_modules, as auto does)")
+    elif policy == "SIZE_BASED_WRAP":
+        threshold = int(float(fsdp.get("fsdp_min_num_params", 1e8)))
+        imp.set("wrap", {"policy": "size", "min_num_params": threshold}, source,
+                detail=f"wrap: size >= {threshold}")
+    elif policy in (None, "NO_WRAP"):
+        imp.set("wrap", {"policy": "none"}, source, "mapped" if policy else "default",
+                "wrap.policy: none (only the root" + (", accelerate's default)" if policy is None
+                                                       else ")"))
+        if classes:
+            imp.note("fsdp_config.fsdp_transformer_layer_cls_to_wrap", "ignored", "no "
+                     "TRANSFORMER_BASED_WRAP policy reads it")
+    else:
+        imp.problems.append((source, f"{policy!r}: TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP or "
+                             "NO_WRAP"))
+
+
+def strategy(imp: Import, value, source: str) -> str | None:
+    name = BY_NUMBER.get(str(value), str(value).upper())
+    if name not in STRATEGIES:
+        hint = difflib.get_close_matches(name, list(STRATEGIES), n=1, cutoff=0.6)
+        imp.problems.append((source, f"{value!r} is no FSDP sharding strategy (1-5 or "
+                             f"{', '.join(STRATEGIES)})" + (f"; did you mean {hint[0]!r}?"
+                                                            if hint else "")))
+        return None
+    return STRATEGIES[name]

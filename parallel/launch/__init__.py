@@ -1,0 +1,15 @@
+"""Starting processes: torchrun with the spec's topology (torchrun.py), the agent that reports a
+failed job once (agent.py), cluster files (emit.py), facts about the host (envinfo.py).
+
+`from parallel.launch import current_spec` works; the names load on first use, so importing a
+submodule (the registry reads envinfo) does not import the launcher."""
+
+_EXPORTS = {"SPEC_ENV", "LaunchArgs", "current_spec", "launch"}
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        from parallel.launch import torchrun
+
+        return getattr(torchrun, name)
+    raise AttributeError(f"module 'parallel.launch' has no attribute {name!r}")

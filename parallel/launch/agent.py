@@ -1,0 +1,89 @@
+"""torchrun, reporting a failed job once: which rank failed first, and its error.
+
+Without this, a job whose ranks all raise the same SpecError prints one traceback per rank and then
+torchrun's ChildFailedError block with another traceback; the message the user needs is buried.
+
+Worker side (`install_error_report`, called when a polyshard process starts under a launcher that
+gives it an error file): an uncaught exception is written to torchelastic's per-worker error file
+(its usual JSON, plus the exact time and the rank) and, when it is one of polyshard's own errors
+(their messages name the field, the cause and the fix), printed as one line instead of a traceback.
+Agent side (`python -m parallel.launch.agent TORCHRUN_ARGS`): torchrun's own `run`, with ChildFailedError
+turned into a short report of the first failure, and its exit code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
+OWN_MODULES = ("parallel.", "backends.")
+
+
+def install_error_report() -> None:
+    """Record an uncaught exception in torchelastic's error file (idempotent; a no-op when the
+    launcher gave no error file)."""
+    if not os.environ.get(ERROR_FILE) or getattr(sys.excepthook, "_polyshard", False):
+        return
+    previous = sys.excepthook
+
+    def hook(kind, err, tb):
+        rank = os.environ.get("RANK", "?")
+        own = kind.__module__.startswith(OWN_MODULES)
+        text = "".join(traceback.format_exception(kind, err, tb))
+        with open(os.environ[ERROR_FILE], "w") as f:
+            json.dump({"message": {"message": f"{kind.__name__}: {err}", "extraInfo": {
+                "py_callstack": text, "timestamp": str(int(time.time()))}},
+                "polyshard": {"rank": rank, "time": time.time(), "own": own}}, f)
+        if own:  # the message says what to fix: no traceback (it is in the error file);
+            print(f"{kind.__name__}: {err}", file=sys.stderr)  # torchrun prefixes the rank
+        else:
+            previous(kind, err, tb)
+
+    hook._polyshard = True
+    sys.excepthook = hook
+
+
+def first_failure(failures: dict) -> tuple[int, object, dict]:
+    """(global rank, ProcessFailure, our record) of the earliest failure: by the exact time our
+    workers recorded, else torchelastic's whole-second timestamp."""
+    def when(item):
+        rank, failure = item
+        mine = (failure.error_file_data or {}).get("polyshard", {})
+        return (mine.get("time", float(failure.timestamp)), rank)
+
+    rank, failure = min(failures.items(), key=when)
+    return rank, failure, (failure.error_file_data or {}).get("polyshard", {})
+
+
+def report(failures: dict) -> str:
+    rank, failure, mine = first_failure(failures)
+    lines = [f"polyshard launch: the job failed; rank {rank} failed first "
+             f"({len(failures)} rank(s) failed, exit code {failure.exitcode}):"]
+    message = failure.message  # torchelastic's error file nests it: {"message": ..., "extraInfo"}
+    message = message.get("message", message) if isinstance(message, dict) else message
+    lines += [f"  {line}" for line in str(message).splitlines() or ["(no message)"]]
+    if failure.error_file not in ("", "<N/A>"):
+        lines.append(f"  traceback: {failure.error_file}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    args = get_args_parser().parse_args(argv)
+    try:
+        run(args)
+    except ChildFailedError as err:
+        print(report(err.failures), file=sys.stderr)
+        failure = first_failure(err.failures)[1]
+        return failure.exitcode if failure.exitcode > 0 else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

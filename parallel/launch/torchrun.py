@@ -1,0 +1,119 @@
+"""Starting processes: `polyshard launch` runs torchrun with the spec's topology and hands the validated
+spec to every rank through POLYSHARD_SPEC (a JSON file), so a script never re-parses flags."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from parallel.registry import BACKENDS
+from parallel.spec.model import Spec
+from parallel.spec.io import load_spec
+
+SPEC_ENV = "POLYSHARD_SPEC"
+
+
+def current_spec(default: str | Path | dict | None = None, overrides: list[str] = ()) -> Spec:
+    """The spec this process runs under: the one `polyshard launch` passed, else `default`."""
+    from parallel.launch.agent import install_error_report
+
+    install_error_report()  # under a launcher: the first failing rank is reported once
+    passed = os.environ.get(SPEC_ENV)
+    return load_spec(Path(passed) if passed else default, list(overrides))
+
+
+@dataclass
+class LaunchArgs:
+    """torchrun's flags beyond the topology (which comes from the spec)."""
+
+    node_rank: int | None = None
+    rdzv_endpoint: str | None = None
+    max_restarts: int = 0
+    extra: list[str] = field(default_factory=list)
+
+
+def torchrun_command(spec: Spec, args: LaunchArgs, script: str, script_args: list[str]) -> list[str]:
+    nnodes = spec.topology.nodes
+    # torchrun's own launcher, reporting a failure once (parallel/agent.py)
+    cmd = [sys.executable, "-m", "parallel.launch.agent",
+           "--nproc-per-node", str(spec.topology.procs_per_node),
+           "--nnodes", str(nnodes), "--max-restarts", str(args.max_restarts)]
+    endpoint = args.rdzv_endpoint or spec.topology.rdzv_endpoint
+    if nnodes == 1 and not endpoint:
+        cmd.append("--standalone")  # a private rendezvous on a free port: parallel jobs never clash
+    else:
+        if not endpoint:
+            raise ValueError("--rdzv-endpoint HOST:PORT (or topology.rdzv_endpoint) is required "
+                             "with more than one node")
+        cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint]
+        if args.node_rank is not None:
+            cmd += ["--node-rank", str(args.node_rank)]
+    # "--" ends torchrun's options: a script flag such as --log would otherwise be taken as an
+    # abbreviation of torchrun's --log-dir (measured: "ambiguous option: --log").
+    return cmd + args.extra + ["--", script, *script_args]
+
+
+def launch_env(spec: Spec, spec_file: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    for key, value in BACKENDS[spec.backend].env().items():
+        env.setdefault(key, value)  # a value the user exported wins
+    env[SPEC_ENV] = str(spec_file)
+    env.setdefault("OMP_NUM_THREADS", "1")  # ranks share the host's cores; torchrun warns otherwise
+    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # gloo's per-connection chatter
+    # NCCL (GPU jobs): a failed or timed-out collective aborts the communicator and raises instead
+    # of hanging, and the flight recorder dumps the last collectives of every rank on timeout.
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+    env.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+    env.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    return env
+
+
+def tpu_vm_command(spec_path: str, overrides: list[str], script: str, script_args: list[str],
+                   tpu: str, zone: str, workdir: str) -> str:
+    """The gcloud command that runs this job on every worker of a TPU VM pod slice: one process per
+    host (PJRT drives the host's chips), each running `polyshard launch` with the same spec."""
+    words = ["polyshard", "launch", *[w for o in overrides for w in ("--set", o)], spec_path,
+             script, *script_args]
+    remote = (f"cd {shlex.quote(workdir)} && PJRT_DEVICE=TPU "
+              + " ".join(shlex.quote(w) for w in words))
+    return (f"gcloud compute tpus tpu-vm ssh {shlex.quote(tpu)} --zone={shlex.quote(zone)} "
+            f"--worker=all --command={shlex.quote(remote)}")
+
+
+def launch(spec: Spec, args: LaunchArgs, script: str, script_args: list[str]) -> int:
+    """Run `script` on every rank under `spec`; return the launcher's exit code."""
+    with tempfile.TemporaryDirectory(prefix="polyshard-") as tmp:
+        spec_file = Path(tmp) / "spec.json"
+        spec_file.write_text(json.dumps(spec.model_dump(mode="json", exclude_unset=True)))
+        cmd = torchrun_command(spec, args, script, script_args)
+        return subprocess.call(cmd, env=launch_env(spec, spec_file))
+
+
+def run_locally(spec: Spec, module: str, args: list[str], out: Path, timeout: float) -> dict:
+    """Run `python -m module args` (or the script at path `module`) on every rank of `spec`'s job on
+    this host, laid out as the backend's runtime needs here (registry.local_run), and return the JSON
+    it wrote to `out`, or {"error": the output's tail}. Parity and bench cells: a fresh launch each."""
+    from parallel.registry import local_run
+
+    data, env = local_run(spec)
+    run_spec = load_spec(data)
+    with tempfile.TemporaryDirectory(prefix="polyshard-run-") as tmp:
+        spec_file = Path(tmp) / "spec.json"
+        spec_file.write_text(json.dumps(data))
+        extra = [] if module.endswith(".py") else ["-m"]
+        cmd = torchrun_command(run_spec, LaunchArgs(extra=extra), module, [*args, f"--out={out}"])
+        try:
+            proc = subprocess.run(cmd, env={**launch_env(run_spec, spec_file), **env},
+                                  capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"error": f"timed out after {timeout:.0f} s"}
+    if proc.returncode != 0 or not out.is_file():
+        return {"error": (proc.stdout + proc.stderr)[-4000:]}
+    return {**json.loads(out.read_text()), "procs": run_spec.topology.procs_per_node,
+            "micro_batch_size": run_spec.micro_batch_size}

@@ -1,0 +1,206 @@
+"""The training-strategy spec: one document, validated once, meaning the same on every backend.
+
+Neutral fields (`shard`, `offload`, `precision`, ...) are defined by what they do, not by any backend's
+vocabulary; each backend's adapter translates them. A value a backend cannot honour is rejected here, with
+the nearest valid choice, using the data in `parallel.spec.capabilities` (so no backend is imported).
+No environment variables are read in this module: launch-time facts come from `parallel.launch.torchrun`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from parallel.spec.capabilities import CAPABILITIES
+from parallel.spec.sections import (
+    Checkpointing,
+    DeepSpeedOptions,
+    FsdpOptions,
+    LossScale,
+    Section,
+    Topology,
+    Wrap,
+    XlaOptions,
+    rule_error,
+)
+
+Backend = Literal["fsdp", "deepspeed", "xla_fsdp"]
+Shard = Literal["full", "grad_op", "optimizer", "none", "hybrid", "hybrid_grad_op"]
+HYBRID_SHARDS = ("hybrid", "hybrid_grad_op")
+
+
+class Spec(Section):
+    backend: Annotated[
+        Backend,
+        Field(description="Which engine runs the job: torch FSDP, DeepSpeed ZeRO or PyTorch/XLA FSDP."),
+    ] = "fsdp"
+    shard: Annotated[
+        Shard,
+        Field(
+            description="What is partitioned across ranks. full: parameters, gradients and optimizer "
+            "state (FULL_SHARD, ZeRO-3). grad_op: gradients and optimizer state, parameters kept "
+            "whole between forward and backward (SHARD_GRAD_OP, ZeRO-2). optimizer: optimizer state "
+            "only (ZeRO-1). none: replicate everything (DDP, NO_SHARD, ZeRO-0). hybrid / "
+            "hybrid_grad_op: full / grad_op inside each shard group, replicated across groups "
+            "(HYBRID_SHARD, HYBRID_SHARD_ZERO2, ZeRO++ hpZ)."
+        ),
+    ] = "full"
+    offload: Annotated[
+        Literal["none", "optimizer", "params"],
+        Field(
+            description="What lives in CPU memory between uses. optimizer: optimizer state and its "
+            "step. params: parameters and gradients too (implies optimizer)."
+        ),
+    ] = "none"
+    precision: Annotated[
+        Literal["fp32", "bf16", "fp16"],
+        Field(
+            description="Compute dtype. bf16/fp16 are mixed precision: forward and backward run in "
+            "the low dtype, while master parameters, gradient reduction and optimizer state stay "
+            "fp32. fp16 adds dynamic loss scaling (see loss_scale)."
+        ),
+    ] = "fp32"
+    reduce_dtype: Annotated[
+        Literal["fp32", "compute", "bf16", "fp16"],
+        Field(description="Dtype gradients are reduced in across ranks. fp32 (default): exact sums "
+              "on every backend. compute: the compute dtype of `precision` (DeepSpeed's own default, "
+              "half the bytes with bf16/fp16). bf16 / fp16: that dtype whatever the compute dtype."),
+    ] = "fp32"
+    pin_memory: Annotated[
+        bool,
+        Field(description="With offload: keep the CPU copies in page-locked memory, for faster "
+              "copies to and from the GPU (DeepSpeed's and FSDP2's default). No effect on a "
+              "CPU-only host."),
+    ] = True
+    loss_scale: Annotated[
+        LossScale, Field(description="Dynamic loss scaling knobs; read only with precision: fp16.")
+    ] = LossScale()
+    activation_checkpointing: Annotated[
+        bool,
+        Field(description="Recompute each wrapped unit's activations in backward instead of storing "
+              "them (non-reentrant checkpoint on every unit the wrap policy selects)."),
+    ] = False
+    wrap: Annotated[Wrap, Field(description="Which modules become shard units.")] = Wrap()
+    micro_batch_size: Annotated[
+        int, Field(ge=1, description="Samples per rank per forward pass.")
+    ] = 1
+    grad_accum_steps: Annotated[
+        int,
+        Field(ge=1, description="Micro-batches per optimizer step. A step's batch on each rank holds "
+              "micro_batch_size * grad_accum_steps samples; the loss is their mean."),
+    ] = 1
+    global_batch_size: Annotated[
+        int | None,
+        Field(ge=1, description="Samples per optimizer step over all data-parallel ranks "
+              "(DeepSpeed's train_batch_size). Optional: when set, micro_batch_size x "
+              "grad_accum_steps x the data-parallel size must equal it, so a launch at another "
+              "world size fails instead of silently changing the batch."),
+    ] = None
+    grad_clip: Annotated[
+        float | None,
+        Field(gt=0, description="Clip the global gradient 2-norm to this value. Off when unset "
+              "(DeepSpeed's hidden default of 1.0 is overridden explicitly)."),
+    ] = None
+    seed: Annotated[int, Field(ge=0, description="Seeds torch, numpy and random on every rank.")] = 0
+    state_dict: Annotated[
+        Literal["sharded", "full"],
+        Field(description="How `save` writes model and optimizer state: sharded (each rank writes "
+              "its shards; fast, reshardable) or full (consolidated on rank 0)."),
+    ] = "sharded"
+    checkpoint: Annotated[
+        Checkpointing, Field(description="Checkpoint retention (every backend writes one format).")
+    ] = Checkpointing()
+    on_nonfinite: Annotated[
+        Literal["raise", "skip"],
+        Field(description="A step whose loss is NaN or inf on any rank: raise (an error naming the "
+              "step and the ranks) or skip (no update: parameters and optimizer state untouched)."),
+    ] = "raise"
+    timeout_s: Annotated[
+        float, Field(gt=0, description="Collective timeout in seconds: a stalled rank fails the "
+                     "job after this long instead of hanging.")
+    ] = 600.0
+    topology: Annotated[Topology, Field(description="Hosts and processes.")] = Topology()
+    fsdp: Annotated[FsdpOptions, Field(description="torch FSDP only knobs.")] = FsdpOptions()
+    deepspeed: Annotated[
+        DeepSpeedOptions, Field(description="DeepSpeed only knobs.")
+    ] = DeepSpeedOptions()
+    xla: Annotated[XlaOptions, Field(description="PyTorch/XLA only knobs.")] = XlaOptions()
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def shard_group_size(self) -> int:
+        """Ranks that shard one copy of the model (the whole world unless hybrid)."""
+        if self.shard in HYBRID_SHARDS:
+            return self.topology.shard_group_size or self.topology.procs_per_node
+        return self.world_size
+
+    @property
+    def grad_reduce_dtype(self) -> str:
+        """fp32, bf16 or fp16: what `reduce_dtype` means with this `precision`."""
+        return self.precision if self.reduce_dtype == "compute" else self.reduce_dtype
+
+    @property
+    def checkpoint_activations(self) -> bool:
+        """activation_checkpointing, or its XLA alias `xla.xla_fsdp_grad_ckpt` (either spelling)."""
+        return self.activation_checkpointing or bool(self.xla_grad_ckpt_setting())
+
+    def xla_grad_ckpt_setting(self) -> bool | None:
+        xla = self.xla
+        return xla.xla_fsdp_settings.get("xla_fsdp_grad_ckpt", xla.xla_fsdp_grad_ckpt)
+
+    @model_validator(mode="after")
+    def _backend_supports(self) -> Spec:
+        problems = []
+        caps = CAPABILITIES[self.backend]
+        for name in ("shard", "offload", "precision"):
+            value = getattr(self, name)
+            bad = caps.check(name, value)
+            if bad:
+                problems.append((name, f"{value!r} is not supported by backend {self.backend!r}: "
+                                       f"{bad.reason}; use {bad.nearest}"))
+        if problems:
+            raise rule_error(*problems)
+        return self
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> Spec:
+        problems = []
+        group = self.topology.shard_group_size
+        if group is not None and self.shard not in HYBRID_SHARDS:
+            problems.append(("topology.shard_group_size", f"is only read with a hybrid shard, not "
+                             f"shard: {self.shard!r}; remove it or use shard: hybrid"))
+        if self.shard in HYBRID_SHARDS and self.world_size % self.shard_group_size:
+            problems.append(("topology.shard_group_size", f"{self.shard_group_size} does not divide "
+                             f"the world size {self.world_size}; pick a divisor of it"))
+        if self.loss_scale != LossScale() and self.precision != "fp16":
+            problems.append(("loss_scale", f"loss scaling applies to precision: fp16 only, not "
+                             f"{self.precision!r}; remove loss_scale or use precision: fp16"))
+        problems += self._batch_rules()
+        xla_ckpt = self.xla_grad_ckpt_setting()
+        if (xla_ckpt is not None and "activation_checkpointing" in self.model_fields_set
+                and xla_ckpt != self.activation_checkpointing):
+            problems.append(("xla.xla_fsdp_grad_ckpt", f"{xla_ckpt} contradicts "
+                             f"activation_checkpointing: {self.activation_checkpointing}; they mean "
+                             "the same thing, keep one"))
+        if problems:
+            raise rule_error(*problems)
+        return self
+
+    def _batch_rules(self) -> list[tuple[str, str]]:
+        problems = []
+        if self.deepspeed.offload_device == "nvme" and self.offload == "none":
+            problems.append(("deepspeed.offload_device", "'nvme' says where offloaded state goes, "
+                             "but offload is 'none'; set offload: optimizer or params"))
+        spmd = self.backend == "xla_fsdp" and self.xla.fsdp_version == 2  # devices known at run time
+        per_step = self.micro_batch_size * self.grad_accum_steps * self.world_size
+        if self.global_batch_size is not None and not spmd and per_step != self.global_batch_size:
+            problems.append(("global_batch_size", f"{self.global_batch_size} != micro_batch_size "
+                             f"{self.micro_batch_size} x grad_accum_steps {self.grad_accum_steps} x "
+                             f"{self.world_size} rank(s) = {per_step}; change one of them (e.g. "
+                             "--set topology.procs_per_node=N) so the product is the global batch"))
+        return problems
+

@@ -1,0 +1,1 @@
+"""`polyshard parity`: report.py (every backend against one process), cell.py (one backend)."""

@@ -1,0 +1,71 @@
+"""One backend's side of `polyshard parity`, started on every rank by `polyshard parity` (torchrun).
+
+Builds the model from the shared seed, trains `--steps` steps on the shared global batches (each rank
+its slice) and records, per step, the global loss, the gradient norm and a checksum of the whole
+weights. Rank 0 writes them to `--out` as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from parallel.launch.torchrun import current_spec
+from parallel.registry import create_engine
+from parallel.toy import build_model
+
+
+def global_batches(steps: int, rows: int, seq: int, vocab: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed + 1)
+    return [torch.randint(0, vocab, (rows, seq), generator=g) for _ in range(steps)]
+
+
+def optimizer_arg(name: str, lr: float):
+    if name == "sgd":
+        return torch.optim.SGD, {"lr": lr, "momentum": 0.9}
+    return torch.optim.AdamW, {"lr": lr, "weight_decay": 0.1}
+
+
+def checksum(weights: dict[str, torch.Tensor]) -> float:
+    """Sum of every weight in float64, in name order: equal across backends only if the weights are."""
+    return float(sum(weights[k].double().sum() for k in sorted(weights)))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="toy:tiny")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--global-rows", type=int, required=True)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+
+    spec = current_spec()
+    engine = create_engine(spec)
+    torch.manual_seed(spec.seed)  # the same initial weights as the reference, on every backend
+    model = build_model(args.model)
+    engine.prepare(model, optimizer_arg(args.optimizer, args.lr))
+    rows = engine.samples_per_step
+    if rows * engine.world_size != args.global_rows:
+        raise SystemExit(f"{spec.backend}: {rows} rows x {engine.world_size} ranks per step, not the "
+                         f"global batch of {args.global_rows}")
+    batches = global_batches(args.steps, args.global_rows, args.seq, model.config.vocab_size,
+                             spec.seed)
+    record = []
+    for ids in batches:
+        mine = ids[engine.rank * rows:(engine.rank + 1) * rows]
+        result = engine.train_step({"input_ids": mine, "labels": mine})
+        record.append({"loss": result.loss, "grad_norm": result.grad_norm,
+                       "checksum": checksum(engine.gather_model())})
+    if engine.is_main:
+        Path(args.out).write_text(json.dumps({"steps": record, "world_size": engine.world_size}))
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()
