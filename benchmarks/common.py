@@ -8,10 +8,7 @@ import time
 
 import torch
 
-DIMS = {"demo": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                     num_attention_heads=4, num_key_value_heads=2),
-        "tiny": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2)}
+SIZES = os.path.join(os.path.dirname(__file__), "..", "examples", "data", "toy_models.json")
 
 
 def args():
@@ -34,8 +31,9 @@ def model(name: str, seed: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=256, max_position_embeddings=512, tie_word_embeddings=False,
-                         attn_implementation="eager", **DIMS[name.removeprefix("toy:")])
+    with open(SIZES) as f:  # the same sizes parallel/toy.py reads
+        sizes = json.load(f)
+    config = LlamaConfig(**sizes["common"], **sizes[name.removeprefix("toy:")])
     return LlamaForCausalLM(config).float()
 
 

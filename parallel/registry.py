@@ -1,76 +1,143 @@
-"""The one place that maps `backend` to code. Backends are imported only when asked for, so `import
-parallel` and `polyshard validate` work without deepspeed or torch_xla installed."""
+"""The one place that knows which backends exist: a list of descriptors (parallel/descriptor.py), one
+per `backends/<name>/` package, and the lookups everything else uses. Descriptors import no backend
+dependency, so `import parallel` and `polyshard validate` work without deepspeed or torch_xla; what
+needs it (an engine, a native checkpoint reader) is imported here on first use.
+
+Adding a backend: a package `backends/<name>/` with a `descriptor.py`, and its line below.
+"""
 
 from __future__ import annotations
 
+import difflib
 import importlib
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import get_args
 
-from parallel.spec.capabilities import CAPABILITIES
-from parallel.launch.envinfo import detect_pjrt_device
-from parallel.spec.model import Backend, Spec
+from backends.deepspeed.descriptor import DESCRIPTOR as DEEPSPEED
+from backends.fsdp.descriptor import DESCRIPTOR as FSDP
+from backends.xla.descriptor import DESCRIPTOR as XLA
+from parallel.descriptor import BackendDescriptor
 
-
-@dataclass(frozen=True)
-class BackendEntry:
-    module: str  # import path of the adapter
-    engine: str  # callable in it: Spec -> Engine
-    extra: str  # the pip extra that installs its dependency
-    # Environment every process of this backend starts with (set by `polyshard launch`; a value
-    # the user exported wins).
-    env: Callable[[], dict[str, str]] = field(default=dict)
-    # Name of a function in the adapter, Spec -> (spec dict, extra env), that runs the same job on
-    # this one host when its runtime lays processes out differently (XLA's CPU client); None: as is.
-    local: str | None = None
-    # The hand-written loop in benchmarks/ that runs the same job without polyshard (bench
-    # --vs-native compares step times against it).
-    native: str = ""
-    # The accelerator a cluster job must request for it (Slurm --gpus-per-node, k8s limits).
-    accelerator: str = "nvidia.com/gpu"
+_DESCRIPTORS: dict[str, BackendDescriptor] = {d.name: d for d in (FSDP, DEEPSPEED, XLA)}
 
 
-# accelerate and transformers import torch_xla whenever it is installed, and accelerate then picks XLA
-# even under torchrun unless USE_TORCH_XLA=0: the non-XLA backends pin it off.
-BACKENDS: dict[str, BackendEntry] = {
-    "fsdp": BackendEntry("backends.fsdp", "FSDPEngine", "", lambda: {"USE_TORCH_XLA": "0"},
-                         native="native_fsdp2.py"),
-    "deepspeed": BackendEntry("backends.deepspeed", "DeepSpeedEngine", "deepspeed",
-                              lambda: {"USE_TORCH_XLA": "0"}, native="native_deepspeed.py"),
-    "xla_fsdp": BackendEntry("backends.xla", "XlaEngine", "xla",
-                             lambda: {"PJRT_DEVICE": detect_pjrt_device(), "USE_TORCH_XLA": "1"},
-                             local="local_run", native="native_xla.py", accelerator=""),
-}
-assert set(BACKENDS) == set(get_args(Backend)) == set(CAPABILITIES), "registry out of sync"
+def register(descriptor: BackendDescriptor) -> None:
+    """Add a backend at run time (a plugin, or a test's own backend)."""
+    _DESCRIPTORS[descriptor.name] = descriptor
 
 
-def load_backend(name: str):
-    entry = BACKENDS[name]
+def unregister(name: str) -> None:
+    _DESCRIPTORS.pop(name, None)
+
+
+def names() -> list[str]:
+    return list(_DESCRIPTORS)
+
+
+def descriptors() -> list[BackendDescriptor]:
+    return list(_DESCRIPTORS.values())
+
+
+def get(name: str) -> BackendDescriptor:
+    if name not in _DESCRIPTORS:
+        from parallel.spec.io import SpecError
+
+        hint = difflib.get_close_matches(name, names(), n=1, cutoff=0.6)
+        raise SpecError([("backend", f"{name!r} is no backend" + (f"; did you mean {hint[0]!r}?"
+                                                                  if hint else "")
+                          + f" (choose one of {', '.join(names())})")])
+    return _DESCRIPTORS[name]
+
+
+def load(descriptor: BackendDescriptor, ref: str):
+    """Import "module:attribute" for `descriptor`, naming the pip extra when its dependency is
+    missing."""
+    module, _, attr = ref.partition(":")
     try:
-        return importlib.import_module(entry.module)
+        return getattr(importlib.import_module(module), attr)
     except ImportError as err:
-        hint = f"pip install 'polyshard[{entry.extra}]'" if entry.extra else "reinstall polyshard"
-        raise RuntimeError(f"backend: {name!r} needs {err.name or entry.module}, which is not "
+        hint = f"pip install 'polyshard[{descriptor.extra}]'" if descriptor.extra else \
+            "reinstall polyshard"
+        raise RuntimeError(f"backend: {descriptor.name!r} needs {err.name or module}, which is not "
                            f"importable ({err}); {hint}") from err
 
 
-def create_engine(spec: Spec):
+def create_engine(spec):
     """The Engine for `spec.backend`."""
-    entry = BACKENDS[spec.backend]
-    return getattr(load_backend(spec.backend), entry.engine)(spec)
+    descriptor = get(spec.backend)
+    return load(descriptor, descriptor.engine)(spec)
 
 
-def explain(spec: Spec) -> dict:
+def explain(spec) -> dict:
     """What the spec becomes on its backend, as plain data (the backend's `translate`)."""
-    return {"backend": spec.backend, **load_backend(spec.backend).translate(spec)}
+    return {"backend": spec.backend, **get(spec.backend).translate(spec)}
 
 
-def local_run(spec: Spec) -> tuple[dict, dict[str, str]]:
+def local_run(spec) -> tuple[dict, dict[str, str]]:
     """The spec (as data) and environment that run `spec`'s job on this host, same global batch."""
-    entry = BACKENDS[spec.backend]
+    descriptor = get(spec.backend)
     data = spec.model_dump(mode="json", exclude_unset=True)
-    if entry.local is None:
-        return data, entry.env()
-    adapted, env = getattr(load_backend(spec.backend), entry.local)(spec)
-    return adapted, {**entry.env(), **env}
+    if descriptor.local_run is None:
+        return data, descriptor.env()
+    adapted, env = descriptor.local_run(spec)
+    return adapted, {**descriptor.env(), **env}
+
+
+def accelerate_reader(kind: str, cfg: dict):
+    """The section reader of the backend that reads an accelerate file of this kind most
+    specifically (claims are priorities), or None when none reads it."""
+    claims = [(d.accelerate_claims(kind, cfg), d.accelerate_section) for d in descriptors()
+              if d.accelerate_claims is not None]
+    best = max(claims, key=lambda c: c[0], default=(0, None))
+    return best[1] if best[0] > 0 else None
+
+
+def accelerate_keys() -> set[str]:
+    """Top-level accelerate-file keys some backend reads beyond accelerate's own."""
+    return {k for d in descriptors() for k in d.accelerate_keys}
+
+
+def config_importer(kind: str):
+    """(path, lossy, given) -> (spec dict, report) for a config file kind a backend reads."""
+    for d in descriptors():
+        if kind in d.config_importers:
+            return d.config_importers[kind]
+    raise KeyError(kind)
+
+
+def config_import_kinds() -> list[str]:
+    return [k for d in descriptors() for k in d.config_importers]
+
+
+def exporter(fmt: str, backend: str):
+    """spec -> data in format `fmt`: the backend's own export, else a format any spec converts to."""
+    from parallel.spec.io import SpecError
+
+    descriptor = get(backend)
+    if fmt in descriptor.exports:
+        return descriptor.exports[fmt]
+    for d in descriptors():
+        if fmt in d.formats:
+            return d.formats[fmt]
+    why = descriptor.capabilities.check("export", fmt)
+    raise SpecError([("backend", f"{backend!r} has no {fmt} export" + (
+        f": {why.reason}; use {why.nearest}" if why else f"; it exports to "
+        f"{', '.join(sorted(descriptor.exports) + sorted(k for d in descriptors() for k in d.formats))}"))])
+
+
+def export_formats() -> list[str]:
+    return sorted({k for d in descriptors() for k in (*d.exports, *d.formats)})
+
+
+def checkpoint_reader(kind: str):
+    for d in descriptors():
+        if kind in d.checkpoint_readers:
+            return load(d, d.checkpoint_readers[kind])
+    raise KeyError(kind)
+
+
+def checkpoint_kinds() -> list[str]:
+    return [k for d in descriptors() for k in d.checkpoint_readers]
+
+
+def packages() -> list[str]:
+    """Distributions of every backend whose versions a checkpoint records."""
+    return [p for d in descriptors() for p in d.packages]

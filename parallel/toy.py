@@ -29,16 +29,17 @@ class ByteDataset(Dataset):
         return {"input_ids": self.blocks[i], "labels": self.blocks[i]}
 
 
+SIZES = CORPUS.parent / "toy_models.json"  # shared with benchmarks/common.py
+
+
 def llama_config(size: str = "demo", **overrides):
-    """`demo`: ~3.2M parameters; `tiny`: ~0.1M, for tests."""
+    """`demo`: ~3.2M parameters; `tiny`: ~0.1M, for tests (sizes: examples/data/toy_models.json)."""
+    import json
+
     from transformers import LlamaConfig
 
-    dims = {"demo": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2),
-            "tiny": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2)}[size]
-    return LlamaConfig(vocab_size=256, max_position_embeddings=512, tie_word_embeddings=False,
-                       attn_implementation="eager", **{**dims, **overrides})
+    sizes = json.loads(SIZES.read_text())
+    return LlamaConfig(**{**sizes["common"], **sizes[size], **overrides})
 
 
 def build_llama(config):

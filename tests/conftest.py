@@ -16,6 +16,10 @@ def pytest_sessionstart(session):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """docs/reliability.md is written from what the fault and fuzz tests recorded in this run
-    (only when the fault tests ran: a partial run leaves the document as it was)."""
-    reliability.write_doc(Path(__file__).resolve().parents[1] / "docs" / "reliability.md")
+    """What the fault and fuzz tests recorded in this run, as a report: runs/reliability.md
+    (untracked). The tracked docs/reliability.md is rewritten only on request:
+    POLYSHARD_UPDATE_DOCS=1 make test (and only when the fault tests ran)."""
+    root = Path(__file__).resolve().parents[1]
+    target = root / ("docs" if os.environ.get("POLYSHARD_UPDATE_DOCS") == "1" else "runs")
+    target.mkdir(exist_ok=True)
+    reliability.write_doc(target / "reliability.md")

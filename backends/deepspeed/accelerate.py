@@ -13,8 +13,9 @@ tests/unit/test_real_configs.py):
 from __future__ import annotations
 
 import difflib
+from pathlib import Path
 
-from backends.deepspeed.interop import import_into, zero_section
+from backends.deepspeed.interop import import_into, read_config, zero_section
 from parallel.interop.accelerate import Import
 
 PLUGIN_KEYS = {"zero_stage", "offload_optimizer_device", "offload_param_device",
@@ -28,7 +29,15 @@ LAUNCH_KEYS = {"deepspeed_multinode_launcher": "polyshard launch starts torchrun
 SHARD_OF_STAGE = {0: "none", 1: "optimizer", 2: "grad_op", 3: "full"}
 
 
-def deepspeed_section(imp: Import, ds: dict, cfg: dict, read_json) -> None:
+def claims(kind: str, cfg: dict) -> int:
+    return 1 if kind == "DEEPSPEED" else 0
+
+
+def section(imp: Import, cfg: dict, base) -> None:
+    deepspeed_section(imp, dict(cfg.get("deepspeed_config") or {}), cfg, base)
+
+
+def deepspeed_section(imp: Import, ds: dict, cfg: dict, base) -> None:
     imp.set("backend", "deepspeed", "distributed_type")
     for key, value in ds.items():
         if key in LAUNCH_KEYS:
@@ -45,7 +54,7 @@ def deepspeed_section(imp: Import, ds: dict, cfg: dict, read_json) -> None:
             else:
                 imp.note(f"deepspeed_config.{key}", "ignored", "accelerate does not read it")
     if ds.get("deepspeed_config_file"):
-        _from_file(imp, ds, read_json)
+        _from_file(imp, ds, base)
     else:
         _from_plugin(imp, ds)
     stage3 = imp.spec.get("shard") in ("full", "hybrid")
@@ -96,7 +105,7 @@ def _yaml_fields(imp: Import, ds: dict) -> None:
                 "deepspeed_config.zero3_save_16bit_model")
 
 
-def _from_file(imp: Import, ds: dict, read_json) -> None:
+def _from_file(imp: Import, ds: dict, base) -> None:
     name = ds["deepspeed_config_file"]
     clash = [f"deepspeed_config.{k}" for k in sorted(ds) if k in
              PLUGIN_KEYS - {"deepspeed_config_file", "zero3_init_flag"}]
@@ -107,11 +116,11 @@ def _from_file(imp: Import, ds: dict, read_json) -> None:
                           "JSON decides; set it there, e.g. bf16.enabled): remove it")
                          for key in clash]
         return
-    if read_json is None:
+    if base is None:
         imp.problems.append(("deepspeed_config.deepspeed_config_file", "cannot be read here"))
         return
-    try:
-        config = read_json(name)
+    try:  # beside the yaml (accelerate opens it relative to the working directory)
+        config = read_config(Path(base) / name)
     except (OSError, ValueError) as err:
         imp.problems.append(("deepspeed_config.deepspeed_config_file", f"{name!r}: {err}"))
         return

@@ -49,6 +49,11 @@ def _no_duplicates(pairs):
     return dict(pairs)
 
 
+def from_deepspeed_file(path: Path, lossy: bool = False, given: dict | None = None):
+    """`polyshard import deepspeed FILE`: the file read as DeepSpeed reads it, then from_deepspeed."""
+    return from_deepspeed(read_config(path), lossy, given)
+
+
 def from_deepspeed(cfg: Any, lossy: bool = False, given: dict | None = None) -> tuple[dict, Report]:
     """DeepSpeed config (a dict, as DeepSpeed's hjson reader gives it) -> (spec dict, report).
     `given`: spec fields set on the command line (they decide "auto" and derived values).

@@ -30,13 +30,6 @@ def master_names(ds) -> dict[int, str]:
             for p, m in zip(lps, masters)}
 
 
-def _buffers(ds) -> dict:
-    """Persistent buffers (never partitioned); tied parameters' other names are no buffers."""
-    params = {ps.clean_name(n) for n, _ in ds.module.named_parameters(remove_duplicate=False)}
-    return {ps.clean_name(k): v.detach().cpu() for k, v in ds.module.state_dict().items()
-            if ps.clean_name(k) not in params}
-
-
 def _frozen(ds, trained: set[str]) -> dict:
     """Parameters the optimizer does not hold (requires_grad False), by name. ZeRO keeps no fp32
     master for them, but they are part of the model: the checkpoint holds them too."""
@@ -71,7 +64,7 @@ def unfused_state(ds) -> dict:
     names, base = master_names(ds), ds.optimizer.optimizer
     model = {names[id(m)]: m.detach().cpu() for group in ds.optimizer.fp32_groups for m in group}
     model.update({n: _whole(p) for n, p in _frozen(ds, set(model)).items()})
-    return {"model": _with_aliases(ds, {**model, **_buffers(ds)}),
+    return {"model": _with_aliases(ds, {**model, **ps.buffers(ds.module)}),
             "optim": ps.optim_by_name(base, names)}
 
 
@@ -83,7 +76,7 @@ def load_unfused(ds, path: Path) -> None:
     template = {"model": _with_aliases(ds, {
                     **{names[id(m)]: m.detach().clone().cpu() for m in masters},
                     **{n: torch.empty(p.shape) for n, p in frozen.items()},
-                    **{k: torch.empty_like(v) for k, v in _buffers(ds).items()}}),
+                    **{k: torch.empty_like(v) for k, v in ps.buffers(ds.module).items()}}),
                 "optim": {"state": ps.optim_by_name(base, names)["state"],
                           "param_groups": ps.groups_template(path)}}
     ps.load_state(template, path)
@@ -94,7 +87,7 @@ def load_unfused(ds, path: Path) -> None:
     for lps, group in zip(ds.optimizer.fp16_groups, ds.optimizer.fp32_groups):  # masters -> model
         for p, m in zip(lps, group):
             p.data.copy_(m.data)
-    ds.module.load_state_dict({k: template["model"][k] for k in _buffers(ds)}, strict=False)
+    ds.module.load_state_dict({k: template["model"][k] for k in ps.buffers(ds.module)}, strict=False)
     base.load_state_dict(ps.optim_for_torch(base, template["optim"]["state"],
                                          template["optim"]["param_groups"], names))
 
@@ -167,7 +160,7 @@ def zero_state(ds, mine, with_optimizer: bool = True) -> dict:
             model[name] = value
         i += 1
     if mine(0):
-        model.update(_buffers(ds))  # buffers are never partitioned
+        model.update(ps.buffers(ds.module))  # buffers are never partitioned
     return {"model": _with_aliases(ds, model), "optim": {"state": state, "param_groups": groups}}
 
 
@@ -185,7 +178,7 @@ def load_zero_state(ds, path: Path) -> None:
     members = [(flat, [name_of[id(p)] for p in lps]) for _, lps, flat in partitions(zero)]
     keys = {n: _flat_keys(base, flat) + (["step"] if "step" in base.state[flat] else [])
             for flat, names in members for n in names}
-    buffers = _buffers(ds)
+    buffers = ps.buffers(ds.module)
     template = ps.full_template({n: getattr(p, "ds_shape", p.shape) for n, p in named.items()}, keys,
                              ps.groups_template(path))
     template["model"].update({k: torch.empty_like(v, device="cpu") for k, v in buffers.items()})

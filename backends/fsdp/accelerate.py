@@ -31,6 +31,27 @@ def _bool(value) -> bool:
     return str(value).lower() in ("true", "1", "yes")
 
 
+DATA_PARALLEL = {"MULTI_GPU", "MULTI_CPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_MUSA",
+                 "MULTI_HPU", "MULTI_SDAA", "NO"}
+
+
+def claims(kind: str, cfg: dict) -> int:
+    """FSDP files and accelerate's data-parallel types (a backend that reads an FSDP file more
+    specifically, as XLA FSDP one with transformers' xla key, claims higher)."""
+    return 1 if kind == "FSDP" or kind in DATA_PARALLEL else 0
+
+
+def section(imp: Import, cfg: dict, base) -> None:
+    kind = str(cfg.get("distributed_type", "NO")).upper()
+    if kind in DATA_PARALLEL:
+        imp.set("backend", "fsdp", "distributed_type", detail=f"{kind}: data parallel = backend "
+                "fsdp, shard: none (gradients all-reduced, nothing sharded)")
+        imp.set("shard", "none", "distributed_type")
+        return
+    fsdp_section(imp, dict(cfg.get("fsdp_config") or {}))
+    _parallelism(imp, cfg.get("parallelism_config") or {})
+
+
 def fsdp_section(imp: Import, fsdp: dict) -> None:
     imp.set("backend", "fsdp", "distributed_type")
     _unknown_keys(imp, fsdp)
@@ -130,3 +151,21 @@ def _v2(imp: Import, fsdp: dict) -> None:
                       "cpu_ram_efficient_loading only")):
         if key in fsdp:
             imp.note(f"fsdp_config.{key}", "ignored", why)
+
+
+def _parallelism(imp: Import, par: dict) -> None:
+    """accelerate's ND parallelism (FSDP2): replicas x shard groups is hybrid sharding; tensor and
+    context parallelism have no polyshard equivalent yet."""
+    size = {k.removeprefix("parallelism_config_"): v for k, v in par.items()}
+    for axis in ("tp_size", "cp_size"):
+        if int(size.get(axis, 1) or 1) > 1:
+            imp.refuse(f"parallelism_config.parallelism_config_{axis}", f"{size[axis]}: tensor / "
+                       "context parallelism has no polyshard equivalent yet (data parallel only)")
+    replicas = int(size.get("dp_replicate_size", 1) or 1)
+    if replicas > 1:
+        shard = imp.spec.get("shard")
+        imp.set("shard", "hybrid" if shard in ("full", "hybrid") else "hybrid_grad_op",
+                "parallelism_config.parallelism_config_dp_replicate_size",
+                detail=f"{replicas} replicas of shard groups: hybrid sharding")
+        imp.set("topology.shard_group_size", int(size.get("dp_shard_size", 1) or 1),
+                "parallelism_config.parallelism_config_dp_shard_size")

@@ -12,6 +12,20 @@ READ = {"xla", "xla_fsdp_v2", "xla_fsdp_grad_ckpt", "xla_fsdp_settings", "fsdp_s
         "fsdp_auto_wrap_policy", "fsdp_transformer_layer_cls_to_wrap", "fsdp_min_num_params"}
 
 
+def xla_requested(cfg: dict) -> bool:
+    """The `xla` key transformers' guide adds to an accelerate file (top level or in fsdp_config)."""
+    return bool((cfg.get("fsdp_config") or {}).get("xla") or cfg.get("xla"))
+
+
+def claims(kind: str, cfg: dict) -> int:
+    return 2 if kind == "XLA" or (kind == "FSDP" and xla_requested(cfg)) else 0
+
+
+def section(imp: Import, cfg: dict, base) -> None:
+    fsdp = {**(cfg.get("fsdp_config") or {}), **({"xla": cfg["xla"]} if "xla" in cfg else {})}
+    xla_section(imp, fsdp, str(cfg.get("distributed_type")).upper())
+
+
 def xla_section(imp: Import, fsdp: dict, kind: str) -> None:
     imp.set("backend", "xla_fsdp", "fsdp_config.xla" if fsdp.get("xla") else "distributed_type")
     if not fsdp.get("xla"):

@@ -174,9 +174,10 @@ def library_versions() -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
     from parallel import __version__
+    from parallel.registry import packages
 
     found = {"polyshard": __version__}
-    for name in ("torch", "deepspeed", "torch_xla", "transformers", "accelerate"):
+    for name in ("torch", *packages(), "transformers", "accelerate"):
         try:
             found[name] = version(name)
         except PackageNotFoundError:

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from parallel.engine.params import clean_name
+from parallel.engine.params import clean_name  # noqa: F401 - state code names things by it
 
 STATE_DIR = "state"
 
@@ -45,6 +45,14 @@ def _quiet_dcp():
 
 class PortableStateError(RuntimeError):
     """The checkpoint's state does not fit this run (another model or another optimizer)."""
+
+
+def buffers(module) -> dict[str, torch.Tensor]:
+    """Persistent buffers of a (maybe wrapped) module by portable name, on CPU: its state_dict
+    entries that are no parameter under any of their names (a tied weight's other names included)."""
+    params = {clean_name(n) for n, _ in module.named_parameters(remove_duplicate=False)}
+    return {clean_name(k): v.detach().cpu() for k, v in module.state_dict().items()
+            if clean_name(k) not in params}
 
 
 def hyperparams(group: dict) -> dict:
@@ -164,13 +172,18 @@ def full_template(names_shapes: dict[str, torch.Size], optim_keys: dict[str, lis
             "optim": {"state": state, "param_groups": groups}}
 
 
+def shared_step(entries) -> torch.Tensor | None:
+    """The one step count of optimizer entries that share a flat optimizer tensor (or a group)."""
+    steps = {float(e["step"]) for e in entries if "step" in e}
+    if len(steps) > 1:
+        raise PortableStateError(f"entries that share one optimizer tensor disagree on the step "
+                                 f"count: {sorted(steps)}")
+    return torch.tensor(steps.pop()) if steps else None
+
+
 def single_step(per_name: dict[str, dict], names) -> torch.Tensor | None:
     """The one step count shared by parameters that live in one flat optimizer tensor."""
-    steps = {float(per_name[n]["step"]) for n in names if "step" in per_name.get(n, {})}
-    if len(steps) > 1:
-        raise PortableStateError(f"parameters {list(names)[:3]}... share one flat optimizer tensor "
-                                 f"but the checkpoint has different step counts {sorted(steps)}")
-    return torch.tensor(steps.pop()) if steps else None
+    return shared_step(per_name[n] for n in names if n in per_name)
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

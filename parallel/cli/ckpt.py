@@ -23,7 +23,9 @@ def add_parser(sub) -> None:
         a.add_argument("path", help="checkpoint directory, or a directory holding `latest`")
     a = actions.add_parser("import", help="convert a native checkpoint into polyshard's format",
                            description="convert a native checkpoint into polyshard's format")
-    a.add_argument("kind", choices=["dcp", "deepspeed", "xla"],
+    from parallel.registry import checkpoint_kinds
+
+    a.add_argument("kind", choices=["dcp", *checkpoint_kinds()],
                    help="dcp: torch.distributed.checkpoint dir; deepspeed: ZeRO checkpoint dir "
                    "(with `latest` or a tag dir); xla: dir of XLA FSDP *rank-R-of-N* shard files")
     a.add_argument("src")

@@ -16,7 +16,9 @@ def add_parsers(sub, command, add_spec_args) -> None:
     p = command("import", "turn an accelerate config or a DeepSpeed JSON into a spec that means the "
                 "same; every source field is reported, and one that cannot keep its meaning stops "
                 "the import (exit 2) naming it, unless --lossy")
-    p.add_argument("kind", choices=["accelerate", "deepspeed"])
+    from parallel.registry import config_import_kinds, export_formats
+
+    p.add_argument("kind", choices=["accelerate", *config_import_kinds()])
     p.add_argument("file", help="accelerate config YAML, or DeepSpeed JSON (hjson, as DeepSpeed "
                    "reads it)")
     p.add_argument("-o", "--output", help="write the spec YAML here (default: stdout)")
@@ -27,7 +29,7 @@ def add_parsers(sub, command, add_spec_args) -> None:
                    "meaning; each loss is listed as 'lost'")
     p = command("export", "write a spec as an accelerate config, a DeepSpeed JSON or HF "
                 "TrainingArguments keyword arguments")
-    p.add_argument("--to", required=True, choices=["accelerate", "deepspeed", "hf-trainer"])
+    p.add_argument("--to", required=True, choices=export_formats())
     add_spec_args(p)
     p.add_argument("-o", "--output", help="file to write (default: stdout); an accelerate export "
                    "of a DeepSpeed spec also writes the DeepSpeed JSON beside it")
@@ -46,8 +48,6 @@ def _read_yaml(path: Path):
 
 
 def run_import(args) -> int:
-    from backends.deepspeed.interop import from_deepspeed, read_config
-    from parallel.interop.accelerate import from_accelerate
     from parallel.spec.io import SpecError, apply_override, load_spec
 
     source = Path(args.file)
@@ -57,12 +57,13 @@ def run_import(args) -> int:
     for item in args.overrides:
         apply_override(given, item)
     if args.kind == "accelerate":
-        def read_json(name):
-            return read_config(source.parent / name)
+        from parallel.interop.accelerate import from_accelerate
 
-        data, report = from_accelerate(_read_yaml(source), read_json, args.lossy, given)
-    else:
-        data, report = from_deepspeed(read_config(source), args.lossy, given)
+        data, report = from_accelerate(_read_yaml(source), source.parent, args.lossy, given)
+    else:  # a kind a backend reads (its descriptor's config_importers)
+        from parallel.registry import config_importer
+
+        data, report = config_importer(args.kind)(source, args.lossy, given)
     _merge(data, given)
     report += [(f"--set {item}", "set", "from the command line") for item in args.overrides]
     _print_report(source, report)
@@ -99,9 +100,9 @@ def _print_report(source: Path, report) -> None:
 
 
 def run_export(args, spec) -> int:
-    from parallel.interop.export import EXPORTERS
+    from parallel.interop.export import export
 
-    result = EXPORTERS[args.to](spec)
+    result = export(spec, args.to)
     extra = result.pop("__files__", {}) if isinstance(result, dict) else {}
     text = (yaml.safe_dump(result, sort_keys=False) if args.to == "accelerate"
             else json.dumps(result, indent=2) + "\n")

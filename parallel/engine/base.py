@@ -7,13 +7,12 @@ clip and step), so the loop reads top to bottom in one place.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,6 +21,7 @@ from torch.utils.data import DataLoader
 
 from parallel.engine import dist as pdist
 from parallel.engine.data import ResumableLoader, ResumableSampler
+from parallel.engine.dims import ParallelDims
 from parallel.engine.checkpointing import CheckpointMixin
 from parallel.engine.guards import (
     BatchError,
@@ -34,51 +34,16 @@ from parallel.engine.guards import (
     timeout_error,
 )
 from parallel.engine.params import ParamGroupsHook, ParamPlan, per_parameter
+from parallel.engine.step import (
+    LossFn,
+    OptimizerArg,
+    StepResult,
+    build_optimizer,
+    count_tokens,
+    split_micro_batches,
+    to_device,
+)
 from parallel.spec.model import Spec
-
-OptimizerArg = Callable[..., torch.optim.Optimizer] | tuple[type, dict[str, Any]]
-LossFn = Callable[[nn.Module, Any], torch.Tensor]
-
-
-@dataclass
-class StepResult:
-    """What one optimizer step did. Tensors stay on device until read, so logging decides when the
-    host waits (the loss is a global mean over ranks, as a single process would compute it)."""
-
-    step: int
-    loss_tensor: torch.Tensor
-    grad_norm_tensor: torch.Tensor | None
-    lr: float
-    tokens: int
-    step_time: float
-    stepped: bool = True  # False when fp16 loss scaling skipped the update
-
-    @property
-    def loss(self) -> float:
-        return float(self.loss_tensor)
-
-    @property
-    def grad_norm(self) -> float | None:
-        return None if self.grad_norm_tensor is None else float(self.grad_norm_tensor)
-
-
-def build_optimizer(optimizer: OptimizerArg, params) -> torch.optim.Optimizer:
-    """Optimizers are built after sharding (they must see the sharded parameters)."""
-    if isinstance(optimizer, tuple):
-        cls, kwargs = optimizer
-        return cls(params, **kwargs)
-    return optimizer(params)
-
-
-def require_fp32(model: nn.Module) -> None:
-    """Every precision keeps fp32 master weights; a model loaded in 16 bits would silently not."""
-    bad = sorted({str(p.dtype) for p in model.parameters()
-                  if p.dtype != torch.float32 and p.device.type != "meta"})
-    if bad:
-        raise ValueError(f"model: parameters are {bad}; every precision keeps fp32 master weights, "
-                         "so pass an fp32 model (torch_dtype=torch.float32) and set "
-                         "`precision: bf16` for bf16 compute")
-
 
 class Engine(CheckpointMixin, ABC):
     """prepare -> train_step / eval_step -> save / load -> close."""
@@ -91,6 +56,7 @@ class Engine(CheckpointMixin, ABC):
     def __init__(self, spec: Spec):
         self.spec = spec
         self.ctx = pdist.init_distributed(spec.timeout_s)
+        self.dims = ParallelDims.from_spec(spec)  # the data-parallel layout, built once
         self._check_world()
         pdist.seed_everything(spec.seed)
         self.step = 0
@@ -99,7 +65,9 @@ class Engine(CheckpointMixin, ABC):
         self.scheduler = None
         self.loss_fn: LossFn | None = None
         self.loaders: list[ResumableLoader] = []
-        self.before_step: Callable[[Engine], None] | None = None
+        # Called with the engine once a step's gradients exist, before the update (bench measures
+        # gradient memory here): an extension point, empty by default.
+        self.on_gradients: list[Callable[[Engine], None]] = []
         self._batch_signature: dict | None = None  # the first batch's keys/dtypes, later held to
         self._param_groups_hook: ParamGroupsHook | None = None
         self.params: ParamPlan | None = None  # set by the backend before sharding
@@ -109,6 +77,20 @@ class Engine(CheckpointMixin, ABC):
     world_size = property(lambda self: self.ctx.world_size)
     device = property(lambda self: self.ctx.device)
     is_main = property(lambda self: self.ctx.is_main)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dims.dp_rank(self.rank)
+
+    @property
+    def dp_size(self) -> int:
+        return self.dims.dp_size
+
+    @functools.cached_property
+    def device_mesh(self):
+        """The torch DeviceMesh over (dp_replicate, dp_shard), made on first use (backends that
+        shard with torch's DeviceMesh take it or a slice of it)."""
+        return self.dims.device_mesh(self.device.type)
 
     def _check_world(self) -> None:
         if self.ctx.world_size != self.spec.world_size:
@@ -139,7 +121,7 @@ class Engine(CheckpointMixin, ABC):
 
     def _check_global_batch(self) -> None:
         """global_batch_size against what this launch feeds (SPMD's devices are known only now)."""
-        wanted, fed = self.spec.global_batch_size, self.samples_per_step * self.world_size
+        wanted, fed = self.spec.global_batch_size, self.samples_per_step * self.dp_size
         if wanted is not None and wanted != fed:
             from parallel.spec.io import SpecError
 
@@ -174,7 +156,7 @@ class Engine(CheckpointMixin, ABC):
         """Per-rank loader of step batches (micro_batch_size * grad_accum_steps samples each) whose
         position is saved and restored with the checkpoint."""
         size = batch_size or self.samples_per_step
-        sampler = ResumableSampler(len(dataset), self.world_size, self.rank, self.spec.seed, shuffle)
+        sampler = ResumableSampler(len(dataset), self.dp_size, self.dp_rank, self.spec.seed, shuffle)
         loader = DataLoader(dataset, batch_size=size, sampler=sampler, collate_fn=collate_fn,
                             drop_last=True)
         self.loaders.append(ResumableLoader(self._device_loader(loader), sampler, size))
@@ -230,8 +212,8 @@ class Engine(CheckpointMixin, ABC):
         if self._nonfinite(total):  # on_nonfinite: skip (raise has raised on every rank)
             grad_norm, stepped = self._skip_step(), False
         else:
-            if self.before_step is not None:  # measurement hook (bench): gradients exist only now
-                self.before_step(self)
+            for hook in self.on_gradients:  # gradients exist only now
+                hook(self)
             grad_norm, stepped = self._optimizer_step()
         if self.scheduler is not None and stepped:
             self.scheduler.step()
@@ -241,7 +223,7 @@ class Engine(CheckpointMixin, ABC):
             loss_tensor=pdist.all_mean(total / len(micro_batches)),
             grad_norm_tensor=grad_norm,
             lr=lr,
-            tokens=self._count_tokens(batch) * self.world_size,
+            tokens=count_tokens(batch) * self.dp_size,
             step_time=time.perf_counter() - start,
             stepped=stepped,
         )
@@ -288,37 +270,10 @@ class Engine(CheckpointMixin, ABC):
         """Clip (if the spec says so), step, zero gradients; return (grad norm, whether it stepped)."""
 
     def _split(self, batch) -> list:
-        accum = self.spec.grad_accum_steps  # rows were checked by batch_problem
-        if accum == 1:
-            return [batch]
-        if isinstance(batch, dict):
-            parts = {k: torch.tensor_split(v, accum) for k, v in batch.items()}
-            return [{k: v[i] for k, v in parts.items()} for i in range(accum)]
-        return list(zip(*(torch.tensor_split(v, accum) for v in batch)))
+        return split_micro_batches(batch, self.spec.grad_accum_steps)  # rows checked by the guard
 
     def _to_device(self, batch):
-        if isinstance(batch, dict):
-            return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-        return type(batch)(v.to(self.device, non_blocking=True) for v in batch)
-
-    @staticmethod
-    def _count_tokens(batch) -> int:
-        if isinstance(batch, dict) and "input_ids" in batch:
-            return batch["input_ids"].numel()
-        return _first(batch).numel()
-
-    # ---- checkpoints ----
-    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """What this rank holds for the model: parameters, gradients, optimizer state (bench)."""
-        params = list(self.model.parameters())
-        return {"params": params, "grads": [p.grad for p in params],
-                "optimizer": [v for st in self.optimizer.state.values() for v in st.values()
-                              if isinstance(v, torch.Tensor) and v.dim() > 0]}
-
-    @abstractmethod
-    def gather_model(self) -> dict[str, torch.Tensor]:
-        """Whole weights on CPU, keyed by the original parameter names, on every rank. Collective;
-        for inspection and parity checks of models that fit in host memory."""
+        return to_device(batch, self.device)
 
     # ---- collectives and shutdown ----
     def barrier(self) -> None:
@@ -331,7 +286,3 @@ class Engine(CheckpointMixin, ABC):
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
-
-
-def _first(batch) -> torch.Tensor:
-    return next(iter(batch.values())) if isinstance(batch, dict) else batch[0]

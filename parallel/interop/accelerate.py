@@ -13,6 +13,7 @@ did-you-mean when it is close to one it reads). Plain data: accelerate is not im
 from __future__ import annotations
 
 import difflib
+from pathlib import Path
 from typing import Any
 
 from parallel.spec.io import SpecError
@@ -114,10 +115,11 @@ def _merged(spec: dict, given: dict) -> dict:
     return out
 
 
-def from_accelerate(cfg: Any, read_json=None, lossy: bool = False,
+def from_accelerate(cfg: Any, base: Path | None = None, lossy: bool = False,
                     given: dict | None = None) -> tuple[dict, Report]:
-    """An accelerate config (the YAML as a dict) -> (spec dict, report). `read_json(name)` reads a
-    `deepspeed_config_file` relative to the YAML. Raises SpecError naming what cannot be kept."""
+    """An accelerate config (the YAML as a dict) -> (spec dict, report). `base`: the YAML's
+    directory, where files it names (a deepspeed_config_file) are read. Raises SpecError naming what
+    cannot be kept."""
     if not isinstance(cfg, dict) or not cfg:
         raise SpecError([("<file>", "is empty or not a mapping: an accelerate config is a YAML "
                           "mapping with at least distributed_type")])
@@ -127,53 +129,23 @@ def from_accelerate(cfg: Any, read_json=None, lossy: bool = False,
     imp = Import(lossy, given or {})
     kind = str(cfg.get("distributed_type", "NO")).upper()
     _top_level(imp, cfg, kind)
-    fsdp = dict(cfg.get("fsdp_config") or {})
-    if kind in ("FSDP", "XLA") and (fsdp.get("xla") or cfg.get("xla") or kind == "XLA"):
-        from backends.xla.accelerate import xla_section
+    from parallel.registry import accelerate_reader
 
-        xla_section(imp, {**fsdp, **({"xla": cfg["xla"]} if "xla" in cfg else {})}, kind)
-    elif kind == "FSDP":
-        from backends.fsdp.accelerate import fsdp_section
-
-        fsdp_section(imp, fsdp)
-        _parallelism(imp, cfg.get("parallelism_config") or {})
-    elif kind == "DEEPSPEED":
-        from backends.deepspeed.accelerate import deepspeed_section
-
-        deepspeed_section(imp, dict(cfg.get("deepspeed_config") or {}), cfg, read_json)
-    elif kind in ("MULTI_GPU", "MULTI_CPU", "MULTI_XPU", "MULTI_NPU", "MULTI_MLU", "MULTI_MUSA",
-                  "MULTI_HPU", "MULTI_SDAA", "NO"):
-        imp.set("backend", "fsdp", "distributed_type", detail=f"{kind}: data parallel = backend "
-                "fsdp, shard: none (gradients all-reduced, nothing sharded)")
-        imp.set("shard", "none", "distributed_type")
+    section = accelerate_reader(kind, cfg)
+    if section is None:
+        imp.problems.append(("distributed_type", f"{kind!r}: no polyshard backend reads it (FSDP, "
+                             "DEEPSPEED, XLA with fsdp_config xla: true, and data parallel MULTI_* / "
+                             "NO are read; there is no Megatron or other engine here)"))
     else:
-        imp.problems.append(("distributed_type", f"{kind!r}: polyshard runs FSDP, DEEPSPEED, XLA "
-                             "(with fsdp_config xla: true) and data-parallel (MULTI_*, NO) jobs; "
-                             "there is no Megatron or other engine here"))
+        section(imp, cfg, base)
     return imp.finish()
 
 
-def _parallelism(imp: Import, par: dict) -> None:
-    """accelerate's ND parallelism (FSDP2): replicas x shard groups is hybrid sharding; tensor and
-    context parallelism have no polyshard equivalent yet."""
-    size = {k.removeprefix("parallelism_config_"): v for k, v in par.items()}
-    for axis in ("tp_size", "cp_size"):
-        if int(size.get(axis, 1) or 1) > 1:
-            imp.refuse(f"parallelism_config.parallelism_config_{axis}", f"{size[axis]}: tensor / "
-                       "context parallelism has no polyshard equivalent yet (data parallel only)")
-    replicas = int(size.get("dp_replicate_size", 1) or 1)
-    if replicas > 1:
-        shard = imp.spec.get("shard")
-        imp.set("shard", "hybrid" if shard in ("full", "hybrid") else "hybrid_grad_op",
-                "parallelism_config.parallelism_config_dp_replicate_size",
-                detail=f"{replicas} replicas of shard groups: hybrid sharding")
-        imp.set("topology.shard_group_size", int(size.get("dp_shard_size", 1) or 1),
-                "parallelism_config.parallelism_config_dp_shard_size")
-
-
 def _top_level(imp: Import, cfg: dict, kind: str) -> None:
+    from parallel.registry import accelerate_keys
+
     for key, value in cfg.items():
-        if key not in TOP_LEVEL and key != "xla":
+        if key not in TOP_LEVEL and key not in accelerate_keys():
             hint = difflib.get_close_matches(key, sorted(TOP_LEVEL), n=1, cutoff=0.75)
             imp.problems.append((key, "accelerate's ClusterConfig refuses this key" + (
                 f"; did you mean {hint[0]!r}?" if hint else "")))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import shlex
 
-from parallel.registry import BACKENDS
+from parallel.registry import get
 from parallel.spec.model import Spec
 
 RDZV_PORT = 29500
@@ -28,7 +28,7 @@ def slurm_script(spec: Spec, spec_path: str, overrides: list[str], script: str,
     rendezvous lives on the first node of the allocation; --kill-on-bad-exit ends every node when
     one fails, instead of leaving the others waiting in a collective."""
     nodes, procs = spec.topology.nodes, spec.topology.procs_per_node
-    gpus = f"#SBATCH --gpus-per-node={procs}\n" if BACKENDS[spec.backend].accelerator else ""
+    gpus = f"#SBATCH --gpus-per-node={procs}\n" if get(spec.backend).accelerator else ""
     launch = " ".join(shlex.quote(w) for w in _launch_words(
         spec_path, overrides, script, script_args, "__ENDPOINT__", max_restarts))
     launch = launch.replace("__ENDPOINT__", '"$head:' + str(RDZV_PORT) + '"')
@@ -56,7 +56,7 @@ def k8s_manifest(spec: Spec, spec_path: str, overrides: list[str], script: str,
     nodes, procs = spec.topology.nodes, spec.topology.procs_per_node
     command = _launch_words(spec_path, overrides, script, script_args,
                             "$(PET_MASTER_ADDR):$(PET_MASTER_PORT)", max_restarts)
-    device = BACKENDS[spec.backend].accelerator  # TPU VMs: the host's chips, nothing to request
+    device = get(spec.backend).accelerator  # TPU VMs: the host's chips, nothing to request
     limits = {device: procs} if device else {}
 
     def replica(count: int) -> dict:

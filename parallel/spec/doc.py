@@ -34,7 +34,12 @@ def rows(model: type[BaseModel], prefix: str = "") -> list[str]:
             continue
         default = field.get_default(call_default_factory=True)
         text = (field.description or "").replace("|", "\\|")
-        out.append(f"| `{prefix}{name}` | {_type(ann)} | `{default!r}` | {text} |")
+        kind = _type(ann)
+        if callable(field.json_schema_extra):  # choices computed at run time (the registry's)
+            schema: dict = {}
+            field.json_schema_extra(schema)
+            kind = " \\| ".join(f"`{v}`" for v in schema.get("enum", [])) or kind
+        out.append(f"| `{prefix}{name}` | {kind} | `{default!r}` | {text} |")
     return out
 
 

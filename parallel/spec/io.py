@@ -132,10 +132,14 @@ def _closest(word: str, options: list[str]) -> str | None:
 
 def merge_native(computed: dict, origins: dict[str, str], native: dict, where: str) -> dict:
     """Merge a backend's `native:` passthrough last. A native key that the spec already decided, with a
-    different value, is an error naming both; an equal value or a new key is accepted."""
+    different value, is an error naming both; an equal value or a new key is accepted. "auto" means
+    what it means in every `native:` section: the spec's value, an error where the spec has none."""
     problems = []
     for key, value in native.items():
-        if key in computed and computed[key] != value and value != "auto":
+        if value == "auto" and key not in computed:
+            problems.append((f"{where}.{key}", "is \"auto\" but the spec has no value for it; give "
+                             "a value or remove the key"))
+        elif key in computed and computed[key] != value and value != "auto":
             origin = origins.get(key, "the spec")
             problems.append((f"{where}.{key}", f"{value!r} contradicts {origin}, which "
                              f"sets {key}={computed[key]!r}; change {origin} instead or drop the key"))

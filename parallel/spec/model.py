@@ -1,18 +1,20 @@
 """The training-strategy spec: one document, validated once, meaning the same on every backend.
 
 Neutral fields (`shard`, `offload`, `precision`, ...) are defined by what they do, not by any backend's
-vocabulary; each backend's adapter translates them. A value a backend cannot honour is rejected here, with
-the nearest valid choice, using the data in `parallel.spec.capabilities` (so no backend is imported).
-No environment variables are read in this module: launch-time facts come from `parallel.launch.torchrun`.
+vocabulary; each backend's adapter translates them. Validation is one layer for every entry point
+(load_spec, validate, explain, plan, bench, parity, create_engine): the spec's own rules, then the
+backend's, from its descriptor (parallel/registry.py): what it cannot honour (its capabilities, with
+the nearest valid choice) and whatever its translation refuses. Descriptors import no backend
+dependency. No environment variables are read in this module: launch-time facts come from
+`parallel.launch`.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from parallel.spec.capabilities import CAPABILITIES
 from parallel.spec.sections import (
     Checkpointing,
     DeepSpeedOptions,
@@ -25,15 +27,23 @@ from parallel.spec.sections import (
     rule_error,
 )
 
-Backend = Literal["fsdp", "deepspeed", "xla_fsdp"]
 Shard = Literal["full", "grad_op", "optimizer", "none", "hybrid", "hybrid_grad_op"]
 HYBRID_SHARDS = ("hybrid", "hybrid_grad_op")
 
 
+def _backend_choices(schema: dict) -> None:
+    """The JSON Schema lists the registered backends (editor completion)."""
+    from parallel.registry import names
+
+    schema["enum"] = names()
+
+
 class Spec(Section):
     backend: Annotated[
-        Backend,
-        Field(description="Which engine runs the job: torch FSDP, DeepSpeed ZeRO or PyTorch/XLA FSDP."),
+        str,
+        Field(description="Which engine runs the job: torch FSDP (fsdp), DeepSpeed ZeRO (deepspeed) "
+              "or PyTorch/XLA FSDP (xla_fsdp); any backend parallel/registry.py lists.",
+              json_schema_extra=_backend_choices),
     ] = "fsdp"
     shard: Annotated[
         Shard,
@@ -152,19 +162,17 @@ class Spec(Section):
         xla = self.xla
         return xla.xla_fsdp_settings.get("xla_fsdp_grad_ckpt", xla.xla_fsdp_grad_ckpt)
 
-    @model_validator(mode="after")
-    def _backend_supports(self) -> Spec:
-        problems = []
-        caps = CAPABILITIES[self.backend]
-        for name in ("shard", "offload", "precision"):
-            value = getattr(self, name)
-            bad = caps.check(name, value)
-            if bad:
-                problems.append((name, f"{value!r} is not supported by backend {self.backend!r}: "
-                                       f"{bad.reason}; use {bad.nearest}"))
-        if problems:
-            raise rule_error(*problems)
-        return self
+    @field_validator("backend")
+    @classmethod
+    def _registered(cls, value: str) -> str:
+        from parallel.registry import get
+        from parallel.spec.io import SpecError
+
+        try:
+            get(value)
+        except SpecError as err:
+            raise rule_error(*err.problems) from None
+        return value
 
     @model_validator(mode="after")
     def _cross_field(self) -> Spec:
@@ -191,16 +199,44 @@ class Spec(Section):
         return self
 
     def _batch_rules(self) -> list[tuple[str, str]]:
-        problems = []
-        if self.deepspeed.offload_device == "nvme" and self.offload == "none":
-            problems.append(("deepspeed.offload_device", "'nvme' says where offloaded state goes, "
-                             "but offload is 'none'; set offload: optimizer or params"))
-        spmd = self.backend == "xla_fsdp" and self.xla.fsdp_version == 2  # devices known at run time
-        per_step = self.micro_batch_size * self.grad_accum_steps * self.world_size
-        if self.global_batch_size is not None and not spmd and per_step != self.global_batch_size:
-            problems.append(("global_batch_size", f"{self.global_batch_size} != micro_batch_size "
-                             f"{self.micro_batch_size} x grad_accum_steps {self.grad_accum_steps} x "
-                             f"{self.world_size} rank(s) = {per_step}; change one of them (e.g. "
-                             "--set topology.procs_per_node=N) so the product is the global batch"))
-        return problems
+        from parallel.registry import get
 
+        devices = get(self.backend).process_devices(self)  # None: known at run time (SPMD)
+        if self.global_batch_size is None or devices is None:
+            return []
+        per_step = self.micro_batch_size * self.grad_accum_steps * self.world_size * devices
+        if per_step == self.global_batch_size:
+            return []
+        return [("global_batch_size", f"{self.global_batch_size} != micro_batch_size "
+                 f"{self.micro_batch_size} x grad_accum_steps {self.grad_accum_steps} x "
+                 f"{self.world_size} rank(s) = {per_step}; change one of them (e.g. "
+                 "--set topology.procs_per_node=N) so the product is the global batch")]
+
+    @model_validator(mode="after")
+    def _backend_rules(self) -> Spec:
+        """The backend's own rules, after the spec's: what it cannot honour (its capabilities) and
+        what its translation refuses (a native key contradicting the spec, a combination it has no
+        mode for)."""
+        from parallel.registry import get
+        from parallel.spec.io import SpecError
+
+        descriptor = get(self.backend)
+        problems = []
+        if self.topology.tp != 1 and not descriptor.tensor_parallel:
+            problems.append(("topology.tp", f"{self.topology.tp}: backend {self.backend!r} runs "
+                             "data parallel only; use tp: 1"))
+        elif self.world_size % self.topology.tp:
+            problems.append(("topology.tp", f"{self.topology.tp} does not divide the world size "
+                             f"{self.world_size}"))
+        for name in ("shard", "offload", "precision"):
+            bad = descriptor.capabilities.check(name, getattr(self, name))
+            if bad:
+                problems.append((name, f"{getattr(self, name)!r} is not supported by backend "
+                                       f"{self.backend!r}: {bad.reason}; use {bad.nearest}"))
+        if problems:
+            raise rule_error(*problems)
+        try:
+            descriptor.translate(self)
+        except SpecError as err:
+            raise rule_error(*err.problems) from None
+        return self

@@ -37,6 +37,11 @@ class Topology(Section):
             "Default: procs_per_node (shard inside a host, replicate across hosts).",
         ),
     ] = None
+    tp: Annotated[
+        int,
+        Field(ge=1, description="Tensor-parallel degree (reserved: every backend today runs data "
+              "parallel only and refuses tp > 1). Ranks = tp x data-parallel ranks."),
+    ] = 1
     rdzv_endpoint: Annotated[
         str | None,
         Field(pattern=r"^[^:\s]+:\d+$", description="HOST:PORT every node of a multi-node job "

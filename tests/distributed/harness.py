@@ -1,12 +1,28 @@
 """Launch a parity worker under torchrun, bounded by a timeout, and read back its results."""
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 WORKER = Path(__file__).with_name("parity_worker.py")
+
+
+def needs(*modules: str):
+    """Skip one test, with the reason, when a backend's dependency is not installed (never a whole
+    file: its tests that need neither still run)."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    return pytest.mark.skipif(bool(missing), reason=f"needs {', '.join(missing)} (pip install "
+                              f"'polyshard[{','.join(m.replace('torch_', '') for m in missing)}]')")
+
+
+needs_xla = needs("torch_xla")
+needs_deepspeed = needs("deepspeed")
+needs_both = needs("deepspeed", "torch_xla")
 ROOT = Path(__file__).resolve().parents[2]
 
 

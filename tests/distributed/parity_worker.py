@@ -15,6 +15,7 @@ import torch
 
 from parallel import create_engine, load_spec
 from parallel.checkpoint.portable import read_model
+from parallel.tools.parity.cell import one_process
 from parallel.toy import build_llama, llama_config
 
 SEQ, ROWS = 16, 2  # per rank and micro-batch: ROWS samples of SEQ tokens
@@ -34,19 +35,9 @@ def global_batches(steps, world, rows, seed=1234):
 def reference(spec, case, batches):
     """What one process computes on the global batch: the numbers every backend must reproduce."""
     torch.manual_seed(spec.seed)
-    model = build_llama(llama_config("tiny"))
-    cls, kw = optimizer_arg(case["optimizer"])
-    opt = cls(model.parameters(), **kw)
-    losses, norms = [], []
-    for ids in batches:
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.grad_clip or float("inf"))
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-        norms.append(norm.item())
-    return losses, norms
+    record = one_process(build_llama(llama_config("tiny")), optimizer_arg(case["optimizer"]),
+                         batches, spec.grad_clip)
+    return [r["loss"] for r in record], [r["grad_norm"] for r in record]
 
 
 def rank_slice(ids, rank, rows):
@@ -90,6 +81,12 @@ def run_case(case, phase, ckpt_root):
         ids = batches[case["save_at"]]
         out["consolidated_loss"] = plain(input_ids=ids, labels=ids).loss.item()
     out.update(getattr(engine, "parity_facts", lambda: {})())
+    if phase == "train":  # how many chunks hold each stored matrix (sharded writes one per shard)
+        from parallel.checkpoint.portable import metadata
+
+        md = metadata(Path(ckpt)).state_dict_metadata
+        out["chunks"] = max(len(md[k].chunks) for k in md if k.startswith("model.") and
+                            len(md[k].size) == 2)
     return out
 
 

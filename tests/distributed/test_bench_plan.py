@@ -11,10 +11,10 @@ import subprocess
 import sys
 
 import pytest
-from harness import ROOT
+from harness import ROOT, needs_both
 
-pytest.importorskip("deepspeed")
-pytest.importorskip("torch_xla")
+from parallel.spec.io import load_spec
+
 pytestmark = pytest.mark.distributed
 
 TEXTBOOK = ["deepspeed.native.zero_optimization.use_multi_rank_bucket_allreduce=false",
@@ -48,6 +48,7 @@ def results(tmp_path_factory):
     return default, textbook, table
 
 
+@needs_both
 @pytest.mark.timeout(1200)
 def test_every_cell_trains_from_the_same_start(results):
     default, textbook, table = results
@@ -60,6 +61,7 @@ def test_every_cell_trains_from_the_same_start(results):
     assert "MiB/step" in table and "n/a (in-graph)" in table
 
 
+@needs_both
 @pytest.mark.timeout(1200)
 def test_plan_predicts_the_measured_model_state_bytes(results):
     from parallel.tools.plan import model_states
@@ -71,11 +73,13 @@ def test_plan_predicts_the_measured_model_state_bytes(results):
         if "median_s" not in cell or label.startswith("xla"):
             continue
         backend, shard, _ = label.split("/")
-        predicted = sum(model_states(backend, shard, "none", shapes, 2))
+        spec = load_spec({"backend": backend, "shard": shard, "topology": {"procs_per_node": 2}})
+        predicted = sum(model_states(spec, shapes, 2))
         measured = cell["params_bytes"] + cell["grads_bytes"] + cell["optimizer_bytes"]
         assert math.isclose(measured, predicted, rel_tol=0.05), (label, measured, predicted)
 
 
+@needs_both
 @pytest.mark.timeout(1200)
 def test_counted_collective_bytes_match_the_formulas(results):
     from parallel.tools.plan import comm_volume
@@ -86,7 +90,8 @@ def test_counted_collective_bytes_match_the_formulas(results):
     for label, value in expected.items():
         assert math.isclose(volume(default[label]), value, rel_tol=0.03), (label, volume(default[label]))
         backend, shard, _ = label.split("/")
-        assert comm_volume(backend, shard) == value
+        assert comm_volume(load_spec({"backend": backend, "shard": shard,
+                                      "topology": {"procs_per_node": 2}})) == value
     # The paper's ZeRO-1/2, asked for explicitly (use_multi_rank_bucket_allreduce: false): 2 Psi.
     assert math.isclose(volume(textbook["deepspeed/optimizer/w2"]), 2, rel_tol=0.03)
     # ZeRO-3 gathers each parameter once per step on this model even with stage3_max_reuse_distance
@@ -97,7 +102,8 @@ def test_counted_collective_bytes_match_the_formulas(results):
     psi = default["deepspeed/full/w2"]["params"]
     for shard, value in (("grad_op", 3), ("full", 2)):
         assert math.isclose(volume(default[f"deepspeed/{shard}/w2"]), value, rel_tol=0.03), shard
-        assert comm_volume("deepspeed", shard, psi=psi) == value
+        spec = load_spec({"backend": "deepspeed", "shard": shard, "topology": {"procs_per_node": 2}})
+        assert comm_volume(spec, psi=psi) == value
 
 
 def test_plan_reproduces_the_zero_paper_table():

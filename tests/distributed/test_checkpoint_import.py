@@ -14,10 +14,8 @@ import sys
 
 import pytest
 import torch
-from harness import ROOT, torchrun
+from harness import ROOT, torchrun, needs_both
 
-pytest.importorskip("deepspeed")
-pytest.importorskip("torch_xla")
 pytestmark = pytest.mark.distributed
 
 DIST = ROOT / "tests" / "distributed"
@@ -64,6 +62,7 @@ def imported(tmp_path_factory):
     return tmp, results
 
 
+@needs_both
 @pytest.mark.timeout(900)
 def test_native_checkpoints_resume_with_optimizer_state(imported):
     _, results = imported
@@ -77,6 +76,7 @@ def test_native_checkpoints_resume_with_optimizer_state(imported):
             assert diff <= 1e-5, f"{kind} -> {target}: {res['loss']} vs {ref[3:]}"
 
 
+@needs_both
 @pytest.mark.timeout(900)
 def test_hf_export_loads_in_transformers_with_the_same_loss(imported):
     from parity_worker import global_batches
@@ -96,6 +96,7 @@ def test_hf_export_loads_in_transformers_with_the_same_loss(imported):
     assert abs(loss - results["reference-adamw"]["loss"][3]) <= 1e-5
 
 
+@needs_both
 @pytest.mark.timeout(900)
 def test_truncated_and_flipped_files_are_refused_by_verify_and_load(imported):
     from reliability import record

@@ -9,10 +9,8 @@ Launches are grouped: one torchrun per phase for the torch backends, one process
 import json
 
 import pytest
-from harness import ROOT, torchrun
+from harness import ROOT, torchrun, needs_both
 
-pytest.importorskip("deepspeed")
-pytest.importorskip("torch_xla")
 pytestmark = pytest.mark.distributed
 
 WORKER = ROOT / "tests" / "distributed" / "transfer_worker.py"
@@ -65,6 +63,7 @@ def matrix(tmp_path_factory):
     return tmp_path, saved, loaded
 
 
+@needs_both
 @pytest.mark.timeout(1200)
 def test_every_pair_resumes_with_the_uninterrupted_losses(matrix):
     _, saved, loaded = matrix
@@ -87,6 +86,7 @@ def test_every_pair_resumes_with_the_uninterrupted_losses(matrix):
     print(f"{pairs} transfers, max |loss - uninterrupted| = {worst:.2e}")
 
 
+@needs_both
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("source", ["zero3", "xla2"])
 def test_hf_export_of_a_saved_run_gives_the_same_loss_in_transformers(matrix, source):

@@ -8,11 +8,9 @@ import sys
 import time
 
 import pytest
-from harness import ROOT, torchrun
+from harness import ROOT, torchrun, needs_both
 from reliability import record
 
-pytest.importorskip("deepspeed")
-pytest.importorskip("torch_xla")
 pytestmark = pytest.mark.distributed
 
 DIST = ROOT / "tests" / "distributed"
@@ -32,6 +30,7 @@ def fault_run(tmp, name, cases, nproc=2, env=None):
     return json.loads((tmp / f"{name}-out.json").read_text())
 
 
+@needs_both
 @pytest.mark.timeout(900)
 def test_nonfinite_loss_and_bad_batches_on_every_backend(tmp_path):
     results = fault_run(tmp_path, "torch", TORCH)

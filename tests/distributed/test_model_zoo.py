@@ -7,10 +7,8 @@ steps 4-5 match the uninterrupted single-process run."""
 import json
 
 import pytest
-from harness import ROOT, torchrun
+from harness import ROOT, torchrun, needs_both
 
-pytest.importorskip("deepspeed")
-pytest.importorskip("torch_xla")
 pytestmark = pytest.mark.distributed
 
 WORKER = ROOT / "tests" / "distributed" / "zoo_worker.py"
@@ -44,6 +42,7 @@ def launch(tmp, phase, names, how):
     return json.loads(out.read_text())
 
 
+@needs_both
 @pytest.mark.timeout(1500)
 def test_model_zoo_matches_one_process_and_moves_between_backends(tmp_path):
     # XLA compiles each model's step once: the load phase reuses the save phase's graphs.

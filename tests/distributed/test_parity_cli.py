@@ -6,10 +6,8 @@ import subprocess
 import sys
 
 import pytest
-from harness import ROOT
+from harness import ROOT, needs_both
 
-pytest.importorskip("deepspeed")
-pytest.importorskip("torch_xla")
 pytestmark = pytest.mark.distributed
 
 
@@ -21,6 +19,7 @@ def parity(tmp_path, *args):
     return proc, (json.loads(out.read_text()) if out.is_file() else None)
 
 
+@needs_both
 @pytest.mark.timeout(700)
 def test_all_backends_match_one_process(tmp_path):
     proc, result = parity(tmp_path, "--backends", "fsdp,deepspeed,xla_fsdp")

@@ -54,9 +54,14 @@ def test_v2_spmd_over_virtual_devices(tmp_path, devices):
     else:
         cases = [case("v2-d2-ckpt", {**V2, "activation_checkpointing": True}, optimizer="sgd",
                       facts=True),
-                 case("v2-d2-bf16", {**V2, "precision": "bf16"}, optimizer="adamw", tol=5e-2)]
+                 # state_dict: full is honoured, as on every backend: whole tensors, one chunk each
+                 case("v2-d2-bf16-full", {**V2, "precision": "bf16", "state_dict": "full"},
+                      optimizer="adamw", tol=5e-2)]
     results = run_parity(tmp_path, cases, nproc=1, timeout=450, env=xla_env(devices))
     print(checked(results, cases))
+    if devices == 2:
+        assert results["v2-d2-ckpt"]["train"]["chunks"] == 2  # sharded: one chunk per device
+        assert results["v2-d2-bf16-full"]["train"]["chunks"] == 1
     facts = results["v2-d4-adamw" if devices == 4 else "v2-d2-ckpt"]["train"]
     # Parameters really are split: every 2-D weight is sharded over the `fsdp` axis of the mesh.
     assert facts["devices"] == devices

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from backends.deepspeed import translate
+from backends.deepspeed.translate import translate
 from parallel import SpecError, load_spec
 
 

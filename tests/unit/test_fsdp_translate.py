@@ -3,7 +3,7 @@
 import pytest
 from torch import nn
 
-from backends.fsdp import mesh_shape, translate
+from backends.fsdp.translate import mesh_shape, translate
 from parallel import SpecError, load_spec
 from parallel.spec.sections import Wrap
 from parallel.engine.wrap import plan_wrap

@@ -2,17 +2,15 @@
 
 import subprocess
 import sys
-from typing import get_args
 
-from parallel.spec.capabilities import CAPABILITIES
-from parallel.registry import BACKENDS
-from parallel.spec.model import Backend
+from parallel.registry import descriptors
 
 BLOCK = "import sys; sys.modules['deepspeed'] = None; sys.modules['torch_xla'] = None; "
 
 
-def test_registry_keys_equal_backend_literals():
-    assert set(BACKENDS) == set(get_args(Backend)) == set(CAPABILITIES)
+def test_every_descriptor_is_complete():
+    for d in descriptors():
+        assert d.translate and d.engine and d.plan and d.native_loop, d.name
 
 
 def run(code):

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from backends.xla import shard_of, split_members
+from backends.xla.layout import shard_of, split_members
 from parallel.checkpoint.directory import publish, resolve, write_checkpoint
 from parallel.checkpoint.portable import (
     PortableStateError,

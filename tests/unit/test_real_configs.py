@@ -22,14 +22,14 @@ import torch
 import yaml
 
 from parallel.interop.accelerate import from_accelerate
-from parallel.interop.export import to_accelerate
+from parallel.interop.export import export
 from parallel.registry import explain
 from parallel.spec.io import SpecError, load_spec
 
 deepspeed = pytest.importorskip("deepspeed")
 pytest.importorskip("accelerate")
 
-from backends.deepspeed import MODEL_AUTOS  # noqa: E402
+from backends.deepspeed.translate import MODEL_AUTOS  # noqa: E402
 from backends.deepspeed.interop import from_deepspeed, read_config  # noqa: E402
 
 CORPUS = Path(__file__).resolve().parents[1] / "fixtures" / "real_configs"
@@ -255,18 +255,15 @@ def test_accelerate_file_means_the_same_to_accelerate(name, tmp_path, monkeypatc
     path = CORPUS / name
     cfg = yaml.safe_load(path.read_text())
 
-    def read_json(rel):
-        return read_config(path.parent / rel)
-
     refused, _ = REFUSED.get(Path(name).name, (None, set()))
     if refused:
         with pytest.raises(SpecError) as err:
-            from_accelerate(cfg, read_json)
+            from_accelerate(cfg, path.parent)
         assert {p for p, _ in err.value.problems} == refused, err.value.problems
         return
-    data, report = from_accelerate(cfg, read_json)
+    data, report = from_accelerate(cfg, path.parent)
     spec = load_spec(data)
-    exported = to_accelerate(spec)
+    exported = export(spec, "accelerate")
     for file_name, content in exported.pop("__files__", {}).items():
         (tmp_path / file_name).write_text(content)
     (tmp_path / "exported.yaml").write_text(yaml.safe_dump(exported))
@@ -282,5 +279,5 @@ def test_accelerate_file_means_the_same_to_accelerate(name, tmp_path, monkeypatc
     # importing the export again means the same: the backend gets the same settings (the spec may
     # now state what was a default, e.g. the global batch the DeepSpeed JSON writes)
     again = load_spec(from_accelerate(yaml.safe_load((tmp_path / "exported.yaml").read_text()),
-                                      lambda rel: read_config(tmp_path / rel))[0])
+                                      tmp_path)[0])
     assert _diff(explain(again), explain(spec)) == []

@@ -4,7 +4,7 @@ import shlex
 
 import pytest
 
-from backends.xla import translate
+from backends.xla.translate import translate
 from parallel import SpecError, load_spec
 from parallel.launch.torchrun import launch_env, tpu_vm_command
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from parallel.launch.torchrun import current_spec
 from parallel.tools.parity.cell import global_batches, optimizer_arg
+from parallel.tools.measurable import measurable
 from parallel.tools.bench.measure import CommCounter, held_bytes, peak_rss_bytes
 from parallel.registry import create_engine
 from parallel.toy import build_model
@@ -44,8 +45,9 @@ def main() -> None:
     batches = global_batches(args.warmup + args.steps, args.global_rows, args.seq,
                              model.config.vocab_size, spec.seed)
     grads_peak = [0]
-    engine.before_step = lambda e: grads_peak.__setitem__(
-        0, max(grads_peak[0], held_bytes(e.state_tensors()["grads"])))
+    measurable(engine, "polyshard bench")
+    engine.on_gradients.append(lambda e: grads_peak.__setitem__(
+        0, max(grads_peak[0], held_bytes(e.state_tensors()["grads"]))))
     counter, times, losses = CommCounter(), [], []
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()

@@ -93,20 +93,16 @@ def held_bytes(tensors) -> int:
             t = t.to_local()
         if t.device.type == "meta" or t.numel() == 0:
             continue
-        if t.device.type == "xla":  # no host storage to inspect: the local tensor's own size
-            total += t.numel() * t.element_size()
+        try:
+            storage = t.untyped_storage()
+            key = (storage.data_ptr(), storage.nbytes())
+        except (RuntimeError, NotImplementedError):  # a device tensor with no host storage to
+            total += t.numel() * t.element_size()  # inspect (XLA): the local tensor's own size
             continue
-        storage = t.untyped_storage()
-        key = (storage.data_ptr(), storage.nbytes())
         if key not in seen:
             seen.add(key)
             total += storage.nbytes()
     return total
-
-
-def optimizer_tensors(optimizer) -> list[torch.Tensor]:
-    return [v for state in optimizer.state.values() for v in state.values()
-            if isinstance(v, torch.Tensor) and v.dim() > 0]
 
 
 def peak_rss_bytes() -> int:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from parallel.tools.bench.plot import plot
 from parallel.launch.torchrun import run_locally
+from parallel.registry import get
 from parallel.spec.io import SpecError, load_spec
 
 # peak dense TFLOP/s by device-name fragment: (bf16/fp16, tf32/fp32), vendor datasheets (dense)
@@ -67,17 +68,13 @@ def mfu(result: dict, step_s: float, precision: str) -> float | None:
 
 
 NATIVE_DIR = Path(__file__).resolve().parents[3] / "benchmarks"
-STAGE = {"none": 0, "optimizer": 1, "grad_op": 2, "full": 3}
-
-
 def run_native(cell_spec, options: dict, rows: int, out: Path, timeout: float) -> dict:
-    """The same cell through the hand-written loop in benchmarks/ (no polyshard in it)."""
-    from parallel.registry import BACKENDS
-
-    script = NATIVE_DIR / BACKENDS[cell_spec.backend].native
+    """The same cell through its backend's hand-written loop in benchmarks/ (no polyshard in it)."""
+    descriptor = get(cell_spec.backend)
+    script = NATIVE_DIR / descriptor.native_loop
     args = [f"--{k}={v}" for k, v in options.items()] + [
         f"--global-rows={rows}", f"--clip={cell_spec.grad_clip or 0.0}", f"--seed={cell_spec.seed}",
-        f"--stage={STAGE.get(cell_spec.shard, 3)}"]
+        *descriptor.native_args(cell_spec)]
     return run_locally(cell_spec, str(script), args, out, timeout)
 
 
@@ -99,6 +96,7 @@ def bench(spec, backends, shards, worlds, options: dict, out_dir: Path, timeout:
                           out_dir / f"raw-{label.replace('/', '_')}.json", timeout)
         results[label] = raw if "error" in raw else {**raw, **summarize(
             raw, raw["step_times"], cell_spec.precision)}
+        results[label]["comm_counted"] = get(cell_spec.backend).comm_counted
         if vs_native and "error" not in raw:
             if status is not None:
                 status.update(f"bench {label}: the native loop")
@@ -149,7 +147,7 @@ def render(results: dict, out_dir: Path) -> None:
             table.add_row(label, f"[dim]{note[:90]}[/]", *[""] * 9)
             continue
         c = r["comm_bytes_per_step"]
-        comm = "n/a (in-graph)" if label.startswith("xla") else " / ".join(
+        comm = "n/a (in-graph)" if not r.get("comm_counted", True) else " / ".join(
             f"{c[k] / MiB:.2f}" for k in ("all_gather", "reduce_scatter", "all_reduce"))
         table.add_row(label, f"{r['median_s'] * 1e3:.0f} / {r['p90_s'] * 1e3:.0f}",
                       f"{r['tokens_per_s']:.0f}", f"{r['loss_first']:.3f}→{r['loss_last']:.3f}",

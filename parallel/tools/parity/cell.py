@@ -15,6 +15,7 @@ import torch
 
 from parallel.launch.torchrun import current_spec
 from parallel.registry import create_engine
+from parallel.tools.measurable import measurable
 from parallel.toy import build_model
 
 
@@ -27,6 +28,24 @@ def optimizer_arg(name: str, lr: float):
     if name == "sgd":
         return torch.optim.SGD, {"lr": lr, "momentum": 0.9}
     return torch.optim.AdamW, {"lr": lr, "weight_decay": 0.1}
+
+
+def one_process(model, optimizer, batches, grad_clip: float | None,
+                checksums: bool = False) -> list[dict]:
+    """The reference every backend must reproduce: one process, plain PyTorch, the whole global
+    batch; per step the loss, the gradient norm and (checksums) the weights' checksum."""
+    cls, kwargs = optimizer
+    opt = cls(model.parameters(), **kwargs)
+    record = []
+    for ids in batches:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
+        opt.step()
+        opt.zero_grad()
+        record.append({"loss": loss.item(), "grad_norm": norm.item(),
+                       **({"checksum": checksum(dict(model.state_dict()))} if checksums else {})})
+    return record
 
 
 def checksum(weights: dict[str, torch.Tensor]) -> float:
@@ -61,7 +80,7 @@ def main() -> None:
         mine = ids[engine.rank * rows:(engine.rank + 1) * rows]
         result = engine.train_step({"input_ids": mine, "labels": mine})
         record.append({"loss": result.loss, "grad_norm": result.grad_norm,
-                       "checksum": checksum(engine.gather_model())})
+                       "checksum": checksum(measurable(engine, "polyshard parity").gather_model())})
     if engine.is_main:
         Path(args.out).write_text(json.dumps({"steps": record, "world_size": engine.world_size}))
     engine.close()

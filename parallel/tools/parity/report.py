@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from parallel.launch.torchrun import run_locally
-from parallel.tools.parity.cell import checksum, global_batches, optimizer_arg
+from parallel.tools.parity.cell import global_batches, one_process, optimizer_arg
 from parallel.spec.model import Spec
 from parallel.spec.io import SpecError, load_spec
 from parallel.toy import build_model
@@ -30,19 +30,10 @@ def reference(spec: Spec, options: dict, rows: int) -> list[dict]:
     os.environ.setdefault("USE_TORCH_XLA", "0")
     torch.manual_seed(spec.seed)
     model = build_model(options["model"])
-    cls, kwargs = optimizer_arg(options["optimizer"], options["lr"])
-    opt = cls(model.parameters(), **kwargs)
-    record = []
-    for ids in global_batches(options["steps"], rows, options["seq"], model.config.vocab_size,
-                              spec.seed):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), spec.grad_clip or float("inf"))
-        opt.step()
-        opt.zero_grad()
-        record.append({"loss": loss.item(), "grad_norm": norm.item(),
-                       "checksum": checksum(dict(model.state_dict()))})
-    return record
+    batches = global_batches(options["steps"], rows, options["seq"], model.config.vocab_size,
+                             spec.seed)
+    return one_process(model, optimizer_arg(options["optimizer"], options["lr"]), batches,
+                       spec.grad_clip, checksums=True)
 
 
 def run_backend(spec: Spec, backend: str, options: dict, rows: int, timeout: float) -> dict:

@@ -1,0 +1,33 @@
+"""Everything polyshard knows about DeepSpeed ZeRO (parallel/descriptor.py), without importing
+deepspeed."""
+
+from __future__ import annotations
+
+from backends.deepspeed import accelerate, exports, plan
+from backends.deepspeed.interop import from_deepspeed_file
+from backends.deepspeed.translate import STAGES, translate
+from parallel.descriptor import BackendDescriptor, Capabilities, PlanModel, Unsupported
+
+DESCRIPTOR = BackendDescriptor(
+    name="deepspeed",
+    summary="DeepSpeed ZeRO stages 0-3, CPU / NVMe offload",
+    capabilities=Capabilities(unsupported={
+        "shard": {"hybrid_grad_op": Unsupported(
+            "ZeRO++ hierarchical partitioning (hpZ) applies to ZeRO-3 parameters only",
+            "shard: hybrid (ZeRO-3 + hpZ), or shard: grad_op (ZeRO-2)")},
+    }),
+    translate=translate,
+    engine="backends.deepspeed.engine:make_engine",
+    extra="deepspeed",
+    packages=("deepspeed",),
+    env=lambda: {"USE_TORCH_XLA": "0"},
+    native_loop="native_deepspeed.py",
+    native_args=lambda spec: [f"--stage={STAGES[spec.shard]}"],
+    plan=PlanModel(plan.model_states, plan.comm),
+    exports={"accelerate": exports.to_accelerate, "hf-trainer": exports.to_hf_trainer},
+    formats={"deepspeed": exports.to_deepspeed},
+    accelerate_claims=accelerate.claims,
+    accelerate_section=accelerate.section,
+    config_importers={"deepspeed": from_deepspeed_file},
+    checkpoint_readers={"deepspeed": "backends.deepspeed.native_checkpoint:read_deepspeed"},
+)

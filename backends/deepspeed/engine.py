@@ -1,0 +1,184 @@
+"""The DeepSpeed engine: `deepspeed.initialize` over the config translate.py writes, driven by the
+shared training step. deepspeed is imported when the engine is built."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from backends.deepspeed.state import (
+    is_zero,
+    load_unfused,
+    load_zero_state,
+    master_names,
+    partitions,
+    unfused_state,
+    zero_state,
+)
+from backends.deepspeed.translate import STAGES, fill_model_autos, translate
+from parallel.checkpoint import portable as ps
+from parallel.checkpoint.dcp_state import read_model_optim, write_model_optim
+from parallel.engine.base import Engine
+from parallel.engine.step import OptimizerArg, build_optimizer, require_fp32
+from parallel.engine.wrap import apply_ac, plan_wrap
+from parallel.spec.io import SpecError
+from parallel.spec.model import Spec
+
+
+def _reinit_partitioned(model: nn.Module) -> None:
+    """Hugging Face models initialise their weights in `post_init`, which under zero.Init runs on
+    already-partitioned (empty) parameters, so the init is lost (measured: step-1 loss 5.767 instead
+    of 5.548, docs/deepspeed.md). Re-run the model's own `_init_weights` on gathered parameters, in
+    the same module order, so the weights equal those of a plain construction with the same seed."""
+    init = getattr(model, "_init_weights", None)
+    if init is None:
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
+        model.apply(init)
+
+
+class DeepSpeedEngine(Engine):
+    name = "deepspeed"
+
+    def __init__(self, spec: Spec):
+        super().__init__(spec)
+        self.config = translate(spec)["config"]
+        self.ds = None
+
+    def _prepare(self, model, optimizer: OptimizerArg):
+        import deepspeed
+
+        # deepspeed.comm wraps the process group the Engine created. zero.Init reads its world size
+        # from there: before deepspeed.initialize it would see 1 and reject the batch sizes.
+        deepspeed.init_distributed(dist_init_required=False)
+        if not isinstance(model, nn.Module):
+            if self.spec.deepspeed.zero_init and STAGES[self.spec.shard] == 3:
+                # Parameters are partitioned as each module is constructed: no rank holds them all.
+                # the model-sized "auto" values are filled after construction; Init reads none
+                zero = {k: v for k, v in self.config.get("zero_optimization", {}).items()
+                        if v != "auto"}
+                with deepspeed.zero.Init(config_dict_or_path={**self.config,
+                                                              "zero_optimization": zero}):
+                    model = model()
+                _reinit_partitioned(model)
+            else:
+                model = model()
+        require_fp32(model)
+        self.config = fill_model_autos(self.config, model)
+        self._record_params(model)
+        # DeepSpeed does not wrap: the wrap policy only picks the units activation checkpointing
+        # recomputes, so a model without _no_split_modules needs no policy unless that is on.
+        if self.spec.checkpoint_activations:
+            apply_ac(model, plan_wrap(model, self.spec.wrap))
+        # Built here and handed over as an instance, so the same checks as on every backend apply
+        # (ZeRO keeps the parameter objects: groups built before prepare need no mapping).
+        client = self._optimizer_over(self._optimizer_factory(optimizer), model)
+        self.ds, ds_optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=client,
+            model_parameters=[p for p in model.parameters() if p.requires_grad],
+            config=self.config, dist_init_required=False)
+        return self.ds, ds_optimizer
+
+    def _optimizer_factory(self, optimizer: OptimizerArg):
+        """The client optimizer, or with `deepspeed.cpu_adam` DeepSpeed's compiled CPU Adam with the
+        same hyper-parameters (AdamW's decoupled weight decay kept via adamw_mode)."""
+        if not self.spec.deepspeed.cpu_adam:
+            return lambda params: build_optimizer(optimizer, params)
+        adams = (torch.optim.Adam, torch.optim.AdamW)
+        if self.spec.offload == "none" or not (isinstance(optimizer, tuple) and optimizer[0] in adams):
+            raise SpecError([("deepspeed.cpu_adam", "replaces an optimizer given as (Adam or AdamW, "
+                              "kwargs) when offload is on; pass optimizer=(torch.optim.AdamW, {...}) "
+                              "with offload: optimizer, or set cpu_adam: false")])
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        cls, kwargs = optimizer
+        return lambda params: DeepSpeedCPUAdam(params, adamw_mode=cls is torch.optim.AdamW, **kwargs)
+
+    def _scheduled_optimizer(self):
+        # ZeRO's wrapper is no torch Optimizer (LambdaLR rejects it); it reads the lr from the
+        # client optimizer's param_groups, so the scheduler drives that one.
+        inner = getattr(self.optimizer, "optimizer", None)
+        return inner if isinstance(inner, torch.optim.Optimizer) else self.optimizer
+
+    def _backward(self, loss, micro_batches):
+        # DeepSpeed divides by gradient_accumulation_steps itself, and counts micro-steps in step():
+        # step() is called after every micro-batch and only updates at the accumulation boundary.
+        self.ds.backward(loss)
+        if not self.ds.is_gradient_accumulation_boundary():
+            self.ds.step()
+
+    def _skip_step(self):
+        # DeepSpeed must still see the step boundary (its micro-step counters). ZeRO finds the
+        # non-finite gradient norm and drops the update and the gradients itself; a plain optimizer
+        # (ZeRO-0) skips every parameter whose grad is None.
+        if not is_zero(self.optimizer):
+            for p in self.ds.module.parameters():
+                p.grad = None
+        self.ds.step()
+        return None
+
+    def _optimizer_step(self):
+        norm = None
+        if not self.ds.zero_optimization() and self.spec.precision == "fp32":
+            # Plain data parallel in fp32 records no norm; the gradients are whole and reduced here.
+            grads = [p.grad for p in self.ds.module.parameters() if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        skipped = self.ds.skipped_steps
+        self.ds.step()
+        recorded = self.ds.get_global_grad_norm()
+        if recorded is not None:
+            norm = torch.as_tensor(float(recorded))
+        return norm, self.ds.skipped_steps == skipped
+
+    # Three layouts of fp32 master weights: flat partitions linked to each parameter (ZeRO-1/2/3,
+    # the bf16 optimizer), one fp32 copy per parameter (FP16_UnfusedOptimizer, ZeRO-0 with bf16 or
+    # fp16), or the parameters themselves (ZeRO-0 fp32, the client optimizer): one path each.
+    def _save_model_optim(self, tmp: Path) -> None:
+        if is_zero(self.optimizer):
+            # Sharded: parameter i is written by rank i % world (each rank holds 1/world of the
+            # state while saving); full: rank 0 writes everything. The gathers are collective.
+            world, sharded = self.world_size, self.spec.state_dict == "sharded"
+            mine = (lambda i: i % world == self.rank) if sharded else (lambda i: self.is_main)
+            ps.save_state(zero_state(self.ds, mine), tmp)
+        elif master_names(self.ds):
+            ps.save_state(unfused_state(self.ds), tmp)  # replicated: DCP writes each entry once
+        else:
+            write_model_optim(tmp, self.ds.module, self.optimizer, self.spec.state_dict == "sharded",
+                              self.rank, on_cpu=self.device.type == "cpu")
+
+    def _load_model_optim(self, path: Path, manifest: dict) -> None:
+        if is_zero(self.optimizer):
+            load_zero_state(self.ds, path)
+        elif master_names(self.ds):
+            load_unfused(self.ds, path)
+        else:
+            read_model_optim(path, self.ds.module, self.optimizer)
+
+    def state_tensors(self) -> dict:
+        """Module parameters (ZeRO-3: this rank's partitions), the gradients ZeRO holds at the step
+        boundary, and the optimizer: its state plus the fp32 master partitions."""
+        params = list(self.ds.module.parameters())
+        held = [getattr(p, "ds_tensor", p) for p in params]
+        zero, base = self.optimizer, getattr(self.optimizer, "optimizer", self.optimizer)
+        masters = [flat for _, _, flat in partitions(zero)] if is_zero(zero) else []
+        grads = [p.grad for p in params] + [m.grad for m in masters]
+        for buffers in getattr(zero, "averaged_gradients", {}).values() or []:
+            grads += list(buffers or [])
+        state = [v for st in base.state.values() for v in st.values()
+                 if isinstance(v, torch.Tensor) and v.dim() > 0]
+        return {"params": held, "grads": grads, "optimizer": state + masters}
+
+    def gather_model(self) -> dict:
+        if is_zero(self.optimizer):
+            return zero_state(self.ds, lambda i: True, with_optimizer=False)["model"]
+        if master_names(self.ds):
+            return unfused_state(self.ds)["model"]
+        return {ps.clean_name(k): v.detach().cpu() for k, v in self.ds.module.state_dict().items()}
+
+
+def make_engine(spec: Spec) -> Engine:
+    return DeepSpeedEngine(spec)

@@ -1,0 +1,65 @@
+"""DeepSpeed ZeRO checkpoints in (`polyshard ckpt import deepspeed`): plain DeepSpeed, Accelerate and
+Lightning write them."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+
+import torch
+
+from parallel.checkpoint.importers import CheckpointImportError, named_groups
+from parallel.checkpoint.portable import clean_name, shared_step
+
+
+def read_deepspeed(src: Path):
+    """A ZeRO-1/2/3 checkpoint: DeepSpeed's own zero_to_fp32 merge, applied to the fp32 partitions
+    and then to each optimizer entry partitioned the same way (exp_avg, momentum_buffer...)."""
+    from deepspeed.utils import zero_to_fp32 as z
+
+    tag_dir = src / (src / "latest").read_text().strip() if (src / "latest").is_file() else src
+    with contextlib.redirect_stdout(io.StringIO()):  # zero_to_fp32 prints progress
+        model_files = z.get_model_state_files(str(tag_dir))
+        models = z.parse_model_states(model_files)
+        # each optimizer file loaded once: fp32 partitions and the base optimizer's state dict
+        # ("base_optimizer_state" at ZeRO-1/2, "optimizer_state_dict" at ZeRO-3)
+        saved = [torch.load(f, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+                 for f in z.get_optim_files(str(tag_dir))]
+        stage = saved[0]["zero_stage"]
+        world = max(saved[0]["partition_count"]) if isinstance(saved[0]["partition_count"], list) \
+            else saved[0]["partition_count"]
+        if world != len(saved):
+            raise CheckpointImportError(f"{tag_dir}: {len(saved)} optimizer files for {world} "
+                                        "partitions; a rank's file is missing")
+        key = "single_partition_of_fp32_groups" if stage <= 2 else "fp32_flat_groups"
+        fp32_groups = [s[key] for s in saved]
+        paddings = saved[0].get("param_alignment_paddings")
+        raw = [s.get("base_optimizer_state", s.get("optimizer_state_dict")) for s in saved]
+
+        def merge(flat_groups):
+            if stage <= 2:
+                out = z._get_fp32_state_dict_from_zero2_checkpoint(world, flat_groups, models, True,
+                                                                   paddings)
+            else:
+                out = z._get_fp32_state_dict_from_zero3_checkpoint(world, flat_groups, models, True)
+            return z.to_torch_tensor(out)
+
+        model = merge(fp32_groups)
+        keys = [k for k, v in raw[0]["state"][0].items() if torch.is_tensor(v) and v.dim() == 1
+                and v.numel() > 1]
+        moments = {k: merge([[r["state"][g][k] for g in sorted(r["state"])] for r in raw])
+                   for k in keys}
+    raw_names = [list(shapes) for shapes in models[0].param_shapes]  # per (sub-)group, in order
+    step = shared_step(raw[0]["state"].values())
+    state = {clean_name(n): {k: moments[k][n] for k in keys} for group in raw_names for n in group}
+    if step is not None:
+        for entry in state.values():
+            entry["step"] = step
+    # ZeRO-1/2 keep one flat group per optimizer param group; ZeRO-3 splits them into sub-groups.
+    per_group = ([[clean_name(n) for n in g] for g in raw_names] if stage <= 2
+                 else [[clean_name(n) for g in raw_names for n in g]])
+    steps = torch.load(model_files[0], map_location="cpu", weights_only=False).get("global_steps")
+    return ({"model": {clean_name(k): v for k, v in model.items()},
+             "optim": {"state": state, "param_groups": named_groups(raw[0]["param_groups"],
+                                                                     per_group)}}, steps, world)

@@ -1,0 +1,32 @@
+"""DeepSpeed's memory and communication model for `polyshard plan` (measured, docs/deepspeed.md).
+
+Model states: low-precision parameters (ZeRO-3: a partition), the partition's gradients (DeepSpeed
+0.19.8 keeps only those at stage 1 too), and an fp32 master partition with the optimizer's state;
+ZeRO-0 in fp32 is the client optimizer on the module's own parameters. Communication: ZeRO-1/2
+all-reduce gradient buckets unless use_multi_rank_bucket_allreduce is false (3 Psi, else the
+paper's 2 Psi); ZeRO-3 gathers each parameter once per step on models within
+stage3_max_live_parameters (2 Psi), 3 Psi beyond.
+"""
+
+from __future__ import annotations
+
+from backends.deepspeed.translate import STAGES, translate
+from parallel.tools.plan import flat, numel
+
+
+def model_states(spec, shapes, n: int, low: int, opt: int) -> tuple[float, float, float]:
+    psi, stage = numel(shapes), STAGES[spec.shard]
+    if stage == 0 and low == 4:  # fp32 ZeRO-0: the client optimizer on the module's parameters
+        return 4.0 * psi, 4.0 * psi, float(opt * psi)
+    part = flat(shapes, n) if stage else psi
+    return low * (part if stage == 3 else psi), low * part, (4 + opt) * part
+
+
+def comm(spec, psi: float) -> float:
+    stage = STAGES[spec.shard]
+    zero = translate(spec)["config"]["zero_optimization"]
+    if stage in (1, 2):
+        return 3.0 if zero.get("use_multi_rank_bucket_allreduce", True) else 2.0
+    if stage == 3:
+        return 2.0 if psi <= zero.get("stage3_max_live_parameters", 1e9) else 3.0
+    return 2.0

@@ -1,0 +1,187 @@
+"""DeepSpeed's side of the spec, as plain data: the DeepSpeed config a spec means (what `polyshard
+explain` prints and `deepspeed.initialize` takes), with `deepspeed.native` merged last. Its SpecErrors
+are the backend's validation rules (parallel/descriptor.py). Every value DeepSpeed would otherwise
+default is written explicitly: `gradient_clipping` defaults to 1.0 and gradients are reduced in the
+compute dtype in DeepSpeed 0.19.8 (docs/deepspeed.md). No deepspeed import."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from backends.deepspeed import schema
+from parallel.spec.io import SpecError
+from parallel.spec.model import Spec
+
+STAGES = {"none": 0, "optimizer": 1, "grad_op": 2, "full": 3, "hybrid": 3}
+
+
+def translate(spec: Spec) -> dict:
+    """The DeepSpeed config this spec means, with `deepspeed.native` merged last."""
+    config, origins = _config(spec)
+    native = _native(spec.deepspeed.native)
+    merged = _merge(config, origins, native, "deepspeed.native")
+    return {"config": merged}
+
+
+def _config(spec: Spec) -> tuple[dict, dict]:
+    stage = STAGES[spec.shard]
+    ds = spec.deepspeed
+    zero: dict = {"stage": stage}
+    origins = {"zero_optimization.stage": "shard", "gradient_clipping": "grad_clip",
+               "train_micro_batch_size_per_gpu": "micro_batch_size",
+               "gradient_accumulation_steps": "grad_accum_steps",
+               "train_batch_size": "micro_batch_size x grad_accum_steps x world size",
+               "bf16.enabled": "precision", "fp16.enabled": "precision"}
+    if ds.offload_device == "nvme" and spec.offload == "none":
+        raise SpecError([("deepspeed.offload_device", "'nvme' says where offloaded state goes, but "
+                          "offload is 'none'; set offload: optimizer or params")])
+    device = {"device": ds.offload_device, "pin_memory": spec.pin_memory,
+              **({"nvme_path": ds.nvme_path} if ds.nvme_path else {})}
+    if spec.offload != "none":
+        if stage == 0:
+            raise SpecError([("offload", f"{spec.offload!r} needs ZeRO (stage >= 1) on deepspeed; "
+                              "use shard: optimizer, grad_op or full")])
+        zero["offload_optimizer"] = dict(device)
+    if spec.offload == "params":
+        if stage != 3:
+            raise SpecError([("offload", "'params' on deepspeed offloads ZeRO-3 partitions only; "
+                              "use shard: full, or offload: optimizer")])
+        zero["offload_param"] = dict(device)
+    for block in ("offload_optimizer", "offload_param"):
+        origins[f"zero_optimization.{block}.device"] = "offload / deepspeed.offload_device"
+        origins[f"zero_optimization.{block}.pin_memory"] = "pin_memory"
+        origins[f"zero_optimization.{block}.nvme_path"] = "deepspeed.nvme_path"
+    if spec.shard == "hybrid":
+        zero["zero_hpz_partition_size"] = spec.shard_group_size
+        origins["zero_optimization.zero_hpz_partition_size"] = "topology.shard_group_size"
+    if ds.reduce_bucket_size is not None:
+        zero["reduce_bucket_size"] = ds.reduce_bucket_size
+        origins["zero_optimization.reduce_bucket_size"] = "deepspeed.reduce_bucket_size"
+    if stage == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = ds.gather_16bit_weights_on_model_save
+        origins["zero_optimization.stage3_gather_16bit_weights_on_model_save"] = \
+            "deepspeed.gather_16bit_weights_on_model_save"
+        if ds.prefetch_bucket_size is not None:
+            zero["stage3_prefetch_bucket_size"] = ds.prefetch_bucket_size
+            origins["zero_optimization.stage3_prefetch_bucket_size"] = "deepspeed.prefetch_bucket_size"
+        if ds.param_persistence_threshold is not None:
+            zero["stage3_param_persistence_threshold"] = ds.param_persistence_threshold
+            origins["zero_optimization.stage3_param_persistence_threshold"] = \
+                "deepspeed.param_persistence_threshold"
+    ls = spec.loss_scale
+    config = {
+        "train_micro_batch_size_per_gpu": spec.micro_batch_size,
+        "gradient_accumulation_steps": spec.grad_accum_steps,
+        "train_batch_size": spec.micro_batch_size * spec.grad_accum_steps * spec.world_size,
+        # Written even when off: DeepSpeed's default is 1.0, which changes every update silently.
+        "gradient_clipping": spec.grad_clip or 0.0,
+        "zero_optimization": zero,
+        # with on_nonfinite: skip, ZeRO must drop a non-finite bf16 step itself (it checks fp32
+        # gradients' norm anyway, but bf16's overflow check is off by default)
+        "bf16": {"enabled": spec.precision == "bf16",
+                 **({"check_grad_overflow": True} if spec.on_nonfinite == "skip"
+                    and spec.precision == "bf16" else {})},
+        "fp16": {"enabled": spec.precision == "fp16", "loss_scale": 0,
+                 "initial_scale_power": ls.initial_scale_power, "loss_scale_window":
+                 ls.growth_interval, "hysteresis": ls.hysteresis, "min_loss_scale": ls.min_scale},
+        # The client optimizer is kept (same optimizer on every backend); these two let ZeRO accept
+        # it with offload and when it is not Adam.
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 2**31 - 1,  # polyshard reports the numbers; DeepSpeed stays quiet
+        "wall_clock_breakdown": False,
+    }
+    # Written even at its default: DeepSpeed reduces in the compute dtype unless told (engine.py)
+    config["communication_data_type"] = spec.grad_reduce_dtype
+    origins["communication_data_type"] = "reduce_dtype"
+    origins.update({f"fp16.{k}": "loss_scale" for k in config["fp16"] if k != "enabled"})
+    if spec.precision != "fp16":
+        config["fp16"] = {"enabled": False}
+    if spec.global_batch_size is not None:
+        origins["train_batch_size"] = "global_batch_size"
+    return config, origins
+
+
+def _native(native: dict | str) -> dict:
+    """The passthrough as DeepSpeed will read it: a dict or a file (hjson, as DeepSpeed reads it),
+    zero_optimization keys under one name each, and nothing DeepSpeed would refuse or ignore."""
+    from .interop import read_config
+
+    if not isinstance(native, dict):
+        try:
+            native = read_config(Path(native))
+        except (OSError, SpecError) as err:
+            raise SpecError([("deepspeed.native", f"{native!r} is not a readable DeepSpeed config "
+                              f"({err}); give a dict or a path to a JSON config")]) from None
+    problems = []
+    for key in native:
+        if key not in schema.TOP_LEVEL:
+            hint = schema.closest(key, schema.TOP_LEVEL)
+            problems.append((f"deepspeed.native.{key}", "DeepSpeed reads no such key (and would "
+                             "ignore it silently)" + (f"; did you mean {hint!r}?" if hint else "")))
+        elif key in ("optimizer", "scheduler"):
+            problems.append((f"deepspeed.native.{key}", f"polyshard passes the {key} your script "
+                             "gives engine.prepare() to DeepSpeed, which then ignores this block "
+                             "silently; remove it and pass the same to prepare()"))
+    zero = native.get("zero_optimization")
+    if isinstance(zero, dict):
+        problems += schema.zero_key_problems(zero, "deepspeed.native.zero_optimization")
+        renamed = {schema.json_key(schema.ZERO_DEPRECATED.get(k, schema.field_of(k))): v
+                   for k, v in zero.items()}
+        native = {**native, "zero_optimization": renamed}
+    if problems:
+        raise SpecError(problems)
+    return native
+
+
+def _merge(config: dict, origins: dict, native: dict, where: str, prefix: str = "") -> dict:
+    """Deep-merge `native` into `config`; a leaf the spec decided with another value is an error,
+    and "auto" takes the spec's value (as in Accelerate and HF Trainer)."""
+    out, problems = dict(config), []
+    for key, value in native.items():
+        path = f"{prefix}{key}"
+        mine = config.get(key)
+        if isinstance(value, dict) and isinstance(mine, dict):
+            try:
+                out[key] = _merge(mine, origins, value, where, f"{path}.")
+            except SpecError as err:  # keep going: report every contradiction at once
+                problems.extend(err.problems)
+        elif value == "auto":
+            if key not in config and path not in MODEL_AUTOS:
+                problems.append((f"{where}.{path}", "is \"auto\" but the spec has no value for it; "
+                                 "give a number or remove the key"))
+            elif key not in config:
+                out[key] = value  # filled from the model at prepare (fill_model_autos)
+        elif key in config and mine != value and path in origins:
+            problems.append((f"{where}.{path}", f"{value!r} contradicts {origins[path]}, which sets "
+                             f"{mine!r}; change {origins[path]} instead or drop the key"))
+        else:
+            out[key] = value
+    if problems:
+        raise SpecError(problems)
+    return out
+
+
+# "auto" that Hugging Face and accelerate fill from the model's hidden size h (accelerate 1.11
+# accelerator.py _prepare_deepspeed; transformers' deepspeed integration): polyshard fills it the same
+# way at prepare, when the model is known.
+MODEL_AUTOS = {"zero_optimization.reduce_bucket_size": lambda h: h * h,
+               "zero_optimization.stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+               "zero_optimization.stage3_param_persistence_threshold": lambda h: 10 * h}
+
+
+def fill_model_autos(config: dict, model) -> dict:
+    """The config with MODEL_AUTOS' "auto" values computed from `model` (a copy)."""
+    zero = dict(config.get("zero_optimization", {}))
+    wanted = {k: f for k, f in MODEL_AUTOS.items() if zero.get(k.split(".")[1]) == "auto"}
+    if not wanted:
+        return config
+    cfg = getattr(model, "config", None)
+    sizes = getattr(cfg, "hidden_sizes", None)
+    hidden = getattr(cfg, "hidden_size", None) or (max(sizes) if sizes else None)
+    if hidden is None:
+        raise SpecError([(f"deepspeed.native.{sorted(wanted)[0]}", "is \"auto\", which is filled "
+                          "from model.config.hidden_size, and this model has none; give a number")])
+    for key, formula in wanted.items():
+        zero[key.split(".")[1]] = formula(int(hidden))
+    return {**config, "zero_optimization": zero}

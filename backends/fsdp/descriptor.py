@@ -1,0 +1,33 @@
+"""Everything polyshard knows about torch FSDP (parallel/descriptor.py), without importing the engine."""
+
+from __future__ import annotations
+
+from backends.fsdp import accelerate, exports, plan
+from backends.fsdp.translate import translate
+from parallel.descriptor import BackendDescriptor, Capabilities, PlanModel, Unsupported
+
+NATIVE_STAGE = {"full": 3, "grad_op": 2}  # benchmarks/native_fsdp2.py: reshard after forward or not
+
+DESCRIPTOR = BackendDescriptor(
+    name="fsdp",
+    summary="torch FSDP: FSDP2 fully_shard (default) or FSDP1 FullyShardedDataParallel",
+    capabilities=Capabilities(unsupported={
+        "shard": {"optimizer": Unsupported(
+            "torch FSDP has no optimizer-state-only sharding (that is ZeRO-1)",
+            "shard: grad_op (shards gradients and optimizer state), or backend: deepspeed")},
+        "offload": {"optimizer": Unsupported(
+            "torch FSDP offloads parameters, gradients and optimizer state together",
+            "offload: params, or backend: deepspeed for optimizer-only offload")},
+    }),
+    translate=translate,
+    engine="backends.fsdp.engine:make_engine",
+    # accelerate and transformers import torch_xla whenever it is installed, and accelerate then
+    # picks XLA even under torchrun unless USE_TORCH_XLA=0
+    env=lambda: {"USE_TORCH_XLA": "0"},
+    native_loop="native_fsdp2.py",
+    native_args=lambda spec: [f"--stage={NATIVE_STAGE.get(spec.shard, 0)}"],
+    plan=PlanModel(plan.model_states, plan.comm),
+    exports={"accelerate": exports.to_accelerate, "hf-trainer": exports.to_hf_trainer},
+    accelerate_claims=accelerate.claims,
+    accelerate_section=accelerate.section,
+)

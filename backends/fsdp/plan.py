@@ -1,0 +1,24 @@
+"""torch FSDP's memory and communication model for `polyshard plan` (the descriptor's PlanModel).
+
+FSDP keeps fp32 sharded parameters and casts per unit for compute. SHARD_GRAD_OP reshards after
+backward like FULL_SHARD, so both hold sharded states between steps (grad_op keeps full parameters
+only transiently). FSDP2 pads each parameter's dim 0 to the shard count, FSDP1 the flat concatenation.
+"""
+
+from __future__ import annotations
+
+from parallel.tools.plan import flat, numel, per_param_dim0
+
+
+def model_states(spec, shapes, n: int, low: int, opt: int) -> tuple[float, float, float]:
+    if spec.shard == "none":
+        part = numel(shapes)
+    else:
+        part = (per_param_dim0 if spec.fsdp.version == 2 else flat)(shapes, n)
+    return 4.0 * part, 4.0 * part, float(opt * part)
+
+
+def comm(spec, psi: float) -> float:
+    """NO_SHARD all-reduces (2 Psi), SHARD_GRAD_OP gathers once and reduce-scatters (2 Psi),
+    FULL_SHARD gathers again in backward (3 Psi); measured in tests/distributed/test_bench_plan.py."""
+    return 2.0 if spec.shard in ("none", "grad_op") else 3.0

@@ -1,0 +1,75 @@
+"""torch FSDP's side of the spec, as plain data: the fully_shard (v2) or FullyShardedDataParallel (v1)
+keyword arguments a spec means (what `polyshard explain` prints). Its SpecErrors are the backend's
+validation rules (parallel/descriptor.py): every spec that reaches an engine passed them."""
+
+from __future__ import annotations
+
+from parallel.engine.dims import ParallelDims
+from parallel.spec.io import SpecError, merge_native
+from parallel.spec.model import HYBRID_SHARDS, Spec
+
+LOW = ("bf16", "fp16")  # compute dtypes FSDP casts parameters to (fp32: no cast)
+FSDP1_STRATEGY = {"full": "FULL_SHARD", "grad_op": "SHARD_GRAD_OP", "none": "NO_SHARD",
+                  "hybrid": "HYBRID_SHARD", "hybrid_grad_op": "_HYBRID_SHARD_ZERO2"}
+
+
+def mesh_shape(spec: Spec) -> tuple[int, ...]:
+    """The data-parallel mesh FSDP shards over (parallel/engine/dims.py): (replicas, shard group)
+    for hybrid, and for `none`, which on FSDP2 is a hybrid mesh whose shard groups have one rank
+    (every rank keeps everything, gradients are all-reduced: DDP); the shard group alone otherwise."""
+    dims = ParallelDims.from_spec(spec)
+    if spec.shard in HYBRID_SHARDS or spec.shard == "none":
+        return (dims.dp_replicate, dims.dp_shard)
+    return (dims.dp_shard,)
+
+
+def _check_loss_scale(spec: Spec) -> None:
+    deepspeed_only = {"hysteresis", "min_scale"} & spec.loss_scale.model_fields_set
+    if spec.precision == "fp16" and deepspeed_only:
+        raise SpecError([(f"loss_scale.{k}", "torch's ShardedGradScaler has no such knob (it halves "
+                          "the scale on every overflow); remove it or use backend: deepspeed")
+                         for k in sorted(deepspeed_only)])
+
+
+def translate(spec: Spec) -> dict:
+    """The FSDP keyword arguments this spec means, as plain values, with `fsdp.native` merged last."""
+    _check_loss_scale(spec)
+    low = spec.precision if spec.precision in LOW else None
+    reduce = spec.grad_reduce_dtype
+    mixed = {"param_dtype": low, "reduce_dtype": reduce} if low or reduce != "fp32" else None
+    if spec.fsdp.version == 2:
+        kwargs = {"reshard_after_forward": spec.shard in ("full", "hybrid")}
+        origins = {"reshard_after_forward": "shard"}
+        if mixed:
+            kwargs["mp_policy"] = mixed
+            origins["mp_policy"] = "precision / reduce_dtype"
+        if spec.offload == "params":
+            kwargs["offload_policy"] = {"pin_memory": spec.pin_memory}
+            origins["offload_policy"] = "offload / pin_memory"
+        native = merge_native(kwargs, origins, spec.fsdp.native, "fsdp.native")
+        return {"api": "fully_shard", "mesh": list(mesh_shape(spec)), "kwargs": native}
+    f = spec.fsdp
+    if spec.shard in HYBRID_SHARDS and spec.shard_group_size == 1:
+        # Measured (docs/fsdp.md): FSDP1 clamps a 1-rank process group to NO_SHARD, and in hybrid
+        # mode that group is the shard group, so gradients are never all-reduced across replicas.
+        raise SpecError([("topology.shard_group_size", "1 with FSDP1 hybrid sharding silently "
+                          "trains each replica alone (torch clamps a 1-rank shard group to NO_SHARD "
+                          "and skips the replica all-reduce); use `shard: none` for pure replication, "
+                          "a shard_group_size > 1, or `fsdp.version: 2`")])
+    if spec.offload == "params" and not spec.pin_memory:
+        raise SpecError([("pin_memory", "false with fsdp.version: 1: FSDP1 always pins offloaded "
+                          "shards (CPUOffload has no switch); use fsdp.version: 2 or pin_memory: "
+                          "true")])
+    kwargs = {"sharding_strategy": FSDP1_STRATEGY[spec.shard], "backward_prefetch":
+              None if f.backward_prefetch == "none" else f.backward_prefetch.upper(),
+              "forward_prefetch": f.forward_prefetch, "sync_module_states": f.sync_module_states,
+              "use_orig_params": f.use_orig_params, "limit_all_gathers": f.limit_all_gathers,
+              "cpu_offload": spec.offload == "params"}
+    origins = {"sharding_strategy": "shard", "cpu_offload": "offload"}
+    origins.update({k: f"fsdp.{k}" for k in kwargs if k not in origins})
+    if mixed:
+        kwargs["mixed_precision"] = mixed
+        origins["mixed_precision"] = "precision / reduce_dtype"
+    native = merge_native(kwargs, origins, f.native, "fsdp.native")
+    mesh = list(mesh_shape(spec)) if spec.shard in HYBRID_SHARDS else None
+    return {"api": "FullyShardedDataParallel", "mesh": mesh, "kwargs": native}

@@ -1,0 +1,94 @@
+"""What XLA FSDP v1 and SPMD v2 engines share: the runtime set-up, MpDeviceLoader input, building
+the model on the device (tied weights re-tied after the move), wrapping units, and the step's end
+(`optimizer.step()` then `xm.mark_step()`: FSDP has already reduce-scattered the gradients, so
+`xm.optimizer_step`, which all-reduces them again, would be wrong)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torch import nn
+
+from backends.xla.translate import translate
+from parallel.engine.base import Engine
+from parallel.engine.step import require_fp32
+from parallel.engine.params import aliases, retie
+from parallel.engine.wrap import disable_kv_cache, plan_wrap
+from parallel.spec.model import Spec
+from parallel.tools.measurable import ModuleStateTensors
+
+
+class _Xla(ModuleStateTensors, Engine):
+    name = "xla_fsdp"
+
+    def __init__(self, spec: Spec):
+        self.plan = translate(spec)
+        if spec.xla.compilation_cache:
+            import torch_xla
+            import torch_xla.runtime as xr
+
+            if not torch_xla._XLAC._xla_computation_cache_is_initialized():  # once per process
+                xr.initialize_cache(spec.xla.compilation_cache)
+        self._before_runtime()
+        super().__init__(spec)
+        import torch_xla
+
+        self.ctx = dataclasses.replace(self.ctx, device=torch_xla.device())
+        self._check_runtime()
+
+    def _before_runtime(self) -> None:
+        pass
+
+    def _check_runtime(self) -> None:
+        pass
+
+    def _device_loader(self, loader):
+        """Batches reach the device through MpDeviceLoader: host-to-device copies overlap the step."""
+        import torch_xla.distributed.parallel_loader as pl
+
+        return pl.MpDeviceLoader(loader, self.device, **self._input_sharding())
+
+    def _input_sharding(self) -> dict:
+        return {}
+
+    def _build(self, model) -> tuple[nn.Module, list]:
+        model = model if isinstance(model, nn.Module) else model()
+        require_fp32(model)
+        plan = self._record_params(model)
+        units = plan_wrap(model, self.spec.wrap)
+        if self.spec.checkpoint_activations:
+            disable_kv_cache(model)
+        model = model.to(self.device)
+        retie(model, plan.tied)  # .to(xla) gives every module its own copy of a tied weight
+        return model, units
+
+    def _wrap_units(self, model: nn.Module, units, wrap) -> nn.Module:
+        """Wrap each unit (children first) in place, then the root."""
+        from torch_xla.distributed.fsdp import checkpoint_module
+
+        for name, unit in units:
+            inner = checkpoint_module(unit) if self.spec.checkpoint_activations else unit
+            model.set_submodule(name, wrap(inner))
+        return wrap(model)
+
+    def _aliased(self, model: dict) -> dict:
+        """Tied weights under each of their names, as the model's state_dict() has them."""
+        for alias, canonical in aliases(self.params.tied).items():
+            if canonical in model:
+                model[alias] = model[canonical]
+        return model
+
+    def _skip_step(self):
+        import torch_xla.core.xla_model as xm
+
+        self.optimizer.zero_grad(set_to_none=True)
+        xm.mark_step()  # end the skipped step's graph here, as a taken step's would end
+        return None
+
+    def _finish_step(self, norm):
+        import torch_xla.core.xla_model as xm
+
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        xm.mark_step()  # one compiled graph per step: forward, backward, update
+        return norm, True

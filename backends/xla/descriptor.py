@@ -1,0 +1,51 @@
+"""Everything polyshard knows about PyTorch/XLA FSDP (parallel/descriptor.py), without importing
+torch_xla."""
+
+from __future__ import annotations
+
+from backends.xla import accelerate, exports, plan
+from backends.xla.translate import local_run, translate
+from parallel.descriptor import BackendDescriptor, Capabilities, PlanModel, Unsupported
+from parallel.launch.envinfo import detect_pjrt_device
+
+NO_HYBRID = "XLA FSDP has no hybrid (replicate x shard) mode"
+
+DESCRIPTOR = BackendDescriptor(
+    name="xla_fsdp",
+    summary="PyTorch/XLA FSDP: XlaFullyShardedDataParallel (v1) or SPMD FSDPv2 (v2)",
+    capabilities=Capabilities(unsupported={
+        "shard": {
+            "optimizer": Unsupported("XLA FSDP shards parameters; it has no optimizer-only mode",
+                                     "shard: grad_op, or backend: deepspeed"),
+            "none": Unsupported("XlaFullyShardedDataParallel always shards parameters",
+                                "shard: grad_op (keeps full parameters between forward and "
+                                "backward)"),
+            "hybrid": Unsupported(NO_HYBRID, "shard: full"),
+            "hybrid_grad_op": Unsupported(NO_HYBRID, "shard: grad_op"),
+        },
+        "offload": {"optimizer": Unsupported("XLA FSDP has no CPU offload", "offload: none"),
+                    "params": Unsupported("XLA FSDP has no CPU offload", "offload: none")},
+        "precision": {"fp16": Unsupported("TPUs compute in bf16; XLA FSDP has no fp16 loss "
+                                          "scaling", "precision: bf16")},
+        "export": {"accelerate": Unsupported("accelerate has no XLA FSDP",
+                                             "--to hf-trainer (TrainingArguments' fsdp_config.xla)")},
+    }),
+    translate=translate,
+    engine="backends.xla.engine:make_engine",
+    extra="xla",
+    packages=("torch_xla",),
+    # PJRT_DEVICE set explicitly, so nothing guesses (transformers prints "Defaulting to CPU")
+    env=lambda: {"PJRT_DEVICE": detect_pjrt_device(), "USE_TORCH_XLA": "1"},
+    local_run=local_run,
+    accelerator="",  # TPU VMs: no GPU resource to request
+    native_loop="native_xla.py",
+    # SPMD (v2): one process drives every local device; how many is known at run time
+    process_devices=lambda spec: None if spec.xla.fsdp_version == 2 else 1,
+    plan=PlanModel(plan.model_states, plan.comm),
+    comm_counted=False,  # compiled into the graph: c10d never sees them
+    exports={"hf-trainer": exports.to_hf_trainer},
+    accelerate_claims=accelerate.claims,
+    accelerate_section=accelerate.section,
+    accelerate_keys=frozenset({"xla"}),  # transformers' guide also puts it at the top level
+    checkpoint_readers={"xla": "backends.xla.native_checkpoint:read_xla"},
+)

@@ -1,0 +1,15 @@
+"""XLA FSDP specs as HF Trainer arguments (fsdp_config with transformers' XLA keys). accelerate has no
+XLA FSDP: the descriptor states it as an unsupported export."""
+
+from __future__ import annotations
+
+from parallel.interop.export import fsdp_words, trainer_args, trainer_layers
+from parallel.spec.model import Spec
+
+
+def to_hf_trainer(spec: Spec) -> dict:
+    config = {"xla": True, "xla_fsdp_v2": spec.xla.fsdp_version == 2,
+              "xla_fsdp_grad_ckpt": spec.checkpoint_activations,
+              "xla_fsdp_settings": {k: v for k, v in spec.xla.xla_fsdp_settings.items()
+                                    if k != "xla_fsdp_grad_ckpt"}, **trainer_layers(spec)}
+    return {**trainer_args(spec), "fsdp": fsdp_words(spec), "fsdp_config": config}

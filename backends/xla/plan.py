@@ -1,0 +1,18 @@
+"""XLA FSDP's memory and communication model for `polyshard plan`: fp32 sharded parameters like
+torch FSDP, each flat parameter padded to a multiple of 128 x the shard count (XLA FSDP's own rule)."""
+
+from __future__ import annotations
+
+from parallel.tools.plan import flat_padded, numel
+
+PAD = 128
+
+
+def model_states(spec, shapes, n: int, low: int, opt: int) -> tuple[float, float, float]:
+    part = numel(shapes) if spec.shard == "none" else flat_padded(shapes, n, PAD)
+    return 4.0 * part, 4.0 * part, float(opt * part)
+
+
+def comm(spec, psi: float) -> float:
+    """Predicted like torch FSDP; the collectives are compiled into the graph and not counted."""
+    return 2.0 if spec.shard in ("none", "grad_op") else 3.0

@@ -1,0 +1,69 @@
+"""PyTorch/XLA FSDP's side of the spec, as plain data (no torch_xla import): XlaFullyShardedDataParallel
+arguments (v1) or the SPMD FSDPv2 plan (v2), what `polyshard explain` prints; and `local_run`, the same
+job laid out for this host's runtime. Its SpecErrors are the backend's validation rules."""
+
+from __future__ import annotations
+
+from parallel.spec.io import SpecError, merge_native
+from parallel.spec.model import Spec
+
+DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def _check_reduce(spec: Spec) -> None:
+    """v1 reduces in fp32 or in the compute dtype (fp32_reduce_scatter); SPMD v2 reduces the fp32
+    gradients of its fp32 parameters in the compiled graph."""
+    reduce, x = spec.grad_reduce_dtype, spec.xla
+    allowed = {"fp32"} if x.fsdp_version == 2 else {"fp32", spec.precision}
+    if reduce not in allowed:
+        raise SpecError([("reduce_dtype", f"{spec.reduce_dtype!r} ({reduce}) with precision "
+                          f"{spec.precision!r}: XLA FSDP v{x.fsdp_version} reduces gradients in "
+                          f"{' or '.join(sorted(allowed))}; use one of those")])
+
+
+def translate(spec: Spec) -> dict:
+    _check_reduce(spec)
+    x = spec.xla
+    settings = {k: v for k, v in x.xla_fsdp_settings.items() if k != "xla_fsdp_grad_ckpt"}
+    if x.fsdp_version == 2:
+        if spec.topology.procs_per_node != 1:
+            raise SpecError([("topology.procs_per_node", f"{spec.topology.procs_per_node} with "
+                              "xla.fsdp_version: 2: SPMD runs one process per host that drives all "
+                              "its devices; set procs_per_node: 1")])
+        if spec.shard != "full":
+            raise SpecError([("shard", f"{spec.shard!r} needs xla.fsdp_version: 1: SPMD FSDPv2 "
+                              "shards parameters and lets the compiler schedule the gathers; use "
+                              "shard: full")])
+        return {"api": "SpmdFullyShardedDataParallel", "mesh": x.mesh_shape or "all devices x 1",
+                "mesh_axes": ["fsdp", "model"], "autocast": DTYPE_NAMES[spec.precision],
+                "activation_checkpointing": spec.checkpoint_activations,
+                "kwargs": {**settings, **x.native}}
+    mixed = spec.precision != "fp32"
+    kwargs = {"reshard_after_forward": spec.shard == "full",
+              "flatten_parameters": x.flatten_parameters,
+              "compute_dtype": DTYPE_NAMES[spec.precision],
+              "buffer_dtype": "float32",
+              "fp32_reduce_scatter": mixed and spec.grad_reduce_dtype == "fp32"}
+    origins = {"reshard_after_forward": "shard", "flatten_parameters": "xla.flatten_parameters",
+               "compute_dtype": "precision", "fp32_reduce_scatter": "reduce_dtype"}
+    kwargs = merge_native(kwargs, origins, settings, "xla.xla_fsdp_settings")
+    kwargs = merge_native(kwargs, origins, x.native, "xla.native")
+    return {"api": "XlaFullyShardedDataParallel", "kwargs": kwargs,
+            "activation_checkpointing": spec.checkpoint_activations}
+
+
+def local_run(spec: Spec) -> tuple[dict, dict]:
+    """The same job on one host's CPU client (PJRT_DEVICE=CPU), which is single-process: v1 runs
+    at world size 1 with the whole global batch in its micro-batches; v2 runs one process over
+    `world_size` virtual devices. Other devices run the spec as written."""
+    from parallel.launch.envinfo import detect_pjrt_device
+
+    data = spec.model_dump(mode="json", exclude_unset=True)
+    if detect_pjrt_device() != "CPU":
+        return data, {}
+    world = spec.world_size
+    data["topology"] = {**data.get("topology", {}), "nodes": 1, "procs_per_node": 1}
+    if spec.xla.fsdp_version == 1:
+        data["micro_batch_size"] = spec.micro_batch_size * world
+        return data, {"CPU_NUM_DEVICES": "1"}
+    return data, {"CPU_NUM_DEVICES": str(world)}

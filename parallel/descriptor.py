@@ -1,0 +1,80 @@
+"""What the rest of polyshard knows about a backend: one `BackendDescriptor`, exported by each
+`backends/<name>/descriptor.py` and listed by `parallel.registry`, the only lookup.
+
+A descriptor is importable without the backend's own dependency (deepspeed, torch_xla): everything it
+holds directly is plain data or a light function; what needs the dependency (the engine, native
+checkpoint readers) is a "module:attribute" reference the registry imports on first use. Capabilities
+that only some backends have are optional fields (None / empty), never methods that raise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """A value a backend cannot honour: why, and what to write instead."""
+
+    reason: str
+    nearest: str
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    # field name -> {value: Unsupported}; a value absent from the map is supported.
+    unsupported: dict[str, dict[str, Unsupported]] = field(default_factory=dict)
+
+    def check(self, field_name: str, value) -> Unsupported | None:
+        return self.unsupported.get(field_name, {}).get(value)
+
+
+@dataclass(frozen=True)
+class PlanModel:
+    """What `polyshard plan` needs: bytes of model states per rank, and collective volume.
+
+    model_states(spec, shapes, n, low, opt) -> (params, grads, optimizer) bytes on the device, where
+    n is the shard group size, low the compute dtype's bytes, opt the optimizer's bytes per element.
+    comm(spec, native_zero: dict, psi) -> collective volume per step in units of Psi elements."""
+
+    model_states: Callable[..., tuple[float, float, float]]
+    comm: Callable[..., float]
+
+
+@dataclass(frozen=True)
+class BackendDescriptor:
+    name: str  # the value of the spec's `backend` field
+    summary: str  # one line, for help texts and docs
+    capabilities: Capabilities
+    # The spec -> the backend's own arguments, as plain data (`polyshard explain`). It is also the
+    # backend's validation rule: a SpecError raised here fails spec validation everywhere.
+    translate: Callable[[Any], dict]
+    engine: str  # "module:callable" taking the Spec, returning an Engine
+    extra: str = ""  # the pip extra that installs its dependency ("" for none)
+    packages: tuple[str, ...] = ()  # distributions whose versions a checkpoint records
+    # Environment every process starts with under `polyshard launch` (a value the user set wins).
+    env: Callable[[], dict[str, str]] = dict
+    # Spec -> (spec dict, extra env) that runs the same job on this one host when its runtime lays
+    # processes out differently (XLA's single-process CPU client); None: as written.
+    local_run: Callable | None = None
+    accelerator: str = "nvidia.com/gpu"  # what a cluster job requests (Slurm / Kubernetes)
+    tensor_parallel: bool = False  # reads topology.tp > 1 (none does yet)
+    # Devices one process feeds (SPMD drives all of a host's): None when known only at run time.
+    process_devices: Callable[[Any], int | None] = lambda spec: 1
+    native_loop: str | None = None  # benchmarks/ script running the same job without polyshard
+    native_args: Callable[[Any], list[str]] = lambda spec: []  # its backend-specific flags
+    plan: PlanModel | None = None
+    comm_counted: bool = True  # False: collectives are compiled into a graph, c10d never sees them
+    exports: dict[str, Callable] = field(default_factory=dict)  # format -> this backend's spec -> data
+    formats: dict[str, Callable] = field(default_factory=dict)  # format -> any spec -> data
+    # accelerate config: (distributed_type, whole config) -> how specifically this backend reads it
+    # (0: not at all; the highest claim wins), the function that maps its section: (Import, config,
+    # the yaml's directory) -> None, and top-level keys it reads beyond accelerate's own
+    accelerate_claims: Callable[[str, dict], int] | None = None
+    accelerate_section: Callable | None = None
+    accelerate_keys: frozenset[str] = frozenset()
+    # file kind -> (path, lossy, given) -> (spec dict, report): `polyshard import KIND FILE`
+    config_importers: dict[str, Callable] = field(default_factory=dict)
+    checkpoint_readers: dict[str, str] = field(default_factory=dict)  # kind -> "module:reader"

@@ -1,0 +1,95 @@
+"""What a training step is made of, apart from the Engine that runs it: what it returns, how an
+optimizer is built, how a batch is split and moved, how gradients are measured and clipped."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+OptimizerArg = Callable[..., torch.optim.Optimizer] | tuple[type, dict[str, Any]]
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step did. `loss` and `grad_norm` read their tensors to the host when
+    asked (the loss is a global mean over ranks, as a single process would compute it); the step
+    itself also reads the local loss once, to agree on a non-finite one before the update."""
+
+    step: int
+    loss_tensor: torch.Tensor
+    grad_norm_tensor: torch.Tensor | None
+    lr: float
+    tokens: int
+    step_time: float
+    stepped: bool = True  # False when fp16 loss scaling skipped the update
+
+    @property
+    def loss(self) -> float:
+        return float(self.loss_tensor)
+
+    @property
+    def grad_norm(self) -> float | None:
+        return None if self.grad_norm_tensor is None else float(self.grad_norm_tensor)
+
+
+def build_optimizer(optimizer: OptimizerArg, params) -> torch.optim.Optimizer:
+    """Optimizers are built after sharding (they must see the sharded parameters)."""
+    if isinstance(optimizer, tuple):
+        cls, kwargs = optimizer
+        return cls(params, **kwargs)
+    return optimizer(params)
+
+
+def require_fp32(model: nn.Module) -> None:
+    """Every precision keeps fp32 master weights; a model loaded in 16 bits would silently not."""
+    bad = sorted({str(p.dtype) for p in model.parameters()
+                  if p.dtype != torch.float32 and p.device.type != "meta"})
+    if bad:
+        raise ValueError(f"model: parameters are {bad}; every precision keeps fp32 master weights, "
+                         "so pass an fp32 model (torch_dtype=torch.float32) and set "
+                         "`precision: bf16` for bf16 compute")
+
+
+def clip_grad_norm(params, max_norm: float | None) -> torch.Tensor:
+    """The global gradient 2-norm of `params`, clipped to `max_norm` when set. DTensor gradients
+    (FSDP2) give partial norms per shard: reduced to the full norm before clipping."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0, False)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    if max_norm is not None:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
+
+
+def split_micro_batches(batch, accum: int) -> list:
+    """A step's batch (dict or tuple of tensors) as `accum` micro-batches along dim 0."""
+    if accum == 1:
+        return [batch]
+    if isinstance(batch, dict):
+        parts = {k: torch.tensor_split(v, accum) for k, v in batch.items()}
+        return [{k: v[i] for k, v in parts.items()} for i in range(accum)]
+    return list(zip(*(torch.tensor_split(v, accum) for v in batch)))
+
+
+def to_device(batch, device):
+    if isinstance(batch, dict):
+        return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    return type(batch)(v.to(device, non_blocking=True) for v in batch)
+
+
+def count_tokens(batch) -> int:
+    if isinstance(batch, dict) and "input_ids" in batch:
+        return batch["input_ids"].numel()
+    return first_tensor(batch).numel()
+
+
+def first_tensor(batch) -> torch.Tensor:
+    return next(iter(batch.values())) if isinstance(batch, dict) else batch[0]
