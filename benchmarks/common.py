@@ -1,17 +1,21 @@
 """Shared by the native loops: the job's model, batches and timing, with no polyshard import (these
-loops are the baseline `polyshard bench --vs-native` compares against)."""
+loops are the baseline `polyshard bench --vs-native` compares against). `--count` borrows polyshard's
+step counter (parallel/tools/bench/counting.py), so both sides are counted by the same rule; timed
+runs import nothing from polyshard."""
 
 import argparse
 import json
 import os
+import sys
 import time
+from contextlib import nullcontext
 
 import torch
 
 SIZES = os.path.join(os.path.dirname(__file__), "..", "examples", "data", "toy_models.json")
 
 
-def args():
+def args(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="toy:demo")
     p.add_argument("--steps", type=int, default=5)
@@ -23,8 +27,20 @@ def args():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stage", type=int, default=3, help="ZeRO stage (native_deepspeed); FSDP2: 3 "
                    "reshards after forward (FULL_SHARD), 2 keeps parameters (SHARD_GRAD_OP)")
+    p.add_argument("--flatten", action="store_true", help="XLA FSDP v1: flatten_parameters")
+    p.add_argument("--count", action="store_true", help="count collectives, host reads and store "
+                   "calls of every step after the warm-up (not timed)")
     p.add_argument("--out", required=True)
-    return p.parse_args()
+    return p.parse_args(argv)
+
+
+def counter(a):
+    if not a.count:
+        return None
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from parallel.tools.bench.counting import StepCounter
+
+    return StepCounter()
 
 
 def model(name: str, seed: int):
@@ -43,21 +59,42 @@ def batches(a, vocab=256):
             for _ in range(a.warmup + a.steps)]
 
 
+def timed(step, ids, world: int) -> tuple[float, float]:
+    """One step as a logging loop takes it: the step, the loss averaged over ranks and read back
+    (so asynchronous devices have finished). (seconds, loss)."""
+    start = time.perf_counter()
+    loss = step(ids)
+    if torch.distributed.is_initialized() and world > 1:
+        torch.distributed.all_reduce(loss := loss.detach().clone())
+        loss /= world
+    value = float(loss)
+    return time.perf_counter() - start, value
+
+
 def run(a, step, rank: int, world: int):
     """`step(ids) -> loss tensor`; times each step with the loss read back, as polyshard does."""
     rows = a.global_rows // world
-    times, losses = [], []
+    times, losses, counting = [], [], counter(a)
     for i, ids in enumerate(batches(a)):
         mine = ids[rank * rows:(rank + 1) * rows]
-        start = time.perf_counter()
-        loss = step(mine)
-        if torch.distributed.is_initialized():
-            torch.distributed.all_reduce(loss := loss.detach().clone())
-            loss /= world
-        value = float(loss)
+        with counting.step() if counting and i >= a.warmup else nullcontext():
+            elapsed, value = timed(step, mine, world)
         if i >= a.warmup:
-            times.append(time.perf_counter() - start)
+            times.append(elapsed)
         losses.append(value)
     if rank == 0:
         with open(a.out, "w") as f:
-            json.dump({"step_times": times, "losses": losses, "pid": os.getpid()}, f)
+            json.dump({"step_times": times, "losses": losses, "pid": os.getpid(), "world_size": world,
+                       "counts": counting and [dict(c) for c in counting.steps]}, f)
+
+
+def distributed_main(build):
+    """A torch.distributed loop as a script: one process group (gloo on CPU, NCCL on GPUs), the
+    whole job, then the group torn down."""
+    import torch.distributed as dist
+
+    a = args()
+    dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    run(a, build(a, rank, world), rank, world)
+    dist.destroy_process_group()

@@ -1,4 +1,5 @@
-"""DeepSpeed by hand: deepspeed.initialize with a ZeRO config written out; the same job."""
+"""DeepSpeed by hand: deepspeed.initialize with a ZeRO config written out; the same job. `build` is
+the step; as a script, a whole job."""
 
 import deepspeed
 import torch
@@ -6,10 +7,7 @@ import torch.distributed as dist
 from common import args, model, run
 
 
-def main():
-    a = args()
-    deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
+def build(a, rank: int, world: int):
     net = model(a.model, a.seed)
     config = {"train_micro_batch_size_per_gpu": a.global_rows // world,
               "gradient_accumulation_steps": 1, "gradient_clipping": a.clip,
@@ -24,7 +22,14 @@ def main():
         engine.step()
         return loss
 
-    run(a, step, rank, world)
+    return step
+
+
+def main():
+    a = args()
+    deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    run(a, build(a, rank, world), rank, world)
 
 
 if __name__ == "__main__":

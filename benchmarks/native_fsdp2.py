@@ -1,15 +1,13 @@
-"""FSDP2 by hand: fully_shard each decoder layer, then the root; AdamW; clip; the same job."""
+"""FSDP2 by hand: fully_shard each decoder layer, then the root; AdamW; clip; the same job.
+`build` is the loop's step (polyshard bench --vs-native alternates it with polyshard's in one launch);
+run as a script, it is a whole training job."""
 
 import torch
-import torch.distributed as dist
-from common import args, model, run
+from common import distributed_main, model
 from torch.distributed.fsdp import fully_shard
 
 
-def main():
-    a = args()
-    dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
+def build(a, rank: int, world: int):
     if a.stage not in (2, 3):
         raise SystemExit("native_fsdp2 runs FULL_SHARD (stage 3) and SHARD_GRAD_OP (stage 2) only")
     net = model(a.model, a.seed)
@@ -27,8 +25,11 @@ def main():
         opt.zero_grad(set_to_none=True)
         return loss
 
-    run(a, step, rank, world)
-    dist.destroy_process_group()
+    return step
+
+
+def main():
+    distributed_main(build)
 
 
 if __name__ == "__main__":

@@ -1,19 +1,20 @@
-"""XLA FSDP v1 by hand (one process on the CPU client; one per chip on a TPU): the same job."""
+"""XLA FSDP v1 by hand (one process on the CPU client; one per chip on a TPU): the same job. `build`
+is the step; as a script, a whole job."""
 
-import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
 from common import args, model, run
 from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as XFSDP
 
 
-def main():
-    a = args()
+def build(a, rank: int, world: int):
+    import torch
+
     device = torch_xla.device()
     net = model(a.model, a.seed).to(device)
     for i, layer in enumerate(net.model.layers):
-        net.model.layers[i] = XFSDP(layer)
-    net = XFSDP(net)
+        net.model.layers[i] = XFSDP(layer, flatten_parameters=a.flatten)
+    net = XFSDP(net, flatten_parameters=a.flatten)
     opt = torch.optim.AdamW(net.parameters(), lr=a.lr, weight_decay=0.1)
 
     def step(ids):
@@ -27,7 +28,12 @@ def main():
         xm.mark_step()
         return loss.cpu()
 
-    run(a, step, 0, 1)
+    return step
+
+
+def main():
+    a = args()
+    run(a, build(a, 0, 1), 0, 1)
 
 
 if __name__ == "__main__":

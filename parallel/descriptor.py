@@ -63,8 +63,12 @@ class BackendDescriptor:
     tensor_parallel: bool = False  # reads topology.tp > 1 (none does yet)
     # Devices one process feeds (SPMD drives all of a host's): None when known only at run time.
     process_devices: Callable[[Any], int | None] = lambda spec: 1
-    native_loop: str | None = None  # benchmarks/ script running the same job without polyshard
-    native_args: Callable[[Any], list[str]] = lambda spec: []  # its backend-specific flags
+    # Spec -> (benchmarks/ script running the same job without polyshard, its flags), or None where
+    # the backend has no hand-written loop for that spec (`polyshard bench --vs-native`).
+    native: Callable[[Any], tuple[str, list[str]] | None] = lambda spec: None
+    # Short names for common configurations of this backend (name -> spec overrides), which
+    # `polyshard bench/parity --backends` accept beside backend names: fsdp1, zero2, xla1, ...
+    variants: dict[str, dict] = field(default_factory=dict)
     plan: PlanModel | None = None
     comm_counted: bool = True  # False: collectives are compiled into a graph, c10d never sees them
     exports: dict[str, Callable] = field(default_factory=dict)  # format -> this backend's spec -> data

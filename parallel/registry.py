@@ -47,6 +47,21 @@ def get(name: str) -> BackendDescriptor:
     return _DESCRIPTORS[name]
 
 
+def cell(name: str) -> tuple[str, dict]:
+    """A backend name or one of a backend's variants (fsdp1, zero2, xla1, ...) -> (backend, spec
+    overrides): what `--backends` of bench and parity accept."""
+    if name in _DESCRIPTORS:
+        return name, {}
+    for d in _DESCRIPTORS.values():
+        if name in d.variants:
+            return d.name, d.variants[name]
+    every = names() + [v for d in _DESCRIPTORS.values() for v in d.variants]
+    hint = difflib.get_close_matches(name, every, n=1, cutoff=0.6)
+    raise ValueError(f"--backends: {name!r} is neither a backend nor a variant"
+                     + (f"; did you mean {hint[0]!r}?" if hint else "")
+                     + f" (choose from {', '.join(every)})")
+
+
 def load(descriptor: BackendDescriptor, ref: str):
     """Import "module:attribute" for `descriptor`, naming the pip extra when its dependency is
     missing."""

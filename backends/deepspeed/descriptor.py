@@ -21,13 +21,16 @@ DESCRIPTOR = BackendDescriptor(
     extra="deepspeed",
     packages=("deepspeed",),
     env=lambda: {"USE_TORCH_XLA": "0"},
-    native_loop="native_deepspeed.py",
-    native_args=lambda spec: [f"--stage={STAGES[spec.shard]}"],
+    native=lambda spec: ("native_deepspeed.py", [f"--stage={STAGES[spec.shard]}"]),
+    variants={f"zero{stage}": {"shard": shard} for shard, stage in STAGES.items()
+              if not shard.startswith("hybrid")},
     plan=PlanModel(plan.model_states, plan.comm),
     exports={"accelerate": exports.to_accelerate, "hf-trainer": exports.to_hf_trainer},
     formats={"deepspeed": exports.to_deepspeed},
     accelerate_claims=accelerate.claims,
     accelerate_section=accelerate.section,
     config_importers={"deepspeed": from_deepspeed_file},
-    checkpoint_readers={"deepspeed": "backends.deepspeed.native_checkpoint:read_deepspeed"},
+    checkpoint_readers={"deepspeed": "backends.deepspeed.native_checkpoint:read_deepspeed",
+                        "deepspeed-universal":
+                            "backends.deepspeed.native_checkpoint:read_deepspeed_universal"},
 )

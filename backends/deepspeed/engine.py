@@ -8,10 +8,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from backends.deepspeed.fragments import load_sharded, sharded_state
 from backends.deepspeed.state import (
     is_zero,
     load_unfused,
-    load_zero_state,
     master_names,
     partitions,
     unfused_state,
@@ -130,20 +130,20 @@ class DeepSpeedEngine(Engine):
         skipped = self.ds.skipped_steps
         self.ds.step()
         recorded = self.ds.get_global_grad_norm()
-        if recorded is not None:
-            norm = torch.as_tensor(float(recorded))
+        if recorded is not None:  # a tensor under ZeRO: kept on the device until someone asks
+            norm = (recorded.detach().clone() if isinstance(recorded, torch.Tensor)
+                    else torch.tensor(recorded))
         return norm, self.ds.skipped_steps == skipped
 
     # Three layouts of fp32 master weights: flat partitions linked to each parameter (ZeRO-1/2/3,
     # the bf16 optimizer), one fp32 copy per parameter (FP16_UnfusedOptimizer, ZeRO-0 with bf16 or
     # fp16), or the parameters themselves (ZeRO-0 fp32, the client optimizer): one path each.
     def _save_model_optim(self, tmp: Path) -> None:
-        if is_zero(self.optimizer):
-            # Sharded: parameter i is written by rank i % world (each rank holds 1/world of the
-            # state while saving); full: rank 0 writes everything. The gathers are collective.
-            world, sharded = self.world_size, self.spec.state_dict == "sharded"
-            mine = (lambda i: i % world == self.rank) if sharded else (lambda i: self.is_main)
-            ps.save_state(zero_state(self.ds, mine), tmp)
+        if is_zero(self.optimizer) and self.spec.state_dict == "sharded":
+            # each rank writes the ranges its partition holds, in place: O(model / N) per rank
+            ps.save_state(sharded_state(self.ds), tmp)
+        elif is_zero(self.optimizer):  # full: rank 0 writes everything, gathered one at a time
+            ps.save_state(zero_state(self.ds, lambda i: self.is_main), tmp)
         elif master_names(self.ds):
             ps.save_state(unfused_state(self.ds), tmp)  # replicated: DCP writes each entry once
         else:
@@ -151,8 +151,8 @@ class DeepSpeedEngine(Engine):
                               self.rank, on_cpu=self.device.type == "cpu")
 
     def _load_model_optim(self, path: Path, manifest: dict) -> None:
-        if is_zero(self.optimizer):
-            load_zero_state(self.ds, path)
+        if is_zero(self.optimizer):  # whatever wrote it: each rank reads its ranges in place
+            load_sharded(self.ds, path)
         elif master_names(self.ds):
             load_unfused(self.ds, path)
         else:

@@ -63,3 +63,43 @@ def read_deepspeed(src: Path):
     return ({"model": {clean_name(k): v for k, v in model.items()},
              "optim": {"state": state, "param_groups": named_groups(raw[0]["param_groups"],
                                                                      per_group)}}, steps, world)
+
+
+def read_deepspeed_universal(src: Path):
+    """A DeepSpeed universal checkpoint (what `ds_to_universal` writes and `load_universal_checkpoint`
+    reads): `zero/<name>/fp32.pt`, one file per optimizer entry (`exp_avg.pt`, ...) and `step.pt` per
+    parameter, the param groups in `zero/optimizer_state.pt`, and the model-states file for group
+    membership, buffers, frozen and tied parameters."""
+    tag_dir = (src / (src / "latest_universal").read_text().strip()
+               if (src / "latest_universal").is_file() else src)
+    zero, model_file = tag_dir / "zero", tag_dir / "mp_rank_00_model_states.pt"
+    if not zero.is_dir() or not model_file.is_file():
+        raise CheckpointImportError(f"{tag_dir}: not a DeepSpeed universal checkpoint (needs zero/ "
+                                    "and mp_rank_00_model_states.pt, as ds_to_universal writes)")
+    states = torch.load(model_file, map_location="cpu", weights_only=False)
+    groups = torch.load(zero / "optimizer_state.pt", map_location="cpu", weights_only=False)
+    names = [[clean_name(n) for n in shapes] for shapes in states["param_shapes"]]
+    model, optim, steps = {}, {}, []
+    for raw in (n for shapes in states["param_shapes"] for n in shapes):
+        folder, name = zero / raw, clean_name(raw)
+        if not (folder / "fp32.pt").is_file():
+            raise CheckpointImportError(f"{folder / 'fp32.pt'}: missing (parameter {raw})")
+        model[name] = torch.load(folder / "fp32.pt", map_location="cpu", weights_only=False)["param"]
+        entry = {f.stem: torch.load(f, map_location="cpu", weights_only=False)["param"]
+                 for f in sorted(folder.glob("*.pt")) if f.stem not in ("fp32", "step")}
+        if (folder / "step.pt").is_file():
+            step = torch.load(folder / "step.pt", map_location="cpu", weights_only=False)
+            entry["step"] = torch.as_tensor(step, dtype=torch.float32).clone()
+            steps.append(entry)
+        optim[name] = entry
+    module = states.get("module") or {}
+    for raw in list(states.get("frozen_param_shapes") or {}) + list(states.get("buffer_names") or []):
+        if raw not in module:
+            raise CheckpointImportError(f"{model_file}: {raw} is not in its module state")
+        model[clean_name(raw)] = module[raw].float() if module[raw].is_floating_point() \
+            else module[raw]
+    for alias, canonical in (states.get("shared_params") or {}).items():
+        model[clean_name(alias)] = model[clean_name(canonical)]
+    shared_step(steps)  # one step count, or an error naming the disagreement
+    return ({"model": model, "optim": {"state": optim, "param_groups": named_groups(
+        groups["param_groups"], names)}}, states.get("global_steps"), states.get("dp_world_size"))

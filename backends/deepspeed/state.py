@@ -45,13 +45,6 @@ def _whole(p) -> torch.Tensor:
         return p.detach().cpu().clone()
 
 
-def _set_whole(p, value: torch.Tensor) -> None:
-    import deepspeed
-
-    with deepspeed.zero.GatheredParameters([p], modifier_rank=0, enabled=hasattr(p, "ds_id")):
-        p.data.copy_(value)
-
-
 def _with_aliases(ds, model: dict) -> dict:
     """Tied weights under each of their names, as the module's state_dict() has them."""
     for alias, canonical in aliases(tied_groups(ds.module)).items():
@@ -131,9 +124,9 @@ def relink(zero) -> None:
 
 
 def zero_state(ds, mine, with_optimizer: bool = True) -> dict:
-    """The portable state of a ZeRO engine: each parameter's fp32 master weight and optimizer entries
-    gathered whole (DeepSpeed's fragment API; collective), kept by the rank `mine(i)` picks; frozen
-    parameters whole, tied ones under every name."""
+    """The portable state of a ZeRO engine gathered whole, one parameter at a time (DeepSpeed's
+    fragment API; collective), kept by the rank `mine(i)` picks: for `state_dict: full` (rank 0
+    writes everything) and gather_model(). Sharded saves write in place (fragments.py)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     zero, names = ds.optimizer, {id(p): ps.clean_name(n) for n, p in ds.module.named_parameters()}
@@ -162,49 +155,3 @@ def zero_state(ds, mine, with_optimizer: bool = True) -> dict:
     if mine(0):
         model.update(ps.buffers(ds.module))  # buffers are never partitioned
     return {"model": _with_aliases(ds, model), "optim": {"state": state, "param_groups": groups}}
-
-
-def load_zero_state(ds, path: Path) -> None:
-    """Every rank reads whole tensors, then keeps its partition: the module's weights first, the fp32
-    master copies refreshed from them, then each optimizer entry and the shared step counts."""
-    import deepspeed
-    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-
-    zero, base = ds.optimizer, ds.optimizer.optimizer
-    _init_zero_state(zero)  # a fresh optimizer has no state for the fragments to point at
-    relink(zero)
-    named = {ps.clean_name(n): p for n, p in ds.module.named_parameters()}
-    name_of = {id(p): n for n, p in named.items()}
-    members = [(flat, [name_of[id(p)] for p in lps]) for _, lps, flat in partitions(zero)]
-    keys = {n: _flat_keys(base, flat) + (["step"] if "step" in base.state[flat] else [])
-            for flat, names in members for n in names}
-    buffers = ps.buffers(ds.module)
-    template = ps.full_template({n: getattr(p, "ds_shape", p.shape) for n, p in named.items()}, keys,
-                             ps.groups_template(path))
-    template["model"].update({k: torch.empty_like(v, device="cpu") for k, v in buffers.items()})
-    _with_aliases(ds, template["model"])
-    model, state = ps.load_state(template, path)["model"], template["optim"]["state"]
-    live = [[] for _ in base.param_groups]  # ZeRO-3's sub-groups collapse into their group
-    for group, lps, _ in partitions(zero):
-        live[group] += [name_of[id(p)] for p in lps]
-    # before anything is set: the same groups, or an error naming the parameters that moved
-    merged = ps.merge_groups(base.param_groups, template["optim"]["param_groups"], live)
-
-    params = list(named.values())
-    zero3 = hasattr(params[0], "ds_id")
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=0, enabled=zero3):
-        for name, p in named.items():
-            p.data.copy_(model[name])
-    ds.module.load_state_dict({k: model[k] for k in buffers}, strict=False)
-    for flat, names in members:
-        for name in names:
-            # fp32 masters from the fp32 values, not refreshed from the (maybe bf16) weights
-            safe_set_full_fp32_param(named[name], model[name])
-            for key in _flat_keys(base, flat):
-                safe_set_full_optimizer_state(named[name], state[name][key], key)
-        step = ps.single_step(state, names)
-        if step is not None and "step" in base.state.get(flat, {}):
-            old = base.state[flat]["step"]
-            base.state[flat]["step"] = step.to(old) if torch.is_tensor(old) else type(old)(step)
-    for group, new in zip(base.param_groups, merged):
-        group.update(new)

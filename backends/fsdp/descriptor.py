@@ -6,7 +6,7 @@ from backends.fsdp import accelerate, exports, plan
 from backends.fsdp.translate import translate
 from parallel.descriptor import BackendDescriptor, Capabilities, PlanModel, Unsupported
 
-NATIVE_STAGE = {"full": 3, "grad_op": 2}  # benchmarks/native_fsdp2.py: reshard after forward or not
+NATIVE_STAGE = {"full": 3, "grad_op": 2}  # benchmarks/native_fsdp{1,2}.py: reshard after forward or not
 
 DESCRIPTOR = BackendDescriptor(
     name="fsdp",
@@ -24,8 +24,9 @@ DESCRIPTOR = BackendDescriptor(
     # accelerate and transformers import torch_xla whenever it is installed, and accelerate then
     # picks XLA even under torchrun unless USE_TORCH_XLA=0
     env=lambda: {"USE_TORCH_XLA": "0"},
-    native_loop="native_fsdp2.py",
-    native_args=lambda spec: [f"--stage={NATIVE_STAGE.get(spec.shard, 0)}"],
+    native=lambda spec: (f"native_fsdp{spec.fsdp.version}.py",
+                         [f"--stage={NATIVE_STAGE.get(spec.shard, 0)}"]),
+    variants={"fsdp2": {"fsdp": {"version": 2}}, "fsdp1": {"fsdp": {"version": 1}}},
     plan=PlanModel(plan.model_states, plan.comm),
     exports={"accelerate": exports.to_accelerate, "hf-trainer": exports.to_hf_trainer},
     accelerate_claims=accelerate.claims,

@@ -6,11 +6,15 @@ the model on the device (tied weights re-tied after the move), wrapping units, a
 from __future__ import annotations
 
 import dataclasses
+import threading
 
+import torch
 from torch import nn
 
 from backends.xla.translate import translate
 from parallel.engine.base import Engine
+from parallel.engine.guards import NonfiniteWatch
+from parallel.engine.preempt import AgreedFlag
 from parallel.engine.step import require_fp32
 from parallel.engine.params import aliases, retie
 from parallel.engine.wrap import disable_kv_cache, plan_wrap
@@ -20,6 +24,7 @@ from parallel.tools.measurable import ModuleStateTensors
 
 class _Xla(ModuleStateTensors, Engine):
     name = "xla_fsdp"
+    background_save = False  # its planners and gathers need the device (descriptor: capabilities)
 
     def __init__(self, spec: Spec):
         self.plan = translate(spec)
@@ -78,6 +83,12 @@ class _Xla(ModuleStateTensors, Engine):
                 model[alias] = model[canonical]
         return model
 
+    def _agreed_flag(self) -> AgreedFlag:
+        return _XlaAgreedFlag(self.device)
+
+    def _nonfinite_watch(self) -> NonfiniteWatch:
+        return _XlaWatch(self.device)
+
     def _skip_step(self):
         import torch_xla.core.xla_model as xm
 
@@ -92,3 +103,37 @@ class _Xla(ModuleStateTensors, Engine):
         self.optimizer.zero_grad(set_to_none=True)
         xm.mark_step()  # one compiled graph per step: forward, backward, update
         return norm, True
+
+
+class _XlaWatch(NonfiniteWatch):
+    """raise_deferred on XLA: the record is part of the step's graph, and a step closure copies it to
+    the host once that graph has run, on torch_xla's closure thread (run_async): the step never
+    waits for it, and no extra graph is cut (a host read before the update would split each step's
+    graph in two: docs/reliability.md)."""
+
+    def publish(self) -> None:
+        import torch_xla.core.xla_model as xm
+
+        xm.add_step_closure(self._landed, args=(self.first,), run_async=True)
+
+    def _landed(self, first) -> None:
+        self.host.copy_(first.cpu())
+
+
+class _XlaAgreedFlag(AgreedFlag):
+    """The preemption flag on XLA: copied by a step closure once its graph has run (the step never
+    waits); read three steps later, by when torch_xla's closure thread has long run it."""
+
+    lag = 3
+
+    def record(self, step: int, reduced) -> None:
+        import torch_xla.core.xla_model as xm
+
+        host, landed = torch.zeros(1), threading.Event()
+        xm.add_step_closure(self._landed, args=(reduced, host, landed), run_async=True)
+        self.ring.append((step, host, landed))
+
+    @staticmethod
+    def _landed(reduced, host, landed) -> None:
+        host.copy_(reduced.reshape(1).float().cpu())
+        landed.set()

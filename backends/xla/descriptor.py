@@ -27,6 +27,10 @@ DESCRIPTOR = BackendDescriptor(
                     "params": Unsupported("XLA FSDP has no CPU offload", "offload: none")},
         "precision": {"fp16": Unsupported("TPUs compute in bf16; XLA FSDP has no fp16 loss "
                                           "scaling", "precision: bf16")},
+        "checkpoint.async_save": {True: Unsupported(
+            "XLA's checkpoints are written from device tensors by its own planners (SPMD) or "
+            "gathered through XLA collectives (v1), which a background thread cannot drive",
+            "checkpoint.async_save: false")},
         "export": {"accelerate": Unsupported("accelerate has no XLA FSDP",
                                              "--to hf-trainer (TrainingArguments' fsdp_config.xla)")},
     }),
@@ -38,7 +42,9 @@ DESCRIPTOR = BackendDescriptor(
     env=lambda: {"PJRT_DEVICE": detect_pjrt_device(), "USE_TORCH_XLA": "1"},
     local_run=local_run,
     accelerator="",  # TPU VMs: no GPU resource to request
-    native_loop="native_xla.py",
+    native=lambda spec: (("native_xla.py", ["--flatten"] if spec.xla.flatten_parameters else [])
+                         if spec.xla.fsdp_version == 1 else None),
+    variants={"xla1": {"xla": {"fsdp_version": 1}}, "xla2": {"xla": {"fsdp_version": 2}}},
     # SPMD (v2): one process drives every local device; how many is known at run time
     process_devices=lambda spec: None if spec.xla.fsdp_version == 2 else 1,
     plan=PlanModel(plan.model_states, plan.comm),

@@ -51,3 +51,19 @@ def shard_of(tensors: dict, members, shard_numel: int, rank: int) -> torch.Tenso
     end = shard_numel * (rank + 1)
     flat = torch.nn.functional.pad(flat, (0, max(0, end - flat.numel())))
     return flat[shard_numel * rank:end].clone()
+
+
+def member_ranges(flat: torch.Tensor, members, rank: int) -> dict:
+    """This rank's flat shard `flat` (a CPU copy, `shard_numel` elements of the padded concatenation
+    of `members`) as each member's contiguous range, in place: {name: FlatRange}. A member this
+    shard holds nothing of gets an empty range (its key stays in the state on every rank)."""
+    from parallel.checkpoint.chunks import FlatRange
+
+    size, out, offset = flat.numel(), {}, 0
+    lo, hi = rank * size, (rank + 1) * size
+    for name, shape in members:
+        a, b = max(offset, lo), min(offset + shape.numel(), hi)
+        out[name] = (FlatRange(flat[a - lo:b - lo], a - offset, shape) if b > a
+                     else FlatRange(flat[:0], 0, shape))
+        offset += shape.numel()
+    return out

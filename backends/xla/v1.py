@@ -7,16 +7,16 @@ from pathlib import Path
 import torch
 
 from backends.xla.common import _Xla
-from backends.xla.layout import shard_of, split_members, v1_layout
+from backends.xla.layout import member_ranges, split_members, v1_layout
 from parallel.checkpoint.portable import (
     buffers,
     clean_name,
-    full_template,
     groups_template,
     hyperparams,
     init_optimizer_state,
     load_state,
     merge_groups,
+    read_groups,
     save_state,
     single_step,
 )
@@ -54,26 +54,52 @@ class XlaFsdpEngine(_Xla):
     def _save_model_optim(self, tmp: Path) -> None:
         import torch_xla.core.xla_model as xm
 
-        # state_dict: sharded -> shard i is written by rank i % world; full -> rank 0 writes all
-        world, sharded = self.world_size, self.spec.state_dict == "sharded"
+        if self.spec.state_dict == "full":  # rank 0 writes everything, gathered one at a time
+            return self._save_gathered(tmp)
+        # sharded: each rank writes the ranges of the original parameters its flat shards hold,
+        # from a host copy of one shard at a time: O(model / N) per rank, no gather
         layout, model, state = v1_layout(self.model), {}, {}
-        for i, (p, members) in enumerate(layout):  # one shard at a time: gathered whole (collective)
-            mine = (i % world == self.rank) if sharded else self.is_main
+        xm.mark_step()
+        for p, members in layout:
+            ranges = member_ranges(p.detach().cpu(), members, self.rank)
+            model.update(ranges)
+            for key, value in self.optimizer.state.get(p, {}).items():
+                if torch.is_tensor(value) and value.shape == p.shape:
+                    for name, r in member_ranges(value.detach().cpu(), members, self.rank).items():
+                        state.setdefault(name, {})[key] = r
+                    continue
+                for name, _ in members:  # the step count: written by the rank with element 0
+                    entry = state.setdefault(name, {})
+                    if ranges[name].start == 0 and ranges[name].data.numel():
+                        entry[key] = torch.as_tensor(value, dtype=torch.float32).cpu()
+        if self.is_main:
+            model.update(buffers(self.model))
+        save_state({"model": self._aliased(model), "optim": {
+            "state": state, "param_groups": self._groups(layout)}}, tmp)
+
+    def _groups(self, layout) -> list[dict]:
+        return [{**hyperparams(g), "params": names}
+                for g, names in zip(self.optimizer.param_groups, self._group_names(layout))]
+
+    def _save_gathered(self, tmp: Path) -> None:
+        import torch_xla.core.xla_model as xm
+
+        layout, model, state = v1_layout(self.model), {}, {}
+        for p, members in layout:  # one shard at a time: gathered whole (collective)
             full = xm.all_gather(p.detach(), dim=0).cpu()
-            if mine:
+            if self.is_main:
                 model.update(split_members(full, members))
             for key, value in self.optimizer.state.get(p, {}).items():
                 if torch.is_tensor(value) and value.shape == p.shape:
                     gathered = split_members(xm.all_gather(value, dim=0).cpu(), members)
                 else:  # the step count, shared by the flat parameter's members
                     gathered = {n: torch.as_tensor(value, dtype=torch.float32).cpu() for n, _ in members}
-                for name, t in gathered.items() if mine else ():
+                for name, t in gathered.items() if self.is_main else ():
                     state.setdefault(name, {})[key] = t
         if self.is_main:
             model = self._aliased({**model, **buffers(self.model)})
-        groups = [{**hyperparams(g), "params": names}
-                  for g, names in zip(self.optimizer.param_groups, self._group_names(layout))]
-        save_state({"model": model, "optim": {"state": state, "param_groups": groups}}, tmp)
+        save_state({"model": model, "optim": {"state": state, "param_groups": self._groups(layout)}},
+                   tmp)
 
     def gather_model(self) -> dict:
         import torch_xla.core.xla_model as xm
@@ -89,33 +115,44 @@ class XlaFsdpEngine(_Xla):
         return [[n for q in g["params"] for n in members[id(q)]] for g in self.optimizer.param_groups]
 
     def _load_model_optim(self, path: Path, manifest: dict) -> None:
+        """Each rank reads the ranges its flat shards hold into host buffers (one per shard and
+        optimizer entry: O(model / N)), then copies them to the device."""
         import torch_xla.core.xla_model as xm
 
         layout = v1_layout(self.model)
         init_optimizer_state(self.optimizer)  # entries to fill; lr 0 leaves the weights as they are
         xm.mark_step()
-        shapes = {n: shape for _, members in layout for n, shape in members}
-        keys = {n: [k for k, v in self.optimizer.state[p].items()
-                    if k == "step" or (torch.is_tensor(v) and v.shape == p.shape)]
-                for p, members in layout for n, _ in members}
-        template = full_template(shapes, keys, groups_template(path))
-        template["model"] = self._aliased({**template["model"], **{
-            k: torch.empty_like(v) for k, v in buffers(self.model).items()}})
-        model, state = load_state(template, path)["model"], template["optim"]["state"]
-        merged = merge_groups(self.optimizer.param_groups, template["optim"]["param_groups"],
-                              self._group_names(layout))  # before anything is set
+        merged = merge_groups(self.optimizer.param_groups, read_groups(path),
+                              self._group_names(layout))  # before anything is read
+        model, state, hosts = {}, {}, []
+        for p, members in layout:
+            host = torch.zeros(p.numel(), dtype=p.dtype)  # XLA pads with zeros
+            model.update(member_ranges(host, members, self.rank))
+            entries = {}
+            for key, value in self.optimizer.state.get(p, {}).items():
+                if torch.is_tensor(value) and value.shape == p.shape:
+                    entries[key] = torch.zeros(p.numel(), dtype=value.dtype)
+                    for name, r in member_ranges(entries[key], members, self.rank).items():
+                        state.setdefault(name, {})[key] = r
+                else:
+                    for name, _ in members:
+                        state.setdefault(name, {})[key] = torch.zeros(())
+            hosts.append((p, members, host, entries))
+        template = {"model": self._aliased({**model, **{
+                        k: torch.empty_like(v) for k, v in buffers(self.model).items()}}),
+                    "optim": {"state": state, "param_groups": groups_template(path)}}
+        loaded = load_state(template, path)["model"]
         order = {id(q): i for i, q in enumerate(q for g in self.optimizer.param_groups
                                                 for q in g["params"])}
-        per_shard, rank = {}, self.rank
-        for p, members in layout:
-            p.data.copy_(shard_of(model, members, p.numel(), rank).to(self.device))
+        per_shard = {}
+        for p, members, host, entries in hosts:
+            p.data.copy_(host.to(self.device))
             if id(p) not in order:  # frozen: no optimizer entry
                 continue
-            entries = {k: shard_of({n: state[n][k] for n, _ in members}, members, p.numel(), rank)
-                       for k in keys[members[0][0]] if k != "step"}
             step = single_step(state, [n for n, _ in members])
-            per_shard[order[id(p)]] = {**entries, **({"step": step} if step is not None else {})}
-        self.model.load_state_dict({k: model[clean_name(k)] for k in self.model.state_dict()
+            per_shard[order[id(p)]] = {**{k: v.to(self.device) for k, v in entries.items()},
+                                       **({"step": step} if step is not None else {})}
+        self.model.load_state_dict({k: loaded[clean_name(k)] for k in self.model.state_dict()
                                     if "_fsdp_shard" not in k}, strict=False)
         groups = [{**g, "params": [order[id(q)] for q in live["params"]]}
                   for g, live in zip(merged, self.optimizer.param_groups)]

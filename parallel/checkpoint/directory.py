@@ -1,10 +1,12 @@
 """Checkpoint directories: written atomically, described by a manifest, verified before loading.
 
-Layout (format version 1, docs/checkpoint-format.md): `manifest.json` (format, backend, world size,
-step, spec, versions, and every file's size and sha256), `state/` (model and optimizer state as torch
-DCP, keyed by the original model's parameter names: parallel/portable.py), `trainer.pt` (step,
-scheduler, data position), `rng/rank{r}.pt`, and `hf_config.json` for Hugging Face models. Next to the
-checkpoints, `latest` names the newest complete one; it is replaced last.
+Layout (format version 2, docs/checkpoint-format.md): `manifest.json` (format, backend, world size,
+step, spec, versions), `hashes/rank{r}.json` (size and sha256 of every file rank r wrote, hashed by
+that rank, in parallel with the others), `state/` (model and optimizer state as torch DCP, keyed by the
+original model's parameter names: parallel/checkpoint/portable.py), `trainer.pt` (step, scheduler,
+data position), `rng/rank{r}.pt`, and `hf_config.json` for Hugging Face models. Next to the
+checkpoints, `latest` names the newest complete one; it is replaced last. Version 1 (every file's hash
+in the manifest, hashed by rank 0) is still read.
 """
 
 from __future__ import annotations
@@ -14,48 +16,79 @@ import json
 import os
 import shutil
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READS = (1, 2)  # format versions this polyshard loads (tests/unit/test_format_versions.py)
 MANIFEST = "manifest.json"
+HASHES = "hashes"
+WRITTEN: list[Path] = []  # files this process wrote into the checkpoint being written
+
+
+def record_written(*files) -> None:
+    """Every writer of a checkpoint file calls this: the file is hashed by the rank that wrote it."""
+    WRITTEN.extend(Path(f) for f in files)
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint that is missing, incomplete or corrupted; the message names the file."""
 
 
-def _barrier() -> None:
+def _barrier(group=None) -> None:
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
-def write_checkpoint(path: str | Path, rank: int, write: Callable[[Path], None], meta: dict) -> Path:
-    """Every rank calls this. `write(tmp)` writes the rank's files into a temporary directory; rank 0
-    then records the manifest, fsyncs, and renames the directory into place, so `path` is either the
-    old complete checkpoint or the new complete one, never a mix."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.partial")
+def write_checkpoint(path: str | Path, rank: int, write: Callable[[Path], None], meta: dict,
+                     writers: int | None = None) -> Path:
+    """Every rank calls this. `write(tmp)` writes the rank's files into a temporary directory; each
+    rank hashes and fsyncs what it wrote (in parallel: O(its files)); rank 0 then writes the manifest
+    and renames the directory into place, so `path` is either the old complete checkpoint or the new
+    complete one, never a mix. `writers`: the processes calling it (default: the process group)."""
+    tmp = begin_checkpoint(path, rank)
+    WRITTEN.clear()
+    write(tmp)
+    return finish_checkpoint(path, tmp, rank, meta, writers)
+
+
+def begin_checkpoint(path: str | Path, rank: int, group=None) -> Path:
+    """Rank 0 makes the temporary directory every rank then writes into (collective)."""
+    tmp = Path(path).with_name(f".{Path(path).name}.partial")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _barrier()  # the directory must exist before any rank writes into it
-    write(tmp)
-    _barrier()  # every rank's files must be complete before the manifest lists them
+        (tmp / HASHES).mkdir(parents=True)
+    _barrier(group)  # the directory must exist before any rank writes into it
+    return tmp
+
+
+def finish_checkpoint(path: str | Path, tmp: Path, rank: int, meta: dict, writers: int | None = None,
+                      group=None) -> Path:
+    """After this rank's files are written (and listed in WRITTEN): hash and fsync them, then rank 0
+    publishes the directory once every rank has (collective over `group`)."""
+    path = Path(path)
+    if writers is None:
+        writers = dist.get_world_size(group) if dist.is_initialized() else 1
+    own = {str(f.relative_to(tmp)): _describe(f) for f in sorted(set(WRITTEN))}
+    table = tmp / HASHES / f"rank{rank}.json"
+    table.write_text(json.dumps(own, indent=0))
+    _fsync_files([*WRITTEN, table])
+    WRITTEN.clear()
+    _barrier(group)  # every rank's files are durable and hashed before the manifest says complete
     if rank == 0:
-        files = {str(f.relative_to(tmp)): _describe(f) for f in sorted(tmp.rglob("*")) if f.is_file()}
-        manifest = {"format_version": FORMAT_VERSION, **meta, "files": files}
+        manifest = {"format_version": FORMAT_VERSION, **meta, "writers": writers}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, default=str))
-        _fsync_tree(tmp)
+        _fsync_files([tmp / MANIFEST])
+        _fsync_dirs(tmp)
         _replace(tmp, path)
-    _barrier()  # nobody returns before the checkpoint is in place
+    _barrier(group)  # nobody returns before the checkpoint is in place
     return path
 
 
-def verify_checkpoint(path: str | Path) -> dict:
-    """Check the manifest, then every file's size and sha256; return the manifest."""
+def read_manifest(path: str | Path) -> dict:
     path = Path(path)
     manifest_file = path / MANIFEST
     if not manifest_file.is_file():
@@ -65,34 +98,98 @@ def verify_checkpoint(path: str | Path) -> dict:
         manifest = json.loads(manifest_file.read_text())
     except json.JSONDecodeError as err:
         raise CheckpointError(f"{manifest_file}: unreadable manifest ({err})") from None
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{manifest_file}: format_version {manifest.get('format_version')!r}, "
-                              f"this polyshard reads {FORMAT_VERSION}")
-    for name, expected in manifest["files"].items():
-        actual = _describe(path / name) if (path / name).is_file() else None
-        if actual is None:
-            raise CheckpointError(f"{path / name}: listed in the manifest but missing")
-        if actual["size"] != expected["size"]:
-            raise CheckpointError(f"{path / name}: size {actual['size']} bytes, manifest says "
-                                  f"{expected['size']} (truncated or overwritten)")
-        if actual["sha256"] != expected["sha256"]:
-            raise CheckpointError(f"{path / name}: sha256 mismatch (corrupted)")
+    version = manifest.get("format_version")
+    if version not in READS:
+        newer = isinstance(version, int) and version > FORMAT_VERSION
+        raise CheckpointError(
+            f"{manifest_file}: format_version {version!r}; this polyshard reads versions "
+            f"{', '.join(map(str, READS))} and writes {FORMAT_VERSION}. " + (
+                "It was written by a newer polyshard: upgrade this one (pip install -U polyshard) "
+                "to load it." if newer else "It is not a polyshard checkpoint format."))
     return manifest
 
 
-def verify_on_rank0(path: str | Path) -> dict:
-    """Rank 0 reads and hashes; every rank gets the manifest or raises the same error."""
-    result: list = [None]
-    if not dist.is_initialized() or dist.get_rank() == 0:
+def _tables(path: Path, manifest: dict, share) -> dict[str, dict]:
+    """{file: {size, sha256}} of the files whose writer `share(writer rank)` selects (version 1:
+    the manifest's one table, split by position)."""
+    if manifest["format_version"] == 1:
+        files = list(manifest["files"].items())
+        return {name: info for i, (name, info) in enumerate(files) if share(i)}
+    out = {}
+    for writer in range(manifest["writers"]):
+        if not share(writer):
+            continue
+        table = path / HASHES / f"rank{writer}.json"
+        if not table.is_file():
+            raise CheckpointError(f"{table}: missing (rank {writer}'s file hashes)")
         try:
-            result[0] = verify_checkpoint(path)
-        except CheckpointError as err:
-            result[0] = err
-    if dist.is_initialized():
-        dist.broadcast_object_list(result, src=0)
-    if isinstance(result[0], CheckpointError):
-        raise CheckpointError(str(result[0]))
-    return result[0]
+            out.update(json.loads(table.read_text()))
+        except json.JSONDecodeError as err:
+            raise CheckpointError(f"{table}: unreadable ({err})") from None
+    return out
+
+
+def _check(path: Path, table: dict[str, dict], workers: int = 1) -> None:
+    def one(item):
+        name, expected = item
+        if not (path / name).is_file():
+            return f"{path / name}: listed in the checkpoint's hashes but missing"
+        actual = _describe(path / name)
+        if actual["size"] != expected["size"]:
+            return (f"{path / name}: size {actual['size']} bytes, the checkpoint says "
+                    f"{expected['size']} (truncated or overwritten)")
+        if actual["sha256"] != expected["sha256"]:
+            return f"{path / name}: sha256 mismatch (corrupted)"
+        return None
+
+    with ThreadPoolExecutor(max(1, workers)) as pool:  # hashlib releases the GIL on large blocks
+        problems = [p for p in pool.map(one, sorted(table.items())) if p]
+    if problems:
+        raise CheckpointError(problems[0] + (f" (and {len(problems) - 1} more files)"
+                                             if len(problems) > 1 else ""))
+
+
+def verify_checkpoint(path: str | Path, workers: int | None = None) -> dict:
+    """One process checks everything (`polyshard ckpt verify`): the manifest, then every file's size
+    and sha256 on `workers` threads, and that no file on disk is unaccounted for. Returns the
+    manifest with `files` (every file's entry)."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    table = _tables(path, manifest, lambda writer: True)
+    _check(path, table, workers or min(8, os.cpu_count() or 1))
+    known = {*table, MANIFEST, *(f"{HASHES}/rank{r}.json" for r in range(manifest.get("writers", 0)))}
+    stray = [str(f.relative_to(path)) for f in path.rglob("*")
+             if f.is_file() and str(f.relative_to(path)) not in known]
+    if stray:
+        raise CheckpointError(f"{path / stray[0]}: not listed in the checkpoint's hashes "
+                              f"({len(stray)} such files): written after the checkpoint completed?")
+    return {**manifest, "files": table}
+
+
+def verify_parallel(path: str | Path) -> dict:
+    """Every rank reads the manifest and checks its share of the files (the tables of writer ranks
+    r, r + N, ...): O(checkpoint / N) reading per rank, in parallel. A failure on any rank fails every
+    rank before anything is loaded, each naming the file (one all-reduce and one broadcast)."""
+    path = Path(path)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    error = None
+    try:
+        manifest = read_manifest(path)
+        _check(path, _tables(path, manifest, lambda writer: writer % world == rank))
+    except CheckpointError as err:
+        error = str(err)
+    if world == 1:
+        if error:
+            raise CheckpointError(error)
+        return manifest
+    flag = torch.tensor([rank if error else world])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    first = int(flag)
+    if first < world:
+        message = [error]
+        dist.broadcast_object_list(message, src=first)
+        raise CheckpointError(message[0] + (f" (found by rank {first})" if first != rank else ""))
+    return manifest
 
 
 LATEST = "latest"
@@ -135,6 +232,7 @@ def _step(path: Path) -> int:
 def save_rank_file(obj, tmp: Path, subdir: str, rank: int) -> None:
     (tmp / subdir).mkdir(exist_ok=True)
     torch.save(obj, tmp / subdir / f"rank{rank}.pt")
+    record_written(tmp / subdir / f"rank{rank}.pt")
 
 
 def _describe(file: Path) -> dict:
@@ -145,16 +243,18 @@ def _describe(file: Path) -> dict:
     return {"size": file.stat().st_size, "sha256": digest.hexdigest()}
 
 
-def _fsync_tree(root: Path) -> None:
-    for f in root.rglob("*"):
+def _fsync_files(files) -> None:
+    for f in files:
         fd = os.open(f, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
-    fd = os.open(root, os.O_RDONLY)
-    os.fsync(fd)
-    os.close(fd)
+
+
+def _fsync_dirs(root: Path) -> None:
+    """The directories' entries (the files themselves were fsynced by the ranks that wrote them)."""
+    _fsync_files([e.path for e in os.scandir(root) if e.is_dir()] + [root])  # no listing of files
 
 
 def _replace(tmp: Path, path: Path) -> None:

@@ -17,6 +17,7 @@ import torch
 from parallel.checkpoint.directory import (
     library_versions,
     resolve,
+    record_written,
     verify_checkpoint,
     write_checkpoint,
 )
@@ -37,10 +38,11 @@ def import_checkpoint(kind: str, src: str | Path, out: str | Path, step: int | N
     def write(tmp: Path) -> None:
         save_state(state, tmp, collective=False)
         torch.save({"step": step, "scheduler": None, "loaders": []}, tmp / "trainer.pt")
+        record_written(tmp / "trainer.pt")
 
     meta = {"backend": f"import:{kind}", "world_size": world, "step": step, "spec": None,
             "source": str(Path(src).resolve()), "versions": library_versions()}
-    return write_checkpoint(out, 0, write, meta)
+    return write_checkpoint(out, 0, write, meta, writers=1)
 
 
 def named_groups(groups: list[dict], names_per_group: list[list[str]]) -> list[dict]:

@@ -28,6 +28,9 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from parallel.checkpoint import background
+from parallel.checkpoint.chunks import RangeLoadPlanner, RangeSavePlanner
+from parallel.checkpoint.directory import record_written
 from parallel.engine.params import clean_name  # noqa: F401 - state code names things by it
 
 STATE_DIR = "state"
@@ -59,15 +62,36 @@ def hyperparams(group: dict) -> dict:
     return {k: v for k, v in group.items() if k != "params"}
 
 
-def save_state(state: dict, tmp: Path, planner=None, collective: bool = True) -> None:
+def save_state(state: dict, tmp: Path, planner=None, collective: bool = True,
+               process_group=None) -> None:
     """Write `state` under tmp/state. Collective: every rank calls it with its part (a rank may hold
-    a subset of the keys; whole tensors held by several ranks are written once)."""
+    a subset of the keys; whole tensors held by several ranks are written once). Inside
+    `background.staging()` (checkpoint.async_save) the state is copied to host memory and queued."""
+    pending = background.queue()
+    if pending is not None:
+        pending.append((background.stage(state), tmp, planner, collective))
+        return
     optim = state.get("optim")
     if optim is not None:  # one object: DCP's and XLA's SPMD planners would flatten a list apart
         state = {**state, "optim": {**optim, "param_groups": tuple(optim["param_groups"])}}
     with _quiet_dcp():
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp / STATE_DIR)), planner=planner,
+        dcp.save(state, storage_writer=RecordingWriter(str(tmp / STATE_DIR)),
+                 planner=planner or RangeSavePlanner(), process_group=process_group,
                  no_dist=not (collective and dist.is_initialized()))
+
+
+class RecordingWriter(dcp.FileSystemWriter):
+    """DCP's file writer, telling the checkpoint directory which files this rank wrote (each rank
+    hashes its own: parallel/checkpoint/directory.py)."""
+
+    def write_data(self, plan, planner):
+        future = super().write_data(plan, planner)
+        record_written(*{Path(self.path) / r.storage_data.relative_path for r in future.wait()})
+        return future
+
+    def finish(self, metadata, results) -> None:
+        super().finish(metadata, results)
+        record_written(Path(self.path) / ".metadata")  # the coordinator's, once per save
 
 
 def load_state(template: dict, path: Path, planner=None, collective: bool = True) -> dict:
@@ -85,7 +109,7 @@ def load_state(template: dict, path: Path, planner=None, collective: bool = True
     try:
         with _quiet_dcp():
             dcp.load(template, storage_reader=dcp.FileSystemReader(str(path / STATE_DIR)),
-                     planner=planner, no_dist=not (collective and dist.is_initialized()))
+                     planner=planner or RangeLoadPlanner(), no_dist=not (collective and dist.is_initialized()))
     except (Exception, CheckpointException) as err:  # DCP's is a BaseException; name the cause
         raise PortableStateError(_explain_load_failure(path, template, err)) from err
     if isinstance(template.get("optim"), dict):
@@ -115,6 +139,15 @@ def groups_template(path: Path) -> None:
         raise PortableStateError(f"{path / STATE_DIR}: no optimizer state (optim.param_groups); "
                                  "load it with weights only, or resume from a training checkpoint")
     return None
+
+
+def read_groups(path: Path) -> list[dict]:
+    """The stored param_groups alone (a small object; every rank reads it, no collective)."""
+    groups_template(path)
+    template = {"optim": {"param_groups": None}}
+    with _quiet_dcp():
+        dcp.load(template, storage_reader=dcp.FileSystemReader(str(path / STATE_DIR)), no_dist=True)
+    return list(template["optim"]["param_groups"])
 
 
 def merge_groups(live: list[dict], stored: list[dict], names: list[list[str]]) -> list[dict]:

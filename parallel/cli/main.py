@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("bench", "time, memory and communication of the same job on several backends, "
                 "each cell in a fresh launch; table, JSON, CSV and figures")
     _add_spec_args(p)
-    p.add_argument("--backends", help="comma-separated (default: every registered backend)")
+    p.add_argument("--backends", help="comma-separated backends or variants: fsdp, fsdp1, fsdp2, "
+                   "deepspeed, zero0-zero3, xla_fsdp, xla1, xla2 (default: every backend)")
     p.add_argument("--shard", help="comma-separated shard levels (default: the spec's)")
     p.add_argument("--world", help="comma-separated world sizes (default: the spec's)")
     p.add_argument("--steps", type=int, default=5, help="measured steps (after --warmup)")
@@ -94,6 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/bench", help="directory for bench.json/csv/png")
     p.add_argument("--vs-native", action="store_true", help="also run each cell's hand-written "
                    "loop (benchmarks/) and report polyshard's step time over it")
+    p.add_argument("--wide", action="store_true", help="every column (default: a table that fits "
+                   "80 columns; bench.csv always has every column)")
+    p.add_argument("--save", action="store_true", help="also time how long a sync and an async "
+                   "save (checkpoint.async_save) of the trained state block training")
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS", help="with --vs-native: "
+                   "after the timed steps, profile STEPS more of each side (torch.profiler); "
+                   "traces and an operator-by-operator difference go to OUT/profile-CELL/")
     p = command("plan", "predict per-rank memory for every backend x shard x offload and pick the "
                 "fastest that fits")
     _add_spec_args(p)
@@ -201,35 +209,42 @@ def _schema(args) -> int:
     return 0
 
 
+def _names(text: str | None) -> list[str]:
+    """--backends: backend names and variants (fsdp1, zero2, xla1, ...); default every backend."""
+    from parallel.registry import cell, names
+
+    chosen = [x.strip() for x in text.split(",") if x.strip()] if text else names()
+    for name in chosen:
+        try:
+            cell(name)
+        except ValueError as err:
+            raise SpecError([("--backends", str(err).removeprefix("--backends: "))]) from None
+    return chosen
+
+
 def _parity(args) -> int:
-    from parallel.registry import names
     from parallel.tools.parity.report import parity
 
-    backends = ([b.strip() for b in args.backends.split(",") if b.strip()] if args.backends
-                else names())
-    spec = _spec(args)
-    unknown = sorted(set(backends) - set(names()))
-    if unknown:
-        raise SpecError([("--backends", f"{unknown} unknown; choose from {', '.join(names())}")])
     options = {"model": args.model, "steps": args.steps, "seq": args.seq,
                "optimizer": args.optimizer, "lr": args.lr}
-    return parity(spec, backends, options, tol=args.tol, output=args.json)
+    return parity(_spec(args), _names(args.backends), options, tol=args.tol, output=args.json)
 
 
 def _bench(args) -> int:
     from rich.console import Console
 
-    from parallel.registry import names
-    from parallel.tools.bench.report import bench, render
+    from parallel.tools.bench.report import bench
+    from parallel.tools.bench.table import render
 
     spec = _spec(args)
     split = lambda text: [x.strip() for x in text.split(",") if x.strip()] if text else None  # noqa: E731
     options = {"model": args.model, "steps": args.steps, "warmup": args.warmup, "seq": args.seq}
-    with Console(stderr=True).status("bench") as status:
-        results = bench(spec, split(args.backends) or names(), split(args.shard),
-                        [int(w) for w in split(args.world) or []], options, Path(args.out),
-                        status=status, vs_native=args.vs_native)
-    render(results, Path(args.out))
+    console = Console(stderr=True)
+    results = bench(spec, _names(args.backends), split(args.shard),
+                    [int(w) for w in split(args.world) or []], options, Path(args.out),
+                    say=lambda line: console.print(line, highlight=False), vs_native=args.vs_native,
+                    profile=args.profile, save=args.save)
+    render(results, Path(args.out), wide=args.wide)
     return 0 if all("error" not in r for r in results.values()) else 1
 
 

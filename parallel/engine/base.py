@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -25,14 +26,13 @@ from parallel.engine.dims import ParallelDims
 from parallel.engine.checkpointing import CheckpointMixin
 from parallel.engine.guards import (
     BatchError,
-    CollectiveTimeout,
     NonFiniteLossError,
-    agree,
+    NonfiniteWatch,
     batch_problem,
-    is_timeout,
-    record_progress,
-    timeout_error,
+    nonfinite_ranks,
 )
+from parallel.engine.hang import PROGRESS, CollectiveTimeout, HangWatch, is_timeout, timeout_error
+from parallel.engine.preempt import PreemptionMixin
 from parallel.engine.params import ParamGroupsHook, ParamPlan, per_parameter
 from parallel.engine.step import (
     LossFn,
@@ -45,7 +45,7 @@ from parallel.engine.step import (
 )
 from parallel.spec.model import Spec
 
-class Engine(CheckpointMixin, ABC):
+class Engine(CheckpointMixin, PreemptionMixin, ABC):
     """prepare -> train_step / eval_step -> save / load -> close."""
 
     name: str = "base"
@@ -56,6 +56,7 @@ class Engine(CheckpointMixin, ABC):
     def __init__(self, spec: Spec):
         self.spec = spec
         self.ctx = pdist.init_distributed(spec.timeout_s)
+        HangWatch.start(self.ctx.rank)  # idle until a collective times out; never per step
         self.dims = ParallelDims.from_spec(spec)  # the data-parallel layout, built once
         self._check_world()
         pdist.seed_everything(spec.seed)
@@ -71,6 +72,7 @@ class Engine(CheckpointMixin, ABC):
         self._batch_signature: dict | None = None  # the first batch's keys/dtypes, later held to
         self._param_groups_hook: ParamGroupsHook | None = None
         self.params: ParamPlan | None = None  # set by the backend before sharding
+        self._watch: NonfiniteWatch | None = None  # on_nonfinite: raise_deferred, from prepare()
 
     # ---- facts ----
     rank = property(lambda self: self.ctx.rank)
@@ -117,7 +119,15 @@ class Engine(CheckpointMixin, ABC):
         self._check_global_batch()
         self.model, self.optimizer = self._prepare(model, optimizer)
         self.scheduler = scheduler(self._scheduled_optimizer()) if scheduler else None
+        if self.spec.on_nonfinite == "raise_deferred":
+            self._watch = self._nonfinite_watch()
+        self._install_preemption()
         return self.model
+
+    def _nonfinite_watch(self) -> NonfiniteWatch:
+        """Where raise_deferred keeps its record; backends whose device reports differently
+        override it."""
+        return NonfiniteWatch(self.device)
 
     def _check_global_batch(self) -> None:
         """global_batch_size against what this launch feeds (SPMD's devices are known only now)."""
@@ -173,71 +183,89 @@ class Engine(CheckpointMixin, ABC):
 
     # ---- the step ----
     def train_step(self, batch) -> StepResult:
-        """One optimizer step on this rank's batch. Every rank first agrees the batches are usable
-        (BatchError on all ranks otherwise, before any collective of the step); a collective that
-        times out raises CollectiveTimeout naming the ranks that fell behind."""
+        """One optimizer step on this rank's batch. A malformed batch raises BatchError on this
+        rank before any collective (the launcher then ends the job); a collective that times out
+        raises CollectiveTimeout naming the ranks that are elsewhere. Beyond the step's own work it
+        pays one loss reduction and, with on_nonfinite raise|skip, one host read of it
+        (docs/reliability.md, "What a step pays")."""
         start = time.perf_counter()
-        record_progress(self.rank, f"step {self.step + 1}")
+        if self._preempted is not None:  # saved at the end of the previous step: exit to requeue
+            raise self._preempted
+        self._check_finite()  # raise_deferred: an earlier step's record, if it has landed
+        PROGRESS.at(self.step + 1, "checking the batch")
+        problem, signature = batch_problem(batch, self._batch_signature, self.samples_per_step)
+        if problem is not None:
+            raise BatchError(f"step {self.step + 1}: rank {self.rank}: {problem}")
+        self._batch_signature = self._batch_signature or signature
         with self._guard(f"step {self.step + 1}"):
-            problem, signature = batch_problem(batch, self._batch_signature, self.samples_per_step)
-            bad = agree(problem is None, problem, self.world_size)
-            if bad:
-                raise BatchError(f"step {self.step + 1}: " + "; ".join(
-                    f"rank {r}: {why}" for r, why in sorted(bad.items())))
-            self._batch_signature = self._batch_signature or signature
-            return self._train_step(batch, start)
+            result = self._train_step(batch, start)
+            self._maybe_preempt()  # every rank alike: an agreed signal saves here
+        PROGRESS.at(self.step, "done")
+        return result
 
     @contextmanager
     def _guard(self, what: str):
         """A collective that times out (or loses its peer) becomes a CollectiveTimeout naming the
-        ranks whose last recorded progress differs from this rank's."""
+        ranks that are elsewhere, and where (parallel/engine/hang.py)."""
         try:
             yield
         except RuntimeError as err:
             if isinstance(err, CollectiveTimeout) or not is_timeout(err):
                 raise
-            raise timeout_error(self.rank, self.world_size, what, self.spec.timeout_s) from err
+            raise timeout_error(self.rank, self.world_size, what, self.spec.timeout_s,
+                                self.spec.checkpoint.dir or os.getcwd()) from err
 
     def _train_step(self, batch, start: float) -> StepResult:
         self.model.train()
         micro_batches = self._split(batch)
         total = torch.zeros((), device=self.device)
+        PROGRESS.phase = "forward/backward"
         for i, micro in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             with self._sync_context(last):  # skip gradient reduction until the last micro-batch
                 loss = self._loss(self._to_device(micro))
                 self._backward(loss, len(micro_batches))
             total += loss.detach().float()
+        local = total / len(micro_batches)
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this update uses (schedule moves after)
-        if self._nonfinite(total):  # on_nonfinite: skip (raise has raised on every rank)
-            grad_norm, stepped = self._skip_step(), False
-        else:
-            for hook in self.on_gradients:  # gradients exist only now
-                hook(self)
-            grad_norm, stepped = self._optimizer_step()
+        PROGRESS.phase = "optimizer step"
+        if self._watch is None:  # raise | skip: decided before the update
+            # The mean over ranks is non-finite exactly when some rank's loss is: the reduction a
+            # logging loop does anyway carries the decision, and one host read makes it.
+            mean = self._reduce_loss(local)
+            value = float(mean)
+            grad_norm, stepped = (self._update() if math.isfinite(value)
+                                  else self._nonfinite(local))
+        else:  # raise_deferred: nothing waits for the loss; the record is checked later
+            grad_norm, stepped = self._update()
+            mean, value = self._reduce_loss(local), None
+            self._watch.record(mean, local)
         if self.scheduler is not None and stepped:
             self.scheduler.step()
         self.step += 1
-        return StepResult(
-            step=self.step,
-            loss_tensor=pdist.all_mean(total / len(micro_batches)),
-            grad_norm_tensor=grad_norm,
-            lr=lr,
-            tokens=count_tokens(batch) * self.dp_size,
-            step_time=time.perf_counter() - start,
-            stepped=stepped,
-        )
+        return StepResult(step=self.step, loss_tensor=mean, grad_norm_tensor=grad_norm, lr=lr,
+                          tokens=count_tokens(batch) * self.dp_size,
+                          step_time=time.perf_counter() - start, stepped=stepped,
+                          loss_value=value)
 
-    def _nonfinite(self, total: torch.Tensor) -> bool:
-        """Agree across ranks whether any rank's loss is NaN/inf (one host read of the loss)."""
-        value = float(total)
-        bad = agree(math.isfinite(value), f"loss {value}", self.world_size)
-        if bad and self.spec.on_nonfinite == "raise":
+    def _update(self) -> tuple[torch.Tensor | None, bool]:
+        for hook in self.on_gradients:  # gradients exist only now
+            hook(self)
+        return self._optimizer_step()
+
+    def _nonfinite(self, local: torch.Tensor) -> tuple[None, bool]:
+        """Every rank read the same non-finite mean: name the ranks, then raise or skip."""
+        bad = nonfinite_ranks(local, self.world_size)
+        if self.spec.on_nonfinite == "raise":
             raise NonFiniteLossError(
                 f"step {self.step + 1}: non-finite loss on rank(s) {sorted(bad)} "
-                f"({'; '.join(f'rank {r}: {m}' for r, m in sorted(bad.items()))}); nothing was "
-                "updated. Set on_nonfinite: skip to skip such steps, or check the data and lr")
-        return bool(bad)
+                f"({'; '.join(f'rank {r}: loss {v}' for r, v in sorted(bad.items()))}); nothing "
+                "was updated. Set on_nonfinite: skip to skip such steps, or check the data and lr")
+        return self._skip_step(), False
+
+    def _check_finite(self, wait: bool = False) -> None:
+        if self._watch is not None:
+            self._watch.check(self.step, wait)
 
     def _skip_step(self) -> None:
         """Drop this step's gradients without touching parameters or optimizer state."""
@@ -278,11 +306,22 @@ class Engine(CheckpointMixin, ABC):
     # ---- collectives and shutdown ----
     def barrier(self) -> None:
         if dist.is_initialized():
-            record_progress(self.rank, f"barrier after step {self.step}")
+            phase = PROGRESS.phase
+            PROGRESS.phase = f"{phase}, in a barrier"
             with self._guard("barrier"):
                 dist.barrier()
+            PROGRESS.phase = phase
+
+    def load_trainer_state(self, state: dict) -> None:
+        super().load_trainer_state(state)
+        if self._watch is not None:
+            self._watch.at(self.step)
+        if self._agreed is not None:
+            self._agreed.at(self.step)
 
     def close(self) -> None:
+        self._check_finite(wait=True)  # a deferred non-finite loss is never silently dropped
+        self._saver.wait()  # an async save in flight is published (or its error raised) first
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()

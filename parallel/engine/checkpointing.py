@@ -9,49 +9,101 @@ from pathlib import Path
 import torch
 
 from parallel.engine import dist as pdist
+from parallel.engine.hang import PROGRESS
+from parallel.checkpoint.background import BackgroundSaver, staging
 from parallel.checkpoint.directory import (
     LATEST,
+    WRITTEN,
+    begin_checkpoint,
+    finish_checkpoint,
     hf_config_json,
     library_versions,
     publish,
     resolve,
     save_rank_file,
-    verify_on_rank0,
-    write_checkpoint,
+    record_written,
+    verify_parallel,
 )
+from parallel.checkpoint.portable import save_state
 
 
 class CheckpointMixin:
     """Needs from the Engine: spec, rank, world_size, is_main, step, model, scheduler, loaders,
-    barrier(), and the two backend hooks below."""
+    barrier(), _check_finite(), and the two backend hooks below."""
 
-    def save(self, path) -> Path:
+    background_save = True  # False where the state cannot be staged off the device (XLA)
+
+    @property
+    def _saver(self) -> BackgroundSaver:
+        if "_background_saver" not in self.__dict__:
+            self._background_saver = BackgroundSaver()
+        return self._background_saver
+
+    def save(self, path, async_save: bool | None = None) -> Path:
         """Write model, optimizer, scheduler, step, RNG and data position under `path`, atomically,
-        then point `latest` beside it at `path` and apply `checkpoint.keep_last`."""
-        hf_config = hf_config_json(self.model)
-
-        def write(tmp: Path) -> None:
-            self._save_model_optim(tmp)
-            save_rank_file(pdist.rng_state(), tmp, "rng", self.rank)
-            if self.is_main:
-                torch.save(self.trainer_state(), tmp / "trainer.pt")
-                if hf_config is not None:  # lets `polyshard ckpt export --to hf` stand alone
-                    (tmp / "hf_config.json").write_text(hf_config)
-
+        then point `latest` beside it at `path` and apply `checkpoint.keep_last`. With
+        `checkpoint.async_save` (or `async_save=True`), return once this rank's state is copied to
+        host memory; the files are written and published in the background."""
+        self._check_finite(wait=True)  # never a checkpoint of parameters a NaN step has updated
+        self._saver.wait()  # one write in flight: the previous one is published (or raises) first
+        background_write = self.spec.checkpoint.async_save if async_save is None else async_save
+        if background_write and not self.background_save:
+            raise ValueError(f"backend {self.name!r} cannot save in the background "
+                             "(checkpoint.async_save); save synchronously")
+        PROGRESS.at(self.step, "done, saving")
+        path, hf_config = Path(path), hf_config_json(self.model)
+        group = self._saver.ensure_group() if background_write else None
+        tmp = begin_checkpoint(path, self.rank, group)
+        rng, trainer = pdist.rng_state(), (self.trainer_state() if self.is_main else None)
         meta = {"backend": self.name, "world_size": self.world_size, "step": self.step,
                 "state_dict": self.spec.state_dict, "spec": self.spec.model_dump(mode="json"),
                 "versions": library_versions()}
-        path = write_checkpoint(path, self.rank, write, meta)
-        if self.is_main:
-            publish(path, self.spec.checkpoint.keep_last)
-        self.barrier()
+
+        def write_small_files() -> None:
+            save_rank_file(rng, tmp, "rng", self.rank)
+            if self.is_main:
+                torch.save(trainer, tmp / "trainer.pt")
+                record_written(tmp / "trainer.pt")
+                if hf_config is not None:  # lets `polyshard ckpt export --to hf` stand alone
+                    (tmp / "hf_config.json").write_text(hf_config)
+                    record_written(tmp / "hf_config.json")
+
+        def publish_all() -> None:
+            finish_checkpoint(path, tmp, self.rank, meta, group=group)
+            if self.is_main:
+                publish(path, self.spec.checkpoint.keep_last)
+
+        if not background_write:
+            WRITTEN.clear()
+            self._save_model_optim(tmp)
+            write_small_files()
+            publish_all()
+            self.barrier()
+        else:
+            with staging() as queued:  # copies this rank's state; no file is written yet
+                self._save_model_optim(tmp)
+
+            def write_in_background() -> None:
+                WRITTEN.clear()
+                for state, where, planner, collective in queued:
+                    save_state(state, where, planner, collective, process_group=group)
+                write_small_files()
+                publish_all()
+
+            self._saver.submit(write_in_background)
+        PROGRESS.at(self.step, "done")
         return path
+
+    def wait_for_save(self) -> None:
+        """Block until an async save in flight is published (its error, if any, is raised here)."""
+        self._saver.wait()
 
     def load(self, path) -> dict:
         """Verify `path` (manifest, sizes, sha256), then restore everything `save` wrote, whichever
         backend and world size wrote it. `path` may be a directory of checkpoints: its `latest`."""
+        self._saver.wait()  # a checkpoint still being written is published before anything is read
         path = resolve(path)
-        manifest = verify_on_rank0(path)
+        manifest = verify_parallel(path)  # each rank its share of the files, before any read
         self._load_model_optim(path, manifest)
         self.load_trainer_state(torch.load(path / "trainer.pt", weights_only=False))
         rng_file = path / "rng" / f"rank{self.rank}.pt"
@@ -71,7 +123,7 @@ class CheckpointMixin:
     def maybe_save(self) -> Path | None:
         """Save into checkpoint.dir/step-NNNNNNNN when checkpoint.every divides the step."""
         every, root = self.spec.checkpoint.every, self.spec.checkpoint.dir
-        if not every or not root or self.step % every:
+        if not every or not root or self.step % every or self._preempted is not None:
             return None
         return self.save(Path(root) / f"step-{self.step:08d}")
 

@@ -1,29 +1,27 @@
-"""Failures that say what happened instead of hanging: every rank agrees on each step's batch before
-any collective of the step, on a non-finite loss before the optimizer step, and a timed-out
-collective is reported with the progress every rank last recorded (docs/reliability.md).
+"""Checks that fail a step with a clear error, paid for with what the step already does
+(docs/reliability.md, "What a step pays").
 
-Each check costs one small all-gather on the CPU process group per step (gloo; CPU tensors also on
-NCCL jobs, whose default group is "cpu:gloo,cuda:nccl"), and on XLA a read of the loss to the host.
+- A malformed batch is checked on its own rank, before any collective of the step: that rank raises
+  BatchError and exits, and the launcher ends the job (torchrun's agent; `srun --kill-on-bad-exit`
+  in the emitted Slurm script). Its peers need no collective to learn of it.
+- A non-finite loss travels in the loss reduction the step already does: a sum over ranks is NaN or
+  inf exactly when a term is. `raise`/`skip` read that sum once before the update (the step's one
+  host read, kept for `StepResult.loss`); `raise_deferred` never waits for it (NonfiniteWatch). Which
+  ranks saw it is gathered only on that failure path.
 """
 
 from __future__ import annotations
-
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 
 class BatchError(ValueError):
-    """A rank's batch cannot be trained on; raised on every rank, naming the ranks and why."""
+    """This rank's batch cannot be trained on; raised on that rank before any collective."""
 
 
 class NonFiniteLossError(FloatingPointError):
-    """A non-finite loss with `on_nonfinite: raise`; names the step and the ranks that saw it."""
-
-
-class CollectiveTimeout(RuntimeError):
-    """A collective did not complete within the spec's timeout_s; names the lagging ranks."""
+    """A non-finite loss with `on_nonfinite: raise` or `raise_deferred`; names the step."""
 
 
 def batch_problem(batch, signature: dict | None, rows_expected: int) -> tuple[str | None, dict]:
@@ -56,67 +54,64 @@ def batch_problem(batch, signature: dict | None, rows_expected: int) -> tuple[st
     return None, mine
 
 
-def agree(ok: bool, message: str | None, world: int) -> dict[int, str]:
-    """Every rank learns which ranks are not ok, and why (a second gather only when one is not)."""
-    if world == 1 or not dist.is_initialized():
-        return {} if ok else {0: message or "failed"}
-    flags = torch.zeros(world, dtype=torch.int32)
-    dist.all_gather_into_tensor(flags, torch.tensor([0 if ok else 1], dtype=torch.int32))
-    if not flags.any():
-        return {}
-    messages = [None] * world
-    dist.all_gather_object(messages, message)
-    return {r: messages[r] or "failed" for r in range(world) if flags[r]}
+def nonfinite_ranks(local: torch.Tensor, world: int) -> dict[int, float]:
+    """Failure path only (every rank is on it: they all read the same non-finite sum): each rank's
+    own loss, to name the ones that were not finite."""
+    value = float(local)
+    values = [value]
+    if world > 1 and dist.is_initialized():
+        values = [None] * world
+        dist.all_gather_object(values, value)
+    return {r: v for r, v in enumerate(values) if not torch.isfinite(torch.tensor(v))}
 
 
-def record_progress(rank: int, text: str) -> None:
-    """What this rank is doing, in the job's c10d store (readable by any rank after a timeout)."""
-    store = _store()
-    if store is not None:
-        store.set(f"polyshard/progress/{rank}", text)
+class NonfiniteWatch:
+    """`on_nonfinite: raise_deferred`: the first step whose loss was not finite, kept on the device
+    (sticky: [global, this rank's own], 0 while none) and copied to the host without waiting for it.
+    `check()` runs at the next step, save and close: it reads the host copy once it has landed (a
+    CUDA event; on CPU the copy is immediate), so no step ever waits on the device for it. Backends
+    whose device copies differently (XLA: a step closure) override `publish`."""
 
+    def __init__(self, device: torch.device):
+        self.count = torch.zeros((), dtype=torch.int64, device=device)  # steps, counted on device
+        self.first = torch.zeros(2, dtype=torch.int64, device=device)
+        self.host = torch.zeros(2, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.event = None
 
-def progress(world: int) -> dict[int, str]:
-    store = _store()
-    if store is None:
-        return {}
-    old = store.timeout
-    store.set_timeout(timedelta(seconds=2))
-    out = {}
-    try:
-        for r in range(world):
-            try:
-                out[r] = store.get(f"polyshard/progress/{r}").decode()
-            except Exception:  # noqa: BLE001 - a rank that never reported
-                out[r] = "nothing reported"
-    finally:
-        store.set_timeout(old)
-    return out
+    def at(self, step: int) -> None:
+        """The engine's step after a load: the next recorded step is step + 1."""
+        self.count.fill_(step)
 
+    def record(self, loss: torch.Tensor, local: torch.Tensor) -> None:
+        """After the update: `loss` is the step's sum/mean over ranks, `local` this rank's own."""
+        # The step number lives on the device too: a Python int here would be a new constant in
+        # every step's graph on XLA (a recompilation per step).
+        self.count = self.count + 1
+        bad = torch.stack([~torch.isfinite(loss), ~torch.isfinite(local)])
+        self.first = torch.where(bad & (self.first == 0), self.count, self.first)
+        self.publish()
 
-def is_timeout(err: BaseException) -> bool:
-    """A collective that gave up waiting, or whose peer went away (gloo: "Timed out", "Connection
-    closed by peer"; NCCL: "Watchdog caught collective operation timeout")."""
-    text = str(err).lower()
-    return any(w in text for w in ("timed out", "timeout", "deadline", "connection closed",
-                                   "connection reset", "peer"))
+    def publish(self) -> None:
+        self.host.copy_(self.first, non_blocking=True)
+        if self.first.device.type == "cuda":
+            self.event = torch.cuda.Event()
+            self.event.record()
 
-
-def timeout_error(rank: int, world: int, what: str, timeout_s: float) -> CollectiveTimeout:
-    seen = progress(world)
-    mine = seen.get(rank)
-    laggards = {r: p for r, p in seen.items() if p != mine}
-    who = (", ".join(f"rank {r} last reported '{p}'" for r, p in laggards.items())
-           or "every rank reported the same step: a peer died or a collective was skipped")
-    return CollectiveTimeout(f"rank {rank}: {what}: a collective did not complete (timeout_s "
-                             f"{timeout_s:g} s, or a peer went away) while this rank was at "
-                             f"'{mine}'; {who}")
-
-
-def _store():
-    if not dist.is_initialized():
-        return None
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except (RuntimeError, ValueError):
-        return None
+    def check(self, now: int, wait: bool = False) -> None:
+        """Raise NonFiniteLossError if a recorded step was not finite. `wait`: read the device now
+        (save and close, which wait for the device anyway)."""
+        if wait:
+            first, mine = self.first.tolist()
+        elif self.event is not None and not self.event.query():
+            return  # not landed yet: the next check sees it (the record is sticky)
+        else:
+            first, mine = self.host.numpy().tolist()  # host memory: no device read
+        if first:
+            own = f"this rank's own loss was non-finite from step {mine}" if mine else \
+                "this rank's own loss was finite"
+            raise NonFiniteLossError(
+                f"step {first}: non-finite loss (the mean over ranks; {own}), found at step {now} "
+                "with on_nonfinite: raise_deferred, after that step's update: the parameters are not "
+                "finite since then and no checkpoint is written. Resume from the last checkpoint; "
+                "on_nonfinite: raise stops before the update and names the ranks (one host read "
+                "per step)")

@@ -16,9 +16,9 @@ LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
 @dataclass
 class StepResult:
-    """What one optimizer step did. `loss` and `grad_norm` read their tensors to the host when
-    asked (the loss is a global mean over ranks, as a single process would compute it); the step
-    itself also reads the local loss once, to agree on a non-finite one before the update."""
+    """What one optimizer step did. `loss` is the mean over ranks, as a single process would
+    compute it: with on_nonfinite raise|skip the step already read it (no second read); with
+    raise_deferred it is read from the device when first asked. `grad_norm` is read when asked."""
 
     step: int
     loss_tensor: torch.Tensor
@@ -26,11 +26,14 @@ class StepResult:
     lr: float
     tokens: int
     step_time: float
-    stepped: bool = True  # False when fp16 loss scaling skipped the update
+    stepped: bool = True  # False when the update was skipped (fp16 loss scaling; on_nonfinite: skip)
+    loss_value: float | None = None  # the host copy, once read
 
     @property
     def loss(self) -> float:
-        return float(self.loss_tensor)
+        if self.loss_value is None:
+            self.loss_value = float(self.loss_tensor)
+        return self.loss_value
 
     @property
     def grad_norm(self) -> float | None:
@@ -80,9 +83,18 @@ def split_micro_batches(batch, accum: int) -> list:
 
 
 def to_device(batch, device):
+    """Each distinct tensor moved once: a batch that passes one tensor as input_ids and labels (the
+    causal-LM habit) costs one host-to-device copy, not two (on XLA, a transfer every step)."""
+    moved: dict[int, torch.Tensor] = {}
+
+    def move(v: torch.Tensor) -> torch.Tensor:
+        if id(v) not in moved:
+            moved[id(v)] = v.to(device, non_blocking=True)
+        return moved[id(v)]
+
     if isinstance(batch, dict):
-        return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-    return type(batch)(v.to(device, non_blocking=True) for v in batch)
+        return {k: move(v) for k, v in batch.items()}
+    return type(batch)(move(v) for v in batch)
 
 
 def count_tokens(batch) -> int:

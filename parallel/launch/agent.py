@@ -59,8 +59,14 @@ def first_failure(failures: dict) -> tuple[int, object, dict]:
     return rank, failure, (failure.error_file_data or {}).get("polyshard", {})
 
 
+REQUEUE_EXIT = 85  # parallel/engine/preempt.py: every rank saved and asks to be requeued
+
+
 def report(failures: dict) -> str:
     rank, failure, mine = first_failure(failures)
+    if all(f.exitcode == REQUEUE_EXIT for f in failures.values()):
+        return (f"polyshard launch: preempted: the ranks saved a complete checkpoint and exited "
+                f"{REQUEUE_EXIT}; requeue the job (the emitted Slurm script does) and it resumes")
     lines = [f"polyshard launch: the job failed; rank {rank} failed first "
              f"({len(failures)} rank(s) failed, exit code {failure.exitcode}):"]
     message = failure.message  # torchelastic's error file nests it: {"message": ..., "extraInfo"}
@@ -71,11 +77,49 @@ def report(failures: dict) -> str:
     return "\n".join(lines)
 
 
+FORWARDED = ("SIGTERM", "SIGUSR1")  # preemption notices: the workers decide together what to do
+
+
+def _forward(signum, frame) -> None:  # noqa: ARG001 - the signal module's signature
+    """Pass a preemption signal on to this agent's workers instead of killing them: torchrun's own
+    SIGTERM handler tears the job down at once (swallowing the notice), and SIGUSR1 would kill the
+    agent. The workers catch it (checkpoint.preemption_signals), agree, save and exit 85."""
+    import psutil
+
+    for child in psutil.Process().children():
+        try:
+            child.send_signal(signum)
+        except psutil.NoSuchProcess:
+            pass
+
+
+def install_forwarding() -> None:
+    import signal
+
+    import torch.distributed.elastic.multiprocessing.api as mp_api
+
+    original = mp_api._terminate_process_handler
+
+    def handler(signum, frame):  # torchrun installs this one when it starts the workers
+        if signum == signal.SIGTERM:
+            return _forward(signum, frame)
+        return original(signum, frame)
+
+    mp_api._terminate_process_handler = handler
+    # torchrun ends the remaining workers of a failed job with SIGTERM, which the workers now take
+    # as a preemption notice (and keep running for up to 30 s): it sends SIGUSR2 instead, whose
+    # default action ends a process at once, inside a collective too.
+    mp_api._get_default_signal = lambda: signal.SIGUSR2
+    for name in FORWARDED:
+        signal.signal(getattr(signal, name), _forward)
+
+
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
     args = get_args_parser().parse_args(argv)
+    install_forwarding()
     try:
         run(args)
     except ChildFailedError as err:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -92,7 +93,12 @@ def launch(spec: Spec, args: LaunchArgs, script: str, script_args: list[str]) ->
         spec_file = Path(tmp) / "spec.json"
         spec_file.write_text(json.dumps(spec.model_dump(mode="json", exclude_unset=True)))
         cmd = torchrun_command(spec, args, script, script_args)
-        return subprocess.call(cmd, env=launch_env(spec, spec_file))
+        proc = subprocess.Popen(cmd, env=launch_env(spec, spec_file))
+        # A preemption notice sent to `polyshard launch` goes on to the agent, which passes it to
+        # the workers (parallel/launch/agent.py); the exit code (85: requeue) comes back.
+        for name in ("SIGTERM", "SIGUSR1"):
+            signal.signal(getattr(signal, name), lambda signum, frame: proc.send_signal(signum))
+        return proc.wait()
 
 
 def run_locally(spec: Spec, module: str, args: list[str], out: Path, timeout: float) -> dict:

@@ -122,10 +122,14 @@ class Spec(Section):
         Checkpointing, Field(description="Checkpoint retention (every backend writes one format).")
     ] = Checkpointing()
     on_nonfinite: Annotated[
-        Literal["raise", "skip"],
-        Field(description="A step whose loss is NaN or inf on any rank: raise (an error naming the "
-              "step and the ranks) or skip (no update: parameters and optimizer state untouched)."),
-    ] = "raise"
+        Literal["raise_deferred", "raise", "skip"],
+        Field(description="A step whose loss is NaN or inf on any rank. raise_deferred (default): "
+              "detected on the device with no host read; NonFiniteLossError at the next step, save "
+              "or close once the device's record reaches the host, and no checkpoint is written "
+              "after it (that step's update has happened). raise: an error naming the step and the "
+              "ranks before the update. skip: no update, parameters and optimizer state untouched. "
+              "raise and skip read the loss to the host once per step (docs/reliability.md)."),
+    ] = "raise_deferred"
     timeout_s: Annotated[
         float, Field(gt=0, description="Collective timeout in seconds: a stalled rank fails the "
                      "job after this long instead of hanging.")
@@ -228,10 +232,13 @@ class Spec(Section):
         elif self.world_size % self.topology.tp:
             problems.append(("topology.tp", f"{self.topology.tp} does not divide the world size "
                              f"{self.world_size}"))
-        for name in ("shard", "offload", "precision"):
-            bad = descriptor.capabilities.check(name, getattr(self, name))
+        for name in ("shard", "offload", "precision", "checkpoint.async_save"):
+            value = self
+            for part in name.split("."):
+                value = getattr(value, part)
+            bad = descriptor.capabilities.check(name, value)
             if bad:
-                problems.append((name, f"{getattr(self, name)!r} is not supported by backend "
+                problems.append((name, f"{value!r} is not supported by backend "
                                        f"{self.backend!r}: {bad.reason}; use {bad.nearest}"))
         if problems:
             raise rule_error(*problems)

@@ -74,6 +74,28 @@ class Checkpointing(Section):
               "next to it (directories with a polyshard manifest, ordered by step). Unset keeps all."),
     ] = None
 
+    preemption_signals: Annotated[
+        list[Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP"]],
+        Field(description="Signals that mean 'you are being preempted' (Slurm's --signal, "
+              "Kubernetes' and spot VMs' SIGTERM). With `dir` set, any rank catching one makes every "
+              "rank save a complete checkpoint into `dir` at an agreed step boundary and exit with "
+              "code 85 (requeue). Nothing is saved inside the handler. [] leaves signals alone."),
+    ] = ["SIGTERM", "SIGUSR1"]
+    preemption_grace_s: Annotated[
+        float,
+        Field(gt=0, le=65535, description="Seconds between the scheduler's signal and its kill: what `polyshard "
+              "launch --emit` asks for (Slurm `--signal=B:USR1@N`, Kubernetes "
+              "terminationGracePeriodSeconds). Leave room for a few steps and one save."),
+    ] = 120.0
+    async_save: Annotated[
+        bool,
+        Field(description="`save` returns once this rank's state is copied to host memory (as large "
+              "as what the rank holds); a background thread writes, hashes and publishes it, and "
+              "`latest` moves only when every rank's files are durable. The next save, load and "
+              "close wait for it and raise its error. Costs one host copy of the rank's state "
+              "while writing (docs/checkpoint-format.md)."),
+    ] = False
+
     @model_validator(mode="after")
     def _needs_dir(self) -> Checkpointing:
         if self.dir is None and (self.every is not None or self.resume == "auto"):

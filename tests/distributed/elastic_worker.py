@@ -5,6 +5,9 @@
   --kill-in-save K              rank R SIGKILLs itself inside the save of step K, after writing its
                                 own files and before the checkpoint is complete
   --stall-step K                rank R sleeps 120 s before step K (its peers time out)
+  --bad-batch-step K            rank R's batch for step K has no labels (BatchError on that rank)
+  --signal-step K               rank R (or every rank with --kill-rank -1) sends itself SIGTERM right
+                                after step K, first launch only (a preemption notice)
 
 The loop is the one a user writes: engine.resume() (checkpoint.resume: auto), train_step,
 engine.maybe_save() every checkpoint.every steps. Rank 0 appends every step's loss to --log.
@@ -44,7 +47,9 @@ def main():
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--log", required=True)
     p.add_argument("--kill-rank", type=int, default=1)
-    for flag in ("--kill-step", "--kill-in-save", "--stall-step"):
+    p.add_argument("--sleep", type=float, default=0.0, help="seconds after each step (a slow job)")
+    for flag in ("--kill-step", "--kill-in-save", "--stall-step", "--bad-batch-step",
+                 "--signal-step"):
         p.add_argument(flag, type=int)
     args = p.parse_args()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -53,7 +58,8 @@ def main():
     torch.manual_seed(spec.seed)
     engine.prepare(build_llama(llama_config("tiny")), (torch.optim.AdamW, {"lr": 1e-2}))
     loader = engine.dataloader(Tokens())
-    faulty = engine.rank == args.kill_rank and attempt == 0
+    faulty = args.kill_rank in (engine.rank, -1) and attempt == 0
+    fresh = not (spec.checkpoint.dir and os.path.exists(os.path.join(spec.checkpoint.dir, "latest")))
     if faulty and args.kill_in_save:
         write = engine._save_model_optim
 
@@ -67,6 +73,8 @@ def main():
         for batch in loader:
             if faulty and engine.step + 1 == args.stall_step:
                 time.sleep(120)
+            if faulty and engine.step + 1 == args.bad_batch_step:
+                batch.pop("labels")
             result = engine.train_step(batch)
             if engine.is_main:
                 with open(args.log, "a") as f:
@@ -74,7 +82,10 @@ def main():
                                         "attempt": attempt}) + "\n")
             if faulty and result.step == args.kill_step:
                 die()
+            if faulty and fresh and result.step == args.signal_step:
+                os.kill(os.getpid(), signal.SIGTERM)  # caught: the engine decides with its peers
             engine.maybe_save()
+            time.sleep(args.sleep)
             if engine.step >= args.steps:
                 break
     engine.close()

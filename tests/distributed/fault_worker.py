@@ -2,14 +2,19 @@
 
 nonfinite: the last rank's loss at step 3 is NaN (its loss is multiplied by a NaN carried in the batch).
   skip: steps 4-5 must equal a run that never saw step 3 (parameters and optimizer untouched);
-  raise: NonFiniteLossError on every rank, naming step 3 and rank 1.
+  raise: NonFiniteLossError on every rank before the update, naming step 3 and rank 1;
+  raise_deferred (the default): NonFiniteLossError naming step 3 at a later step (the first whose
+  start finds the device's record on the host), and a save right after step 3 is refused.
 badbatch: at step 2 rank 1's batch lacks `labels`, is empty, or has float input_ids: BatchError on
-  every rank (the healthy ones too, instead of waiting in a collective), naming rank 1 and the cause.
+  rank 1 before any collective. Rank 0 does not take that step (under a launcher the job would end);
+  both then take a good step together, which only works if rank 1 issued no collective.
 """
 
 import argparse
 import json
+import tempfile
 import traceback
+from pathlib import Path
 
 import torch
 from parity_worker import global_batches, optimizer_arg
@@ -50,35 +55,55 @@ def nonfinite(spec_dict):
     clean = engine_for(spec_dict)
     out["clean_losses"] = [clean.train_step(mine(clean, ids)).loss
                            for i, ids in enumerate(batches) if i != 2]
-    strict = engine_for(spec_dict)
+    out["raise"] = poisoned(engine_for({**spec_dict, "on_nonfinite": "raise"}), batches)
+    out["deferred"] = poisoned(engine_for(spec_dict), batches)
+    saving = engine_for(spec_dict)
+    out["deferred_save"] = poisoned(saving, batches[:3], then=lambda: saving.save(
+        Path(tempfile.mkdtemp(prefix="polyshard-nan-save-")) / "ckpt"))
+    return out
+
+
+def poisoned(engine, batches, then=None) -> str:
+    """Train on `batches` (step 3 poisoned), then `then()`: the error raised, and at which step."""
     try:
         for i, ids in enumerate(batches):
-            strict.train_step(mine(strict, ids, poison=i == 2))
-        out["raise"] = "no error"
+            engine.train_step(mine(engine, ids, poison=i == 2))
+        if then is not None:
+            then()
+        engine._check_finite(wait=True)
+        return "no error"
     except Exception as err:  # noqa: BLE001 - the error itself is the result
-        out["raise"] = f"{type(err).__name__}: {err}"
-    return out
+        return f"{type(err).__name__} at step {engine.step + 1}: {err}"
 
 
 def badbatch(spec_dict):
     out = {}
-    batches = global_batches(2, 1, ROWS * 2)
+    batches = global_batches(3, 1, ROWS * 2)
     for fault in ("missing_labels", "empty", "float_ids"):
         engine = engine_for(spec_dict)
-        try:
-            engine.train_step(mine(engine, batches[0]))
+        engine.train_step(mine(engine, batches[0]))
+        result = "no error"
+        if engine.rank == engine.world_size - 1:  # the last rank (1, or 0 when alone)
             batch = mine(engine, batches[1])
-            if engine.rank == engine.world_size - 1:  # the last rank (1, or 0 when alone)
-                if fault == "missing_labels":
-                    batch.pop("labels")
-                elif fault == "empty":
-                    batch = {k: v[:0] for k, v in batch.items()}
-                else:
-                    batch["input_ids"] = batch["input_ids"].float()
-            engine.train_step(batch)
-            out[fault] = "no error"
-        except Exception as err:  # noqa: BLE001
-            out[fault] = f"{type(err).__name__}: {err}"
+            if fault == "missing_labels":
+                batch.pop("labels")
+            elif fault == "empty":
+                batch = {k: v[:0] for k, v in batch.items()}
+            else:
+                batch["input_ids"] = batch["input_ids"].float()
+            try:
+                engine.train_step(batch)
+            except Exception as err:  # noqa: BLE001
+                result = f"{type(err).__name__}: {err}"
+        # Every rank now takes a good step together: had the bad rank entered a collective, its
+        # peers' next collectives would pair with it wrongly (an error or a hang, not this).
+        after = engine.train_step(mine(engine, batches[2]))
+        gathered = [None] * engine.world_size
+        if torch.distributed.is_initialized():
+            torch.distributed.all_gather_object(gathered, result)
+        else:
+            gathered = [result]
+        out[fault] = {"errors": gathered, "next_step": after.step, "next_loss": after.loss}
     return out
 
 

@@ -1,8 +1,9 @@
 """Native checkpoints in, Hugging Face weights out, corruption caught.
 
 Plain loops with no polyshard in them (tests/distributed/native_worker.py) write a torch DCP directory
-(FSDP2), a DeepSpeed ZeRO-2 checkpoint and XLA FSDP v1 shard files after 3 AdamW steps; `polyshard ckpt
-import` converts each, and FSDP1 and ZeRO-3 (2 ranks) resume from them: steps 4-5 must equal the
+(FSDP2), a DeepSpeed ZeRO-2 checkpoint and XLA FSDP v1 shard files after 3 AdamW steps (and DeepSpeed's
+`ds_to_universal` turns the ZeRO-2 one into a universal checkpoint); `polyshard ckpt import` converts
+each, and FSDP1 and ZeRO-3 (2 ranks) resume from them: steps 4-5 must equal the
 uninterrupted single-process run, so Adam moments and step counts came along. The DeepSpeed import is
 exported with `polyshard ckpt export --to hf`; transformers' from_pretrained loads it and gives step 4's
 loss. A truncated and a byte-flipped copy are refused by `ckpt verify` and by `load`, naming the file."""
@@ -22,7 +23,20 @@ DIST = ROOT / "tests" / "distributed"
 TWO = {"topology": {"procs_per_node": 2}, "micro_batch_size": 2}
 TARGETS = {"fsdp1": {"backend": "fsdp", "fsdp": {"version": 1}, **TWO},
            "zero3": {"backend": "deepspeed", "shard": "full", **TWO}}
-NATIVE = {"dcp": "fsdp2_dcp", "deepspeed": "deepspeed_zero2", "xla": "xla"}
+NATIVE = {"dcp": "fsdp2_dcp", "deepspeed": "deepspeed_zero2", "xla": "xla",
+          "deepspeed-universal": "deepspeed_universal"}
+
+
+def to_universal(native) -> None:
+    """DeepSpeed's own converter, as its users run it; a plain DeepSpeed checkpoint lacks
+    universal_checkpoint_info (DeepSpeed#5430), which --inject_missing_state supplies."""
+    tag = (native / "deepspeed_zero2" / "latest").read_text().strip()
+    out = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+                          "--input_folder", str(native / "deepspeed_zero2" / tag), "--output_folder",
+                          str(native / "deepspeed_universal" / f"{tag}_universal"),
+                          "--inject_missing_state"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
 
 
 def polyshard(*args):
@@ -38,8 +52,9 @@ def imported(tmp_path_factory):
                  "--root", str(native)], timeout=300)
     torchrun(1, [str(DIST / "native_worker.py"), "--which", "xla", "--root", str(native)],
              timeout=300, env={"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1", "USE_TORCH_XLA": "1"})
+    to_universal(native)
     for kind, folder in NATIVE.items():
-        step = [] if kind == "deepspeed" else ["--step", 3]  # DeepSpeed records its global steps
+        step = [] if kind.startswith("deepspeed") else ["--step", 3]  # DeepSpeed records its steps
         out = polyshard("ckpt", "import", kind, native / folder, root / f"native_{kind}-adamw", *step)
         assert out.returncode == 0, out.stderr[-3000:]
     good = root / "native_deepspeed-adamw"

@@ -65,10 +65,14 @@ def test_schema_written(tmp_path):
 
 
 def test_ckpt_verify_and_inspect(tmp_path, capsys):
-    from parallel.checkpoint.directory import write_checkpoint
+    from parallel.checkpoint.directory import record_written, write_checkpoint
+
+    def write(tmp):
+        (tmp / "a.bin").write_bytes(b"abc")
+        record_written(tmp / "a.bin")
 
     meta = {"backend": "fsdp", "step": 3, "world_size": 2, "state_dict": "sharded"}
-    ckpt = write_checkpoint(tmp_path / "ck", 0, lambda t: (t / "a.bin").write_bytes(b"abc"), meta)
+    ckpt = write_checkpoint(tmp_path / "ck", 0, write, meta)
     assert main(["ckpt", "inspect", str(ckpt)]) == 0
     out = capsys.readouterr().out
     assert "a.bin" in out and "step 3" in out and "ok: 1 files, 3 bytes verified" in out

@@ -6,7 +6,12 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from parallel.checkpoint.directory import CheckpointError, verify_checkpoint, write_checkpoint
+from parallel.checkpoint.directory import (
+    CheckpointError,
+    record_written,
+    verify_checkpoint,
+    write_checkpoint,
+)
 from parallel.engine.data import ResumableLoader, ResumableSampler
 
 
@@ -63,7 +68,8 @@ def test_resume_mid_batch_on_another_layout_is_refused():
 def write(path, payload=b"x" * 1000):
     def files(tmp):
         (tmp / "data.bin").write_bytes(payload)
-    return write_checkpoint(path, 0, files, {"step": 7})
+        record_written(tmp / "data.bin")  # hashed by the rank that wrote it
+    return write_checkpoint(path, 0, files, {"step": 7, "world_size": 1})
 
 
 def test_checkpoint_is_verified_and_corruption_is_named(tmp_path):
@@ -71,13 +77,17 @@ def test_checkpoint_is_verified_and_corruption_is_named(tmp_path):
     assert verify_checkpoint(ckpt)["step"] == 7
     data = ckpt / "data.bin"
     data.write_bytes(b"x" * 999)
-    with pytest.raises(CheckpointError, match=r"data.bin: size 999 bytes, manifest says 1000"):
+    with pytest.raises(CheckpointError, match=r"data.bin: size 999 bytes, the checkpoint says 1000"):
         verify_checkpoint(ckpt)
     data.write_bytes(b"x" * 999 + b"y")
     with pytest.raises(CheckpointError, match=r"data.bin: sha256 mismatch"):
         verify_checkpoint(ckpt)
     data.unlink()
-    with pytest.raises(CheckpointError, match="listed in the manifest but missing"):
+    with pytest.raises(CheckpointError, match="listed in the checkpoint's hashes but missing"):
+        verify_checkpoint(ckpt)
+    data.write_bytes(b"x" * 1000)
+    (ckpt / "late.bin").write_bytes(b"?")
+    with pytest.raises(CheckpointError, match="late.bin: not listed in the checkpoint's hashes"):
         verify_checkpoint(ckpt)
     (ckpt / "manifest.json").unlink()
     with pytest.raises(CheckpointError, match="manifest missing"):
@@ -90,4 +100,5 @@ def test_rewrite_replaces_atomically_and_leaves_no_temporaries(tmp_path):
     assert (tmp_path / "ck" / "data.bin").read_bytes() == b"new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
     manifest = json.loads((tmp_path / "ck" / "manifest.json").read_text())
-    assert manifest["files"]["data.bin"]["size"] == 3 and manifest["format_version"] == 1
+    hashes = json.loads((tmp_path / "ck" / "hashes" / "rank0.json").read_text())
+    assert hashes["data.bin"]["size"] == 3 and manifest["format_version"] == 2

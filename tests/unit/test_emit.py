@@ -19,10 +19,11 @@ SPEC = load_spec({"backend": "deepspeed", "shard": "full",
 def test_slurm_script_runs_one_launch_per_node_with_a_rendezvous_on_the_first(tmp_path):
     text = slurm_script(SPEC, "configs/zero3.yaml", ["precision=bf16"], "train.py", ["--steps", "9"],
                         job_name="llama", time="2:00:00", max_restarts=2)
-    directives = dict(line[len("#SBATCH --"):].split("=", 1) for line in text.splitlines()
-                      if line.startswith("#SBATCH --"))
+    directives = dict((line[len("#SBATCH --"):].split("=", 1) + [""])[:2]
+                      for line in text.splitlines() if line.startswith("#SBATCH --"))
     assert directives == {"job-name": "llama", "nodes": "4", "ntasks-per-node": "1",
-                          "gpus-per-node": "8", "time": "2:00:00", "output": "%x-%j.out"}
+                          "gpus-per-node": "8", "time": "2:00:00", "output": "%x-%j.out",
+                          "signal": "B:USR1@120", "requeue": ""}
     srun = next(line for line in text.splitlines() if line.startswith("srun "))
     assert "--kill-on-bad-exit=1" in srun
     assert ('polyshard launch --rdzv-endpoint "$head:29500" --max-restarts 2 --set precision=bf16 '
@@ -99,3 +100,55 @@ def test_srun_without_a_master_address_is_a_clear_error():
 
     with pytest.raises(RuntimeError, match="MASTER_ADDR"):
         launched_world({"SLURM_PROCID": "0", "SLURM_NTASKS": "4"})
+
+
+FAKE = {"srun": "#!/bin/bash\necho \"$*\" > \"$LOG/srun\"\n{body}\n",
+        "scontrol": "#!/bin/bash\necho \"$*\" >> \"$LOG/scontrol\"\n"
+                    "[ \"$1\" = show ] && echo node1\nexit 0\n"}
+
+
+def run_with_fakes(tmp_path, srun_body: str, signal_after: float | None = None):
+    """The emitted script under bash with `srun` and `scontrol` faked on PATH."""
+    import os
+    import signal
+    import time
+
+    bin_dir, log = tmp_path / "bin", tmp_path / "log"
+    bin_dir.mkdir(parents=True)
+    log.mkdir()
+    for name, text in FAKE.items():
+        (bin_dir / name).write_text(text.format(body=srun_body))
+        (bin_dir / name).chmod(0o755)
+    (tmp_path / "job.sbatch").write_text(slurm_script(SPEC, "c.yaml", [], "train.py", []))
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "LOG": str(log),
+           "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node[1-4]"}
+    proc = subprocess.Popen(["bash", str(tmp_path / "job.sbatch")], env=env)
+    if signal_after is not None:
+        time.sleep(signal_after)
+        proc.send_signal(signal.SIGUSR1)
+    proc.wait(timeout=60)
+    calls = (log / "scontrol").read_text().splitlines() if (log / "scontrol").exists() else []
+    return proc.returncode, calls, log
+
+
+def test_slurm_script_requeues_on_the_preemption_exit_code_only(tmp_path):
+    code, calls, _ = run_with_fakes(tmp_path / "a", "exit 85")
+    assert code == 85 and "requeue 4242" in calls, calls
+    code, calls, _ = run_with_fakes(tmp_path / "b", "exit 1")
+    assert code == 1 and not [c for c in calls if c.startswith("requeue")], calls
+
+
+def test_slurm_script_passes_the_notice_to_srun_and_waits_for_it(tmp_path):
+    # the fake srun exits 85 once it receives USR1, as the ranks do after saving
+    body = "trap 'echo got >> \"$LOG/usr1\"; exit 85' USR1\nsleep 30 & wait $!"
+    code, calls, log = run_with_fakes(tmp_path, body, signal_after=1.0)
+    assert (log / "usr1").read_text().strip() == "got"
+    assert code == 85 and "requeue 4242" in calls, calls
+
+
+def test_pods_get_the_spec_grace_period():
+    spec = load_spec({"backend": "fsdp", "topology": {"nodes": 2, "procs_per_node": 8},
+                      "checkpoint": {"dir": "/ckpt", "preemption_grace_s": 300}})
+    job = k8s_manifest(spec, "c.yaml", [], "train.py", [], image="img")
+    pods = [r["template"]["spec"] for r in job["spec"]["pytorchReplicaSpecs"].values()]
+    assert all(p["terminationGracePeriodSeconds"] == 300 for p in pods), pods

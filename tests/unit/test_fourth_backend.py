@@ -51,7 +51,7 @@ SOLO = BackendDescriptor(
                                                                     "shard: none")
                                                      for s in ("full", "grad_op", "optimizer",
                                                                "hybrid", "hybrid_grad_op")}}),
-    translate=solo_translate, engine=f"{__name__}:SingleProcessEngine", native_loop="none.py",
+    translate=solo_translate, engine=f"{__name__}:SingleProcessEngine",
     plan=PlanModel(model_states=lambda spec, shapes, n, low, opt: (4.0 * numel(shapes),
                                                                      4.0 * numel(shapes),
                                                                      float(opt * numel(shapes))),

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from backends.xla.layout import shard_of, split_members
+from backends.xla.layout import member_ranges, shard_of, split_members
 from parallel.checkpoint.directory import publish, resolve, write_checkpoint
 from parallel.checkpoint.portable import (
     PortableStateError,
@@ -94,9 +94,22 @@ def test_xla_v1_shard_maths_is_the_inverse_of_gathering():
     assert all(torch.equal(back[k], tensors[k]) for k in tensors)
 
 
+def test_xla_v1_ranges_of_each_shard_cover_every_member_once():
+    members = [("a", torch.Size([3, 5])), ("b", torch.Size([7]))]
+    tensors = {"a": torch.arange(15.0).view(3, 5), "b": torch.arange(100.0, 107.0)}
+    seen = {name: torch.full((shape.numel(),), -1.0) for name, shape in members}
+    for rank in range(2):
+        shard = shard_of(tensors, members, 16, rank)
+        for name, r in member_ranges(shard, members, rank).items():
+            assert seen[name][r.start:r.start + r.data.numel()].eq(-1).all()  # nothing twice
+            seen[name][r.start:r.start + r.data.numel()] = r.data
+    assert all(torch.equal(seen[k].view(tensors[k].shape), tensors[k]) for k in tensors)
+
+
 def test_latest_points_at_the_newest_and_keep_last_prunes_by_step(tmp_path):
     for step in (1, 2, 3):
-        path = write_checkpoint(tmp_path / f"step-{step}", 0, lambda t: None, {"step": step})
+        path = write_checkpoint(tmp_path / f"step-{step}", 0, lambda t: None,
+                                {"step": step, "world_size": 1})
         publish(path, keep_last=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-2", "step-3"]
     assert resolve(tmp_path) == tmp_path / "step-3"

@@ -3,7 +3,7 @@ a rank holds in parameters, gradients and optimizer state.
 
 Counting: every torch.distributed collective, whoever calls it (FSDP1, FSDP2, DeepSpeed's comm layer,
 which keeps its own references to torch.distributed's functions), reaches the dispatcher as a c10d op,
-so a TorchDispatchMode sees them all. All-gather counts its output (the gathered tensor),
+so a TorchDispatchMode sees them all (counting.OpWatch, which also sees those DTensor issues). All-gather counts its output (the gathered tensor),
 reduce-scatter its input, all-reduce and broadcast their tensor. XLA's collectives are compiled into
 the graph and never reach c10d: they are not counted (reported as such, never estimated).
 """
@@ -15,7 +15,8 @@ from collections import defaultdict
 from contextlib import contextmanager
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from parallel.tools.bench.counting import OpWatch, group_size
 
 # c10d op -> (collective type, index of the argument whose bytes count)
 COLLECTIVES = {
@@ -37,33 +38,12 @@ def _nbytes(obj) -> int:
     return 0
 
 
-def _group_size(args) -> int:
-    """A collective over a one-rank group moves nothing (FSDP2's `none` reduce-scatters over its
-    one-rank shard groups): not counted. The group arrives as a TorchScript object."""
-    import torch.distributed as dist
-
-    for a in args:
-        if isinstance(a, torch.ScriptObject):
-            try:
-                return dist.ProcessGroup.unbox(a).size()
-            except RuntimeError:  # the ReduceOp argument, not the group
-                continue
-    return 2
-
-
-class _Counting(TorchDispatchMode):
-    def __init__(self, counter: CommCounter):
-        super().__init__()
-        self.counter = counter
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        packet = func._overloadpacket
-        if getattr(packet, "_qualified_op_name", "").startswith("c10d::"):
-            kind = COLLECTIVES.get(packet._qualified_op_name.split("::")[1])
-            if kind is not None and len(args) > kind[1] and _group_size(args) > 1:
-                self.counter.bytes[kind[0]] += _nbytes(args[kind[1]])
-                self.counter.calls[kind[0]] += 1
-        return func(*args, **(kwargs or {}))
+def _count(counter: CommCounter, name: str, args) -> None:
+    if name.startswith("c10d::"):
+        kind = COLLECTIVES.get(name.split("::")[1])
+        if kind is not None and len(args) > kind[1] and group_size(args) > 1:
+            counter.bytes[kind[0]] += _nbytes(args[kind[1]])
+            counter.calls[kind[0]] += 1
 
 
 class CommCounter:
@@ -75,7 +55,7 @@ class CommCounter:
 
     @contextmanager
     def counting(self):
-        with _Counting(self):
+        with OpWatch(lambda name, args: _count(self, name, args)):
             yield self
 
     def snapshot(self) -> dict:

@@ -1,21 +1,24 @@
-"""`polyshard bench CONFIG --backends fsdp,deepspeed,xla_fsdp [--shard ...] [--world ...]`.
+"""`polyshard bench CONFIG --backends fsdp,zero2,xla1 [--shard ...] [--world 2,4] [--vs-native]`.
 
-Every cell (backend x shard x world size) runs in a fresh launch from the same initial weights and
-global batches (parallel/bench_run.py). Results: a rich table, `bench.json` and `bench.csv`, and PNG
-figures (loss curves, throughput, memory per rank, communication per step) in the output directory.
+Every cell (backend or variant x shard x world size) runs in a fresh launch from the same initial
+weights and global batches (parallel/tools/bench/cell.py); with --vs-native, the same job through
+the backend's hand-written loop in benchmarks/ too. Results: a line per cell as it runs, a table
+(narrow by default, `--wide` for every column), `bench.json` and `bench.csv`, and a PNG figure.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import random
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 
-from parallel.tools.bench.plot import plot
 from parallel.launch.torchrun import run_locally
-from parallel.registry import get
+from parallel.registry import get, local_run
 from parallel.spec.io import SpecError, load_spec
+from parallel.tools.cells import cell_data, fixed_by
 
 # peak dense TFLOP/s by device-name fragment: (bf16/fp16, tf32/fp32), vendor datasheets (dense)
 PEAK_TFLOPS = {"H200": (989, 494), "H100": (989, 494), "A100": (312, 156), "L4": (121, 60),
@@ -23,19 +26,35 @@ PEAK_TFLOPS = {"H200": (989, 494), "H100": (989, 494), "A100": (312, 156), "L4":
 MiB = 2 ** 20
 
 
-def cells(spec, backends, shards, worlds) -> list[tuple[str, dict | None, str]]:
-    """(label, spec data or None, why skipped) for every combination."""
+@dataclass
+class Cell:
+    """One combination to run: a backend or variant name (fsdp, zero2, xla1, ...), the shard level
+    when --shard is an axis for it, and the world size asked for."""
+
+    name: str
+    shard: str | None
+    world: int
+    data: dict | None  # the validated spec, or None when it does not validate
+    why: str = ""
+
+    def label(self, devices: int) -> str:
+        """Labelled with the devices it ran on (XLA v1 on a CPU host runs one, whatever was asked)."""
+        return "/".join([self.name, *([self.shard] if self.shard else []), f"w{devices}"])
+
+
+def cells(spec, names, shards, worlds) -> list[Cell]:
     out = []
-    for backend in backends:
-        for shard in shards or [spec.shard]:
+    for name in names:
+        axis = [None] if "shard" in fixed_by(name) else (shards or [spec.shard])
+        for shard in axis:
             for world in worlds or [spec.world_size]:
-                label = f"{backend}/{shard}/w{world}"
-                data = {**spec.model_dump(mode="json", exclude_unset=True), "backend": backend,
-                        "shard": shard, "topology": {"procs_per_node": world}}
+                changes = {"topology": {"procs_per_node": world}, **({"shard": shard} if shard else {})}
                 try:
-                    out.append((label, load_spec(data).model_dump(mode="json"), ""))
+                    data = load_spec(cell_data(spec, name, **changes)).model_dump(mode="json")
+                    out.append(Cell(name, shard, world, data))
                 except SpecError as err:
-                    out.append((label, None, "; ".join(f"{p}: {m}" for p, m in err.problems)))
+                    out.append(Cell(name, shard, world, None,
+                                    "; ".join(f"{p}: {m}" for p, m in err.problems)))
     return out
 
 
@@ -68,93 +87,127 @@ def mfu(result: dict, step_s: float, precision: str) -> float | None:
 
 
 NATIVE_DIR = Path(__file__).resolve().parents[3] / "benchmarks"
-def run_native(cell_spec, options: dict, rows: int, out: Path, timeout: float) -> dict:
-    """The same cell through its backend's hand-written loop in benchmarks/ (no polyshard in it)."""
-    descriptor = get(cell_spec.backend)
-    script = NATIVE_DIR / descriptor.native_loop
-    args = [f"--{k}={v}" for k, v in options.items()] + [
-        f"--global-rows={rows}", f"--clip={cell_spec.grad_clip or 0.0}", f"--seed={cell_spec.seed}",
-        *descriptor.native_args(cell_spec)]
-    return run_locally(cell_spec, str(script), args, out, timeout)
 
 
-def bench(spec, backends, shards, worlds, options: dict, out_dir: Path, timeout: float = 600,
-          status=None, vs_native: bool = False) -> dict:
+def native_arg(cell_spec) -> list[str]:
+    """--native for the bench cell: the backend's hand-written loop for this spec, and its flags."""
+    native = get(cell_spec.backend).native(cell_spec)
+    return [] if native is None else [f"--native={' '.join([native[0], *native[1]])}"]
+
+
+def bench(spec, names, shards, worlds, options: dict, out_dir: Path, timeout: float = 600,
+          say=lambda line: None, vs_native: bool = False, profile: int = 0,
+          save: bool = False) -> dict:
+    """Run every cell in a fresh launch (and its native loop with `vs_native`); `say` gets one line
+    as each cell starts and ends. Cells that launch identically on this host run once."""
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = spec.micro_batch_size * spec.grad_accum_steps * spec.world_size
     args = [f"--{k}={v}" for k, v in options.items()] + [f"--global-rows={rows}"]
-    results = {}
-    for label, data, why in cells(spec, backends, shards, worlds):
-        if data is None:
-            results[label] = {"skipped": why}
+    results, launched = {}, {}
+    todo = cells(spec, names, shards, worlds)
+    for i, c in enumerate(todo, 1):
+        asked = c.label(c.world)
+        if c.data is None:
+            results[asked] = {"skipped": c.why}
+            say(f"[{i}/{len(todo)}] {asked}: skipped ({c.why[:100]})")
             continue
-        if status is not None:
-            status.update(f"bench {label}: fresh launch, {options['steps']} measured steps")
-        cell_spec = load_spec({**data, "micro_batch_size": rows // data["topology"]["procs_per_node"]
-                               // data["grad_accum_steps"]})
-        raw = run_locally(cell_spec, "parallel.tools.bench.cell", args,
-                          out_dir / f"raw-{label.replace('/', '_')}.json", timeout)
-        results[label] = raw if "error" in raw else {**raw, **summarize(
+        cell_spec = load_spec({**c.data, "micro_batch_size": rows // c.world
+                               // c.data["grad_accum_steps"]})
+        key = json.dumps(local_run(cell_spec), sort_keys=True)
+        if key in launched:
+            say(f"[{i}/{len(todo)}] {asked}: launches as {launched[key]} on this host; not repeated")
+            continue
+        native = native_arg(cell_spec) if vs_native else []
+        extra = [f"--save-dir={out_dir / ('saves-' + asked.replace('/', '_'))}"] if save else []
+        if native and profile:  # parallel/tools/bench/profile.py: both sides, after the timed steps
+            native += [f"--profile={profile}",
+                       f"--profile-dir={out_dir / ('profile-' + asked.replace('/', '_'))}"]
+        say(f"[{i}/{len(todo)}] {asked}: launching; {options['warmup']} warm-up + "
+            f"{options['steps']} steps" + (", alternating with native" if native else
+                                           ", no native loop for it" if vs_native else ""))
+        raw = run_locally(cell_spec, "parallel.tools.bench.cell", args + native + extra,
+                          out_dir / f"raw-{asked.replace('/', '_')}.json", timeout)
+        label = launched[key] = c.label(raw.get("devices", c.world))
+        r = results[label] = raw if "error" in raw else {**raw, **summarize(
             raw, raw["step_times"], cell_spec.precision)}
-        results[label]["comm_counted"] = get(cell_spec.backend).comm_counted
-        if vs_native and "error" not in raw:
-            if status is not None:
-                status.update(f"bench {label}: the native loop")
-            native = run_native(cell_spec, options, rows,
-                                out_dir / f"native-{label.replace('/', '_')}.json", timeout)
-            results[label]["native"] = native if "error" in native else {
-                "median_s": statistics.median(native["step_times"]), "losses": native["losses"]}
+        r.update(name=c.name, backend=cell_spec.backend, shard=cell_spec.shard, asked_world=c.world,
+                 comm_counted=get(cell_spec.backend).comm_counted)
+        if r.get("native"):
+            r["native"]["median_s"] = statistics.median(r["native"]["step_times"])
+            r["native"]["paired"] = paired_ratio(r["step_times"], r["native"]["step_times"])
+        say(f"[{i}/{len(todo)}] {label}: {done_line(r)}")
     (out_dir / "bench.json").write_text(json.dumps(results, indent=1))
     write_csv(results, out_dir / "bench.csv")
     return results
 
 
-def write_csv(results: dict, path: Path) -> None:
-    keys = ["median_s", "p90_s", "tokens_per_s", "loss_first", "loss_last", "params_bytes",
+def done_line(r: dict) -> str:
+    if "median_s" not in r:
+        lines = r.get("error", "").strip().splitlines()
+        return "error: " + (lines[-1][:200] if lines else "no output")
+    line = f"{r['median_s'] * 1e3:.0f} ms/step, loss {r['loss_last']:.4f}"
+    saves = (r.get("ranks") or [{}])[0].get("saves")
+    if saves:
+        line += f", save blocks {save_text(saves)}"
+    if "median_s" in (r.get("native") or {}):
+        line += (f", {vs_native(r, interval=True)}x native (native {r['native']['median_s'] * 1e3:.0f}"
+                 " ms; per-step pairs, median and 90% interval)")
+    return line
+
+
+def save_text(saves: dict) -> str:
+    """'0.30 s sync / 0.03 s async (10.6x)' from cell.save_times."""
+    text = f"{saves['sync_s']:.2f} s sync"
+    if "async_blocking_s" in saves:
+        text += (f" / {saves['async_blocking_s']:.2f} s async "
+                 f"({saves['sync_s'] / max(saves['async_blocking_s'], 1e-9):.1f}x)")
+    return text
+
+
+def paired_ratio(ours: list[float], theirs: list[float], draws: int = 2000) -> list[float]:
+    """[median, 5th, 95th percentile] of polyshard's step time over the native step run next to it
+    (same launch, adjacent in time: drift of a shared host cancels in each pair; a ratio of two
+    medians over a 2-core host moved by 10% run to run). The interval is a seeded bootstrap."""
+    pairs = [a / b for a, b in zip(ours, theirs)]
+    rng = random.Random(0)
+    boot = sorted(statistics.median(rng.choices(pairs, k=len(pairs))) for _ in range(draws))
+    return [statistics.median(pairs), boot[int(0.05 * draws)], boot[int(0.95 * draws) - 1]]
+
+
+def vs_native(r: dict, interval: bool = False) -> str:
+    paired = (r.get("native") or {}).get("paired")
+    if not paired:
+        return "-"
+    return f"{paired[0]:.3f}" + (f" ({paired[1]:.2f}-{paired[2]:.2f})" if interval else "")
+
+
+def loss_gap(r: dict) -> float | None:
+    """The largest |loss difference| between polyshard's steps and the native loop's."""
+    native = r.get("native") or {}
+    if "losses" not in native or len(native["losses"]) != len(r["losses"]):
+        return None
+    return max(abs(a - b) for a, b in zip(r["losses"], native["losses"]))
+
+
+CSV_KEYS = ["median_s", "p90_s", "tokens_per_s", "loss_first", "loss_last", "params_bytes",
             "grads_bytes", "optimizer_bytes", "rss_peak_bytes", "mfu"]
+
+
+def write_csv(results: dict, path: Path) -> None:
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["cell", *keys, "all_gather_B", "reduce_scatter_B", "all_reduce_B", "note"])
+        w.writerow(["cell", *CSV_KEYS, "all_gather_B", "reduce_scatter_B", "all_reduce_B",
+                    "native_median_s", "x_native", "x_native_p5", "x_native_p95", "native_loss_gap",
+                    "save_sync_s", "save_async_blocking_s", "save_async_total_s", "note"])
         for label, r in results.items():
             if "median_s" not in r:
-                w.writerow([label, *[""] * (len(keys) + 3), r.get("skipped") or "error"])
+                w.writerow([label, *[""] * (len(CSV_KEYS) + 11), r.get("skipped") or "error"])
                 continue
-            c = r["comm_bytes_per_step"]
-            w.writerow([label, *[r[k] for k in keys], c["all_gather"], c["reduce_scatter"],
-                        c["all_reduce"], ""])
-
-
-def _vs_native(r: dict) -> str:
-    native = r.get("native")
-    if not native:
-        return "-"
-    if "error" in native:
-        return "n/a"
-    return f"{r['median_s'] / native['median_s']:.3f}"
-
-
-def render(results: dict, out_dir: Path) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="polyshard bench (per rank: the largest over ranks)")
-    for col in ("cell", "step ms (med / p90)", "tok/s", "loss", "params MiB", "grads MiB",
-                "optim MiB", "RSS MiB", "AG / RS / AR MiB/step", "MFU", "x native"):
-        table.add_column(col, justify="left" if col == "cell" else "right")
-    for label, r in results.items():
-        if "median_s" not in r:
-            note = r.get("skipped") or "error: " + r.get("error", "")[-200:]
-            table.add_row(label, f"[dim]{note[:90]}[/]", *[""] * 9)
-            continue
-        c = r["comm_bytes_per_step"]
-        comm = "n/a (in-graph)" if not r.get("comm_counted", True) else " / ".join(
-            f"{c[k] / MiB:.2f}" for k in ("all_gather", "reduce_scatter", "all_reduce"))
-        table.add_row(label, f"{r['median_s'] * 1e3:.0f} / {r['p90_s'] * 1e3:.0f}",
-                      f"{r['tokens_per_s']:.0f}", f"{r['loss_first']:.3f}→{r['loss_last']:.3f}",
-                      f"{r['params_bytes'] / MiB:.2f}", f"{r['grads_bytes'] / MiB:.2f}",
-                      f"{r['optimizer_bytes'] / MiB:.2f}", f"{r['rss_peak_bytes'] / MiB:.0f}",
-                      comm, "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%", _vs_native(r))
-    console = Console()
-    console.print(table)
-    figure = plot(results, out_dir)
-    console.print(f"results: {out_dir / 'bench.json'}, {out_dir / 'bench.csv'}; figure: {figure}")
+            c, native = r["comm_bytes_per_step"], r.get("native") or {}
+            saves = (r.get("ranks") or [{}])[0].get("saves") or {}
+            w.writerow([label, *[r[k] for k in CSV_KEYS], c["all_gather"], c["reduce_scatter"],
+                        c["all_reduce"], native.get("median_s", ""),
+                        *(native.get("paired") or ["", "", ""]),
+                        "" if loss_gap(r) is None else loss_gap(r),
+                        *[saves.get(k, "") for k in ("sync_s", "async_blocking_s", "async_total_s")],
+                        native.get("skipped", "")])

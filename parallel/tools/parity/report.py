@@ -19,6 +19,7 @@ from parallel.launch.torchrun import run_locally
 from parallel.tools.parity.cell import global_batches, one_process, optimizer_arg
 from parallel.spec.model import Spec
 from parallel.spec.io import SpecError, load_spec
+from parallel.tools.cells import cell_data
 from parallel.toy import build_model
 
 FP32_TOL, MIXED_TOL = 1e-5, 5e-2
@@ -36,8 +37,9 @@ def reference(spec: Spec, options: dict, rows: int) -> list[dict]:
                        spec.grad_clip, checksums=True)
 
 
-def run_backend(spec: Spec, backend: str, options: dict, rows: int, timeout: float) -> dict:
-    run_spec = load_spec({**spec.model_dump(mode="json", exclude_unset=True), "backend": backend})
+def run_backend(spec: Spec, name: str, options: dict, rows: int, timeout: float) -> dict:
+    """Backend or variant `name` (fsdp1, zero2, ...) on the spec's job, in a fresh launch."""
+    run_spec = load_spec(cell_data(spec, name))
     args = [f"--{k.replace('_', '-')}={v}" for k, v in options.items()] + [f"--global-rows={rows}"]
     with tempfile.TemporaryDirectory(prefix="polyshard-parity-") as tmp:
         result = run_locally(run_spec, "parallel.tools.parity.cell", args, Path(tmp) / "out.json", timeout)

@@ -1,0 +1,134 @@
+"""ZeRO checkpoints in O(model / N) per rank: each rank saves and loads, in place, the ranges of each
+parameter its flat fp32 partition holds (docs/checkpoint-format.md, "Memory per rank").
+
+ZeRO-1/2 (and the bf16 optimizer) keep each parameter group as one flat fp32 tensor split evenly over
+the ranks; DeepSpeed's `_hp_mapping` says which contiguous range [start, start + n) of a parameter's
+flattened view lands in this rank's partition, and gives views of the fp32 master and of each
+optimizer entry over it. ZeRO-3 partitions each parameter on its own: rank r holds elements
+[r * p, (r + 1) * p) of it, p = its partition size, at `grad_position` in its sub-group's flat fp32
+tensor. Either way the range is written as chunks of the full tensor (parallel/checkpoint/chunks.py):
+no rank gathers a parameter, and any backend at any world size reads the result.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from parallel.checkpoint import portable as ps
+from parallel.checkpoint.chunks import FlatRange
+
+from .state import _flat_keys, _frozen, _init_zero_state, _with_aliases, partitions, relink
+
+
+def _ranges(zero, p, flat, keys: list[str]) -> tuple[FlatRange, dict[str, FlatRange]]:
+    """This rank's range of parameter `p`: its fp32 master and each optimizer entry, as views."""
+    if hasattr(p, "ds_id"):  # ZeRO-3: this rank's slice of the parameter, padding dropped
+        _, offset, _ = zero.grad_position[zero.get_param_id(p)]
+        size, rank = p.partition_numel(), dist.get_rank(group=zero.dp_process_group)
+        start = rank * size
+        n = max(0, min(size, p.ds_numel - start))
+        shape = p.ds_shape
+        master = flat.narrow(0, offset, n)
+        entries = {k: zero.optimizer.state[flat][k].narrow(0, offset, n) for k in keys}
+    else:
+        mapping, shape = p._hp_mapping, p.shape
+        if mapping is None:  # none of this parameter is in this rank's partition
+            start, empty = 0, flat.new_empty(0)
+            return FlatRange(empty, 0, shape), {k: FlatRange(empty, 0, shape) for k in keys}
+        start = mapping.lp_fragment_address.start
+        master = mapping.hp_fragment.view(-1)
+        entries = {k: mapping.get_optim_state_fragment(k).view(-1) for k in keys}
+    return (FlatRange(master.detach(), start, shape),
+            {k: FlatRange(v.detach(), start, shape) for k, v in entries.items()})
+
+
+def _frozen_part(p, rank: int):
+    """A frozen parameter as this rank holds it: ZeRO-3 partitions it (this rank's slice of
+    `ds_tensor`); ZeRO-1/2 keep it whole on every rank."""
+    if hasattr(p, "ds_id"):
+        size = p.partition_numel()
+        start = rank * size
+        n = max(0, min(size, p.ds_numel - start))
+        return FlatRange(p.ds_tensor.data.view(-1)[:n], start, p.ds_shape)
+    return p.data
+
+
+def sharded_state(ds) -> dict:
+    """The portable state of a ZeRO engine, each rank holding views of only what it owns."""
+    zero = ds.optimizer
+    base, rank, world = zero.optimizer, dist.get_rank(), dist.get_world_size()
+    names = {id(p): ps.clean_name(n) for n, p in ds.module.named_parameters()}
+    relink(zero)
+    model, state = {}, {}
+    groups = [{**ps.hyperparams(g), "params": []} for g in base.param_groups]
+    for group, lps, flat in partitions(zero):
+        keys, step = _flat_keys(base, flat), base.state.get(flat, {}).get("step")
+        for p in lps:
+            name = names[id(p)]
+            groups[group]["params"].append(name)
+            model[name], state[name] = _ranges(zero, p, flat, keys)
+            if step is not None and model[name].start == 0 and model[name].data.numel():
+                # one scalar per parameter, written by the rank holding its first element
+                state[name]["step"] = torch.as_tensor(step, dtype=torch.float32).clone()
+    trained = {n for g in groups for n in g["params"]}
+    for i, (name, p) in enumerate(_frozen(ds, trained).items()):
+        part = _frozen_part(p, rank)
+        if isinstance(part, FlatRange) or i % world == rank:  # whole ones: written round robin
+            model[name] = part
+    if rank == 0:
+        model.update(ps.buffers(ds.module))  # buffers are never partitioned
+    return {"model": _with_aliases(ds, model), "optim": {"state": state, "param_groups": groups}}
+
+
+def load_sharded(ds, path: Path) -> None:
+    """Read each rank's ranges in place: fp32 masters and optimizer entries, then the model's
+    weights from the masters (ZeRO-1/2: DeepSpeed's own all-gather of the partitions; ZeRO-3: each
+    rank's slice), the shared step counts and the groups' hyper-parameters."""
+    zero = ds.optimizer
+    base, rank = zero.optimizer, dist.get_rank()
+    _init_zero_state(zero)  # a fresh optimizer has no state for the ranges to point at
+    relink(zero)
+    names = {id(p): ps.clean_name(n) for n, p in ds.module.named_parameters()}
+    model, state, members = {}, {}, []
+    for group, lps, flat in partitions(zero):
+        keys = _flat_keys(base, flat)
+        members.append((group, flat, [names[id(p)] for p in lps]))
+        for p in lps:
+            name = names[id(p)]
+            model[name], state[name] = _ranges(zero, p, flat, keys)
+            if "step" in base.state.get(flat, {}):
+                state[name]["step"] = torch.zeros(())
+    trained = set(model)
+    for name, p in _frozen(ds, trained).items():
+        model[name] = _frozen_part(p, rank)  # every rank reads what it holds, in place
+    buffers = ps.buffers(ds.module)
+    model.update({k: torch.empty_like(v) for k, v in buffers.items()})
+    template = {"model": _with_aliases(ds, model),
+                "optim": {"state": state, "param_groups": ps.groups_template(path)}}
+    live = [[] for _ in base.param_groups]  # ZeRO-3's sub-groups collapse into their group
+    for group, _, group_names in members:
+        live[group] += group_names
+    # before anything is read in place: the same groups, or an error naming the parameters that moved
+    merged = ps.merge_groups(base.param_groups, ps.read_groups(path), live)
+    ps.load_state(template, path)
+    ds.module.load_state_dict({k: model[k] for k in buffers}, strict=False)
+    for _, flat, group_names in members:
+        step = ps.single_step(state, group_names)
+        if step is not None and "step" in base.state.get(flat, {}):
+            old = base.state[flat]["step"]
+            base.state[flat]["step"] = step.to(old) if torch.is_tensor(old) else type(old)(step)
+    for group, new in zip(base.param_groups, merged):
+        group.update(new)
+    _masters_to_model(zero)
+
+
+def _masters_to_model(zero) -> None:
+    """The model's (maybe bf16) weights from the fp32 masters just read."""
+    if hasattr(zero, "sub_group_to_group_id"):  # ZeRO-3: each rank's slices, no communication
+        for i in range(len(zero.fp16_groups)):
+            zero._reassign_or_swap_out_partitioned_parameters(i)
+    else:  # ZeRO-1/2, bf16: copy this rank's partition in, all-gather the flat groups
+        zero.update_lp_params()

@@ -1,0 +1,98 @@
+"""`checkpoint.async_save`: `save` returns once this rank's state is copied into host memory; a
+background thread writes, hashes and publishes it (docs/checkpoint-format.md, "Async save").
+
+Every write path goes through `portable.save_state`; inside `staging()` that call copies the state it
+is given (DTensor shards, ZeRO ranges, whole tensors: only what this rank holds, O(model / N)) and
+queues the write instead of doing it. The background thread runs the queued DCP writes and the
+checkpoint's collective steps (hash, barrier, manifest, rename, `latest`) over a process group of its
+own (gloo), so they never interleave with the training loop's collectives. `latest` moves only after
+every rank's files are durable: a crash while writing leaves it on the previous complete checkpoint.
+The next `save`, `load` and `close` wait for the write in flight and raise its error, if any.
+"""
+
+from __future__ import annotations
+
+import copy
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from parallel.checkpoint.chunks import FlatRange
+
+_QUEUE: list | None = None  # while staging: (staged state, tmp, planner, collective) per save_state
+
+
+def queue():
+    return _QUEUE
+
+
+@contextmanager
+def staging():
+    """Within: `save_state` stages and queues instead of writing. Yields the queue."""
+    global _QUEUE
+    _QUEUE = []
+    try:
+        yield _QUEUE
+    finally:
+        _QUEUE = None
+
+
+def stage(obj):
+    """A copy of a state in host memory that no later training step can change: each rank's own
+    shards and ranges only, so the copy is as large as what the rank holds."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, dict):
+        return {k: stage(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(stage(v) for v in obj)
+    if isinstance(obj, FlatRange):
+        return FlatRange(_host_copy(obj.data), obj.start, obj.shape)
+    if isinstance(obj, DTensor):
+        return DTensor.from_local(_host_copy(obj.to_local()), obj.device_mesh, obj.placements,
+                                  run_check=False, shape=obj.shape, stride=obj.stride())
+    if isinstance(obj, ShardedTensor):
+        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+        target = _create_cpu_state_dict({"t": obj})
+        return _copy_state_dict({"t": obj}, target)["t"]
+    if isinstance(obj, torch.Tensor):
+        return _host_copy(obj)
+    return copy.deepcopy(obj)
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True)
+
+
+class BackgroundSaver:
+    """One write in flight per engine, on one thread, with its own gloo process group."""
+
+    def __init__(self):
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: Future | None = None
+        self.group = None
+
+    def ensure_group(self):
+        """Made on the first async save, by every rank in the same order (a collective)."""
+        if self.group is None and dist.is_initialized():
+            self.group = dist.new_group(backend="gloo")
+        return self.group
+
+    def submit(self, fn) -> None:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="polyshard-save")
+        self._pending = self._pool.submit(fn)
+
+    def wait(self) -> None:
+        """Block until the write in flight is published; raise what it raised."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    @property
+    def busy(self) -> bool:
+        return self._pending is not None and not self._pending.done()

@@ -1,0 +1,129 @@
+"""A rank's piece of a tensor that is a contiguous range of its flattened view (a ZeRO flat-partition
+fragment, an XLA FSDP v1 flat shard), written to and read from the portable DCP state in place, as
+chunks of the full tensor: no rank ever holds the whole tensor (docs/checkpoint-format.md).
+
+A range [start, start + n) of a row-major tensor is a union of at most 2(d-1)+1 rectangular blocks
+(for a matrix: a partial first row, whole rows, a partial last row). `FlatRange` presents those
+blocks to DCP through DCP's `_Checkpointable` hooks (the ones DTensor implements), each block a view
+of the rank's own storage: DCP copies one block at a time on save, and reads into the views on load.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+
+def blocks(shape: tuple[int, ...], start: int, numel: int) -> list[tuple[tuple, tuple, int]]:
+    """The rectangular blocks covering flat range [start, start + numel) of a row-major `shape`:
+    (offsets, sizes, position of the block's first element within the range), in order."""
+    if numel <= 0:
+        return []
+    if len(shape) <= 1:
+        return [((start,), (numel,), 0)] if shape else [((), (), 0)]
+    row = math.prod(shape[1:])
+    out, pos, end = [], start, start + numel
+    while pos < end:
+        r, col = divmod(pos, row)
+        if col == 0 and end - pos >= row:  # whole rows: one block
+            rows = (end - pos) // row
+            out.append(((r, *[0] * (len(shape) - 1)), (rows, *shape[1:]), pos - start))
+            pos += rows * row
+        else:  # part of one row: the row's own blocks, one dimension down
+            take = min(end - pos, row - col)
+            out += [((r, *off), (1, *size), pos - start + at)
+                    for off, size, at in blocks(shape[1:], col, take)]
+            pos += take
+    return out
+
+
+class FlatRange:
+    """`data` (1-D, this rank's storage) holds elements [start, start + data.numel()) of the
+    flattened tensor of full `shape`. Save and load it with DCP like a DTensor shard."""
+
+    def __init__(self, data: torch.Tensor, start: int, shape):
+        self.data, self.start, self.shape = data, start, torch.Size(shape)
+        self._blocks = blocks(tuple(self.shape), start, data.numel())
+        self._views = {off: data[at:at + math.prod(size)].view(size)
+                       for off, size, at in self._blocks}
+
+    def size(self) -> torch.Size:  # DCP's load planner compares it with the stored global shape
+        return self.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
+        props = TensorProperties.create_from_tensor(self.data)
+        return [WriteItem(index=MetadataIndex(fqn, torch.Size(off)), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(
+                              chunk=ChunkStorageMetadata(offsets=torch.Size(off),
+                                                         sizes=torch.Size(size)),
+                              properties=props, size=self.shape))
+                for off, size, _ in self._blocks]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=torch.Size(off), sizes=torch.Size(size))
+                for off, size, _ in self._blocks]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        return self._views[tuple(index.offset)]
+
+    def __repr__(self) -> str:
+        return f"FlatRange({self.start}+{self.data.numel()} of {tuple(self.shape)})"
+
+
+def _swap_ranges(tree: dict, ranges: dict, prefix: tuple = ()) -> dict:
+    """Without `ranges`: replace each FlatRange in the nested dict by an empty tensor and return
+    {path: FlatRange}; with them: put them back."""
+    found = {}
+    for key, value in tree.items():
+        path = (*prefix, key)
+        if isinstance(value, dict):
+            found.update(_swap_ranges(value, ranges, path))
+        elif path in ranges:
+            tree[key] = ranges[path]
+        elif isinstance(value, FlatRange):
+            found[path], tree[key] = value, torch.empty(0)
+    return found
+
+
+def _block(state_dict: dict, index: MetadataIndex):
+    obj = state_dict.get(index.fqn)
+    return obj.__get_tensor_shard__(index) if isinstance(obj, FlatRange) else None
+
+
+class RangeSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner, which also finds the blocks of a FlatRange (DCP looks up shards
+    only on torch.Tensor objects)."""
+
+    def lookup_object(self, index: MetadataIndex):
+        found = _block(self.state_dict, index)
+        return super().lookup_object(index) if found is None else found
+
+
+class RangeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, reading into the blocks of a FlatRange in place."""
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        # DCP's set-up walks the state and replaces every object it does not know with None (in
+        # place): the ranges sit out the walk as empty tensors and are put back by key.
+        ranges = _swap_ranges(state_dict, {})
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        _swap_ranges(state_dict, ranges)
+        for fqn, path in self.mappings.items():
+            if path in ranges:
+                self.state_dict[fqn] = ranges[path]
+
+    def lookup_tensor(self, index: MetadataIndex):
+        found = _block(self.state_dict, index)
+        return super().lookup_tensor(index) if found is None else found

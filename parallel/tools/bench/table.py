@@ -1,0 +1,72 @@
+"""The bench table: narrow by default (fits 80 columns: what most people compare), every column with
+`--wide` (also in bench.csv)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from parallel.tools.bench.plot import plot
+from parallel.tools.bench.report import MiB, loss_gap, save_text, vs_native
+
+NARROW = ("cell", "ms/step", "tok/s", "loss", "MiB/rank", "x native", "Δ loss")
+WIDE = ("cell", "step ms (med / p90)", "tok/s", "loss", "params MiB", "grads MiB", "optim MiB",
+        "RSS MiB", "AG / RS / AR MiB/step", "MFU", "native ms", "x native", "Δ loss", "save blocks")
+
+
+def _gap(r: dict) -> str:
+    gap = loss_gap(r)
+    return "-" if gap is None else ("0" if gap == 0 else f"{gap:.0e}")
+
+
+def _states(r: dict) -> float:
+    return (r["params_bytes"] + r["grads_bytes"] + r["optimizer_bytes"]) / MiB
+
+
+def narrow_row(r: dict) -> list[str]:
+    return [f"{r['median_s'] * 1e3:.0f}", f"{r['tokens_per_s']:.0f}", f"{r['loss_last']:.3f}",
+            f"{_states(r):.1f}", vs_native(r), _gap(r)]
+
+
+def wide_row(r: dict) -> list[str]:
+    c, native = r["comm_bytes_per_step"], r.get("native") or {}
+    comm = "n/a (in-graph)" if not r.get("comm_counted", True) else " / ".join(
+        f"{c[k] / MiB:.2f}" for k in ("all_gather", "reduce_scatter", "all_reduce"))
+    return [f"{r['median_s'] * 1e3:.0f} / {r['p90_s'] * 1e3:.0f}", f"{r['tokens_per_s']:.0f}",
+            f"{r['loss_first']:.3f}→{r['loss_last']:.3f}", f"{r['params_bytes'] / MiB:.2f}",
+            f"{r['grads_bytes'] / MiB:.2f}", f"{r['optimizer_bytes'] / MiB:.2f}",
+            f"{r['rss_peak_bytes'] / MiB:.0f}", comm,
+            "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%",
+            f"{native['median_s'] * 1e3:.0f}" if "median_s" in native else "-",
+            vs_native(r, interval=True), _gap(r), _saves(r)]
+
+
+def _saves(r: dict) -> str:
+    saves = (r.get("ranks") or [{}])[0].get("saves")
+    return save_text(saves) if saves else "-"
+
+
+def render(results: dict, out_dir: Path, wide: bool = False) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    columns = WIDE if wide else NARROW
+    table = Table(title="polyshard bench (per rank: the largest over ranks; w = devices it ran on)")
+    for col in columns:
+        table.add_column(col, justify="left" if col == "cell" else "right",
+                         no_wrap=col == "cell")
+    for label, r in results.items():
+        if "median_s" not in r:
+            note = r.get("skipped") or "error: " + r.get("error", "")[-200:]
+            table.add_row(label, f"[dim]{note[:60 if not wide else 120]}[/]",
+                          *[""] * (len(columns) - 2))
+            continue
+        table.add_row(label, *(wide_row(r) if wide else narrow_row(r)))
+    console = Console()
+    console.print(table)
+    if not wide:
+        console.print("MiB/rank: parameters + gradients + optimizer state; Δ loss: largest loss "
+                      "difference from the native loop; x native: median over steps of polyshard's "
+                      "step time / the native step next to it (90% interval: --wide); every "
+                      "column: --wide or bench.csv")
+    figure = plot(results, out_dir)
+    console.print(f"results: {out_dir / 'bench.json'}, {out_dir / 'bench.csv'}; figure: {figure}")

@@ -1,0 +1,80 @@
+"""Peak extra host memory of each rank during save and during load (issue #16): a ~24M-parameter
+Llama with AdamW, one step, then save and load while a thread samples this process's resident set
+every millisecond. Rank 0 writes every rank's figures to --out."""
+
+import argparse
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from parallel import create_engine, load_spec
+from parallel.toy import build_llama, llama_config
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+SIZE = {"hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 8,
+        "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+
+
+class Peak:
+    """The highest resident set seen while the block runs, above what it was at the start."""
+
+    def __enter__(self):
+        self.start, self.peak, self.done = rss(), 0, False
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def _sample(self):
+        while not self.done:
+            self.peak = max(self.peak, rss())
+            time.sleep(0.001)
+
+    def __exit__(self, *exc):
+        self.done = True
+        self.thread.join()
+        self.extra = max(self.peak, rss()) - self.start
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--spec", required=True)
+    p.add_argument("--dir", required=True)
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    spec = load_spec(json.loads(a.spec))
+    engine = create_engine(spec)
+    torch.manual_seed(0)
+    model = build_llama(llama_config("demo", **SIZE))
+    params = sum(p.numel() for p in model.parameters())
+    engine.prepare(model, (torch.optim.AdamW, {"lr": 1e-3}))
+    rows = engine.samples_per_step
+    ids = torch.randint(0, 256, (rows * engine.world_size, 16), generator=torch.Generator().manual_seed(1))
+    mine = ids[engine.rank * rows:(engine.rank + 1) * rows]
+    before = engine.train_step({"input_ids": mine, "labels": mine}).loss
+    dist.barrier()
+    with Peak() as save:
+        engine.save(Path(a.dir))
+    dist.barrier()
+    with Peak() as load:
+        engine.load(Path(a.dir))
+    after = engine.train_step({"input_ids": mine, "labels": mine}).loss
+    figures = [None] * engine.world_size
+    dist.all_gather_object(figures, {"rank": engine.rank, "save": save.extra, "load": load.extra})
+    if engine.is_main:
+        Path(a.out).write_text(json.dumps({"params": params, "ranks": figures,
+                                           "losses": [before, after], "world": engine.world_size}))
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()

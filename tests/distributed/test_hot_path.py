@@ -1,0 +1,101 @@
+"""A steady-state step costs what the native loop's step costs: counted per step, never timed
+(parallel/tools/bench/counting.py counts both sides by one rule).
+
+For FSDP2, FSDP1, ZeRO-1/2/3 (2 gloo ranks) and XLA FSDP v1 (the CPU client: 1 process), against the
+hand-written loop in benchmarks/ running the same job: the same collectives op for op, zero store
+calls, and device-to-host reads equal to the native loop's when the loop reads the loss every step (as
+the native loop does), one fewer when it does not (on_nonfinite: raise_deferred, the default); with
+on_nonfinite: raise the step's own read replaces the loop's. XLA runs the same number of graphs per
+step; raise cuts its step in two (the read before the update): counted and recorded."""
+
+import json
+
+import pytest
+from harness import ROOT, needs_both, torchrun
+from reliability import record
+
+from parallel.launch.torchrun import run_locally
+from parallel.registry import get
+from parallel.spec.io import load_spec
+from parallel.tools.bench.report import NATIVE_DIR
+
+pytestmark = pytest.mark.distributed
+
+DIST = ROOT / "tests" / "distributed"
+ROWS = 4  # global rows per step
+TWO = {"topology": {"procs_per_node": 2}, "micro_batch_size": ROWS // 2, "grad_clip": 1.0}
+TORCH = {"fsdp2": {"backend": "fsdp", **TWO},
+         "fsdp1": {"backend": "fsdp", "fsdp": {"version": 1}, **TWO},
+         "zero1": {"backend": "deepspeed", "shard": "optimizer", **TWO},
+         "zero2": {"backend": "deepspeed", "shard": "grad_op", **TWO},
+         "zero3": {"backend": "deepspeed", "shard": "full", **TWO}}
+XLA = {"xla1": {"backend": "xla_fsdp", "xla": {"fsdp_version": 1}, "micro_batch_size": ROWS,
+                "grad_clip": 1.0}}
+RAISE = {"fsdp2-raise": "fsdp2", "xla1-raise": "xla1"}  # on_nonfinite: raise, beside the default
+XLA_ENV = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1", "USE_TORCH_XLA": "1"}
+
+
+def engine_counts(tmp, cases: dict, nproc: int, env=None) -> dict:
+    (tmp / "cases.json").write_text(json.dumps(cases))
+    torchrun(nproc, [str(DIST / "hot_path_worker.py"), "--cases", str(tmp / "cases.json"),
+                     "--rows", str(ROWS), "--out", str(tmp / "engine.json")], timeout=400, env=env)
+    return json.loads((tmp / "engine.json").read_text())
+
+
+def native_counts(tmp, name: str, spec_dict: dict) -> dict:
+    spec = load_spec(spec_dict)
+    script, flags = get(spec.backend).native(spec)
+    raw = run_locally(spec, str(NATIVE_DIR / script), [
+        "--model=toy:tiny", "--steps=3", "--warmup=2", "--seq=16", f"--global-rows={ROWS}",
+        "--clip=1.0", "--count", *flags], tmp / f"native-{name}.json", timeout=400)
+    assert "error" not in raw, raw["error"]
+    steps = raw["counts"]
+    assert all(s == steps[0] for s in steps), steps  # steady: every counted step the same
+    return dict(sorted(steps[0].items()))
+
+
+def split(counts: dict) -> tuple[dict, int, int]:
+    collectives = {k: v for k, v in counts.items() if k.startswith("collective:")}
+    return collectives, counts.get("host_reads", 0), counts.get("xla_graphs", 0)
+
+
+@pytest.fixture(scope="module")
+def counted(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hot")
+    with_raise = {k: {**{**TORCH, **XLA}[v], "on_nonfinite": "raise"} for k, v in RAISE.items()}
+    engine = engine_counts(tmp, {**TORCH, "fsdp2-raise": with_raise["fsdp2-raise"]}, 2)
+    engine.update(engine_counts(tmp, {**XLA, "xla1-raise": with_raise["xla1-raise"]}, 1, XLA_ENV))
+    native = {name: native_counts(tmp, name, spec) for name, spec in {**TORCH, **XLA}.items()}
+    return engine, native
+
+
+@needs_both
+@pytest.mark.timeout(1200)
+def test_a_step_pays_what_the_native_loop_pays(counted):
+    engine, native = counted
+    rows = []
+    for name in [*TORCH, *XLA]:
+        ours, theirs = engine[name], native[name]
+        for mode in ("read", "noread"):
+            assert not any(k.startswith("store") for k in ours[mode]), (name, ours[mode])
+        assert not any(k.startswith("store") for k in theirs), (name, theirs)
+        coll, reads, graphs = split(theirs)
+        assert split(ours["read"]) == (coll, reads, graphs), (name, ours["read"], theirs)
+        assert split(ours["noread"]) == (coll, reads - 1, graphs), (name, ours["noread"], theirs)
+        rows.append({"backend": name, "collectives per step": sum(coll.values()),
+                     "native host reads": reads, "polyshard, loss read": split(ours["read"])[1],
+                     "polyshard, loss never read": split(ours["noread"])[1],
+                     "store calls": 0, "xla graphs": graphs or "-"})
+    record("hot-path", {"rows": rows, "raise": {k: engine[k] for k in RAISE}})
+
+
+@needs_both
+@pytest.mark.timeout(1200)
+def test_raise_and_skip_read_once_before_the_update(counted):
+    engine, native = counted
+    for name, base in RAISE.items():
+        coll, reads, graphs = split(native[base])
+        for mode in ("read", "noread"):  # the step's own read serves the loop's: one either way
+            assert split(engine[name][mode])[:2] == (coll, reads), (name, mode, engine[name])
+    # XLA: the read before the update ends the step's graph early; the update is a second graph
+    assert split(engine["xla1-raise"]["noread"])[2] == split(native["xla1"])[2] + 1
