@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import threading
 
-import torch
 from torch import nn
 
 from backends.xla.translate import translate
@@ -129,7 +128,7 @@ class _XlaAgreedFlag(AgreedFlag):
     def record(self, step: int, reduced) -> None:
         import torch_xla.core.xla_model as xm
 
-        host, landed = torch.zeros(1), threading.Event()
+        host, landed = self._buffer(), threading.Event()
         xm.add_step_closure(self._landed, args=(reduced, host, landed), run_async=True)
         self.ring.append((step, host, landed))
 

@@ -57,7 +57,7 @@ class XlaFsdpEngine(_Xla):
         if self.spec.state_dict == "full":  # rank 0 writes everything, gathered one at a time
             return self._save_gathered(tmp)
         # sharded: each rank writes the ranges of the original parameters its flat shards hold,
-        # from a host copy of one shard at a time: O(model / N) per rank, no gather
+        # from host copies of its own shards (its part of the state: O(model / N)), no gather
         layout, model, state = v1_layout(self.model), {}, {}
         xm.mark_step()
         for p, members in layout:

@@ -109,16 +109,13 @@ def read_manifest(path: str | Path) -> dict:
     return manifest
 
 
-def _tables(path: Path, manifest: dict, share) -> dict[str, dict]:
-    """{file: {size, sha256}} of the files whose writer `share(writer rank)` selects (version 1:
-    the manifest's one table, split by position)."""
+def _tables(path: Path, manifest: dict, rank: int = 0, world: int = 1) -> dict[str, dict]:
+    """{file: {size, sha256}} of this rank's share: the tables of writers rank, rank + world, ...
+    (version 1: the manifest's one table, split the same way by position)."""
     if manifest["format_version"] == 1:
-        files = list(manifest["files"].items())
-        return {name: info for i, (name, info) in enumerate(files) if share(i)}
+        return dict(list(manifest["files"].items())[rank::world])
     out = {}
-    for writer in range(manifest["writers"]):
-        if not share(writer):
-            continue
+    for writer in range(rank, manifest["writers"], world):
         table = path / HASHES / f"rank{writer}.json"
         if not table.is_file():
             raise CheckpointError(f"{table}: missing (rank {writer}'s file hashes)")
@@ -155,7 +152,7 @@ def verify_checkpoint(path: str | Path, workers: int | None = None) -> dict:
     manifest with `files` (every file's entry)."""
     path = Path(path)
     manifest = read_manifest(path)
-    table = _tables(path, manifest, lambda writer: True)
+    table = _tables(path, manifest)
     _check(path, table, workers or min(8, os.cpu_count() or 1))
     known = {*table, MANIFEST, *(f"{HASHES}/rank{r}.json" for r in range(manifest.get("writers", 0)))}
     stray = [str(f.relative_to(path)) for f in path.rglob("*")
@@ -175,7 +172,7 @@ def verify_parallel(path: str | Path) -> dict:
     error = None
     try:
         manifest = read_manifest(path)
-        _check(path, _tables(path, manifest, lambda writer: writer % world == rank))
+        _check(path, _tables(path, manifest, rank, world))
     except CheckpointError as err:
         error = str(err)
     if world == 1:

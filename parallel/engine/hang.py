@@ -30,6 +30,7 @@ HANG = "polyshard/hang"
 REPORTS = "polyshard/hang/reports"
 REPORTED = "polyshard/hang/reported"
 ALL_IN = "polyshard/hang/all_in"  # set by the last watcher to report: no one polls the count
+COLLECTOR = "polyshard/hang/collector"  # the first failing rank reads the reports; others name it
 GRACE_S = 5.0  # how long the failing rank waits for its peers' reports (live watchers answer in ms)
 NAMED = 8  # ranks named one by one in a report; the rest are counted (a report stays readable at 4k ranks)
 
@@ -127,6 +128,23 @@ def collect_reports(grace_s: float = GRACE_S) -> dict[int, dict] | None:
     return out
 
 
+def _collector(rank: int) -> int | None:
+    """The rank that reads the reports: the first whose collective failed. When thousands of ranks
+    time out at once, one reader keeps the store's traffic at one report per rank, not one per rank
+    per failing rank. None when the store cannot be reached."""
+    store = _store()
+    if store is None:
+        return None
+    try:
+        if store.add(COLLECTOR, 1) == 1:
+            store.set(f"{COLLECTOR}/rank", str(rank))
+            return rank
+        store.wait([f"{COLLECTOR}/rank"], timedelta(seconds=GRACE_S))
+        return int(store.get(f"{COLLECTOR}/rank"))
+    except Exception:  # noqa: BLE001 - no answer: this rank collects for itself
+        return None
+
+
 def is_timeout(err: BaseException) -> bool:
     """A collective that gave up waiting, or whose peer went away (gloo: "Timed out", "Connection
     closed by peer"; NCCL: "Watchdog caught collective operation timeout")."""
@@ -140,10 +158,14 @@ def timeout_error(rank: int, world: int, what: str, timeout_s: float,
     """The error a timed-out collective becomes: the ranks that are elsewhere, and where; with
     `report_dir`, every reporting rank's whole Python stack goes into one file there, named in the
     error."""
-    reports = collect_reports()
     mine = PROGRESS.describe()
     head = (f"rank {rank}: {what}: a collective did not complete (timeout_s {timeout_s:g} s, or a "
             f"peer went away) while this rank was at '{mine}'; ")
+    collector = _collector(rank)
+    if collector is not None and collector != rank:
+        return CollectiveTimeout(head + f"rank {collector} gathered every rank's report: see its "
+                                 "error and the hang-report file it names")
+    reports = collect_reports()
     if reports is None:
         return CollectiveTimeout(head + "the job's store is unreachable (the rank hosting it, "
                                  "usually rank 0, has exited): see that rank's error")

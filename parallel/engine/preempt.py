@@ -17,6 +17,7 @@ import signal
 import sys
 import threading
 from collections import deque
+from pathlib import Path
 
 import torch
 
@@ -66,9 +67,13 @@ class AgreedFlag:
     def __init__(self, device: torch.device):
         self.pinned = device.type == "cuda"
         self.ring: deque = deque()
+        self.free: list[torch.Tensor] = []  # host buffers read and returned: lag + 1 in all
+
+    def _buffer(self) -> torch.Tensor:
+        return self.free.pop() if self.free else torch.zeros(1, pin_memory=self.pinned)
 
     def record(self, step: int, reduced: torch.Tensor) -> None:
-        host = torch.zeros(1, pin_memory=self.pinned)
+        host = self._buffer()
         host.copy_(reduced.reshape(1).float(), non_blocking=True)
         event = None
         if reduced.device.type == "cuda":
@@ -79,7 +84,7 @@ class AgreedFlag:
     def agreed(self, step: int) -> float:
         """The fraction of ranks signalled in step `step - lag` (0 when none, or when that step was not recorded)."""
         while self.ring and self.ring[0][0] < step - self.lag:
-            self.ring.popleft()
+            self.free.append(self.ring.popleft()[1])
         if not self.ring or self.ring[0][0] != step - self.lag:
             return 0
         _, host, landed = self.ring.popleft()
@@ -87,7 +92,9 @@ class AgreedFlag:
             landed.wait()
         elif landed is not None:
             landed.synchronize()  # `lag` steps old: finished long ago, the queue does not stall
-        return float(host.numpy()[0])
+        value = float(host.numpy()[0])
+        self.free.append(host)
+        return value
 
     def at(self, step: int) -> None:
         """After a load: records of steps before `step` no longer apply."""
@@ -129,8 +136,6 @@ class PreemptionMixin:
         next train_step raise Preempted; this step's result is still returned and logged."""
         if self._agreed is None or self._preempted or self._agreed.agreed(self.step + 1) <= 0:
             return
-        from pathlib import Path
-
         path = self.save(Path(self.spec.checkpoint.dir) / f"step-{self.step:08d}", async_save=False)
         mine = (f"this rank caught {signal.Signals(self._signals.signum).name}"
                 if self._signals.signum else "another rank caught the signal")

@@ -59,10 +59,9 @@ def first_failure(failures: dict) -> tuple[int, object, dict]:
     return rank, failure, (failure.error_file_data or {}).get("polyshard", {})
 
 
-REQUEUE_EXIT = 85  # parallel/engine/preempt.py: every rank saved and asks to be requeued
-
-
 def report(failures: dict) -> str:
+    from parallel.engine.preempt import REQUEUE_EXIT  # every rank saved and asks to be requeued
+
     rank, failure, mine = first_failure(failures)
     if all(f.exitcode == REQUEUE_EXIT for f in failures.values()):
         return (f"polyshard launch: preempted: the ranks saved a complete checkpoint and exited "
