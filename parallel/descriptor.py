@@ -82,3 +82,4 @@ class BackendDescriptor:
     # file kind -> (path, lossy, given) -> (spec dict, report): `polyshard import KIND FILE`
     config_importers: dict[str, Callable] = field(default_factory=dict)
     checkpoint_readers: dict[str, str] = field(default_factory=dict)  # kind -> "module:reader"
+    checkpoint_writers: dict[str, str] = field(default_factory=dict)  # kind -> "module:writer"

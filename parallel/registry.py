@@ -142,15 +142,29 @@ def export_formats() -> list[str]:
     return sorted({k for d in descriptors() for k in (*d.exports, *d.formats)})
 
 
-def checkpoint_reader(kind: str):
+def _checkpoint_io(kind: str, table: str):
     for d in descriptors():
-        if kind in d.checkpoint_readers:
-            return load(d, d.checkpoint_readers[kind])
+        if kind in getattr(d, table):
+            return load(d, getattr(d, table)[kind])
     raise KeyError(kind)
+
+
+def checkpoint_reader(kind: str):
+    """src dir -> (portable state, steps, world size): a backend's native checkpoint format in."""
+    return _checkpoint_io(kind, "checkpoint_readers")
 
 
 def checkpoint_kinds() -> list[str]:
     return [k for d in descriptors() for k in d.checkpoint_readers]
+
+
+def checkpoint_writer(kind: str):
+    """(checkpoint path, out dir) -> path written: a backend's native checkpoint format out."""
+    return _checkpoint_io(kind, "checkpoint_writers")
+
+
+def checkpoint_writer_kinds() -> list[str]:
+    return [k for d in descriptors() for k in d.checkpoint_writers]
 
 
 def packages() -> list[str]:

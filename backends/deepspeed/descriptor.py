@@ -33,4 +33,5 @@ DESCRIPTOR = BackendDescriptor(
     checkpoint_readers={"deepspeed": "backends.deepspeed.native_checkpoint:read_deepspeed",
                         "deepspeed-universal":
                             "backends.deepspeed.native_checkpoint:read_deepspeed_universal"},
+    checkpoint_writers={"deepspeed-universal": "backends.deepspeed.universal:write_universal"},
 )

@@ -194,6 +194,17 @@ def read_model(path: Path) -> dict[str, torch.Tensor]:
     return load_state(template, path, collective=False)["model"]
 
 
+def read_tensor(path: Path, key: str, shape, dtype) -> torch.Tensor:
+    """One stored tensor by its flat key ("model.lm_head.weight", "optim.state.<name>.exp_avg"),
+    read alone in this process: DCP reads only the chunks a partial template asks for, so a
+    converter holds one tensor at a time, never the model."""
+    head, _, rest = key.partition(".")
+    template = {head: {rest: torch.empty(shape, dtype=dtype)}}
+    with _quiet_dcp():
+        dcp.load(template, storage_reader=dcp.FileSystemReader(str(path / STATE_DIR)), no_dist=True)
+    return template[head][rest]
+
+
 def full_template(names_shapes: dict[str, torch.Size], optim_keys: dict[str, list[str]],
                   groups: None, dtype=torch.float32) -> dict:
     """Whole-tensor CPU template for backends that hold no DTensors (DeepSpeed, XLA FSDP v1): every

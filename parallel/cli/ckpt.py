@@ -9,7 +9,8 @@ EXAMPLES = """example: polyshard ckpt inspect runs/demo   # a checkpoint, or a d
 more:
   polyshard ckpt verify runs/demo/step-30     # exit 1 naming the first corrupted file
   polyshard ckpt import deepspeed ds_ckpt/ runs/imported --step 1000
-  polyshard ckpt export --to hf runs/demo hf_model/"""
+  polyshard ckpt export --to hf runs/demo hf_model/
+  polyshard ckpt export --to deepspeed-universal runs/demo ds_universal/"""
 
 
 def add_parser(sub) -> None:
@@ -33,8 +34,12 @@ def add_parser(sub) -> None:
     a.add_argument("--step", type=int, help="optimizer steps taken (when the source has no record)")
     a = actions.add_parser("export", help="write weights for another tool",
                            description="write weights for another tool")
-    a.add_argument("--to", choices=["hf"], required=True,
-                   help="hf: model.safetensors + config.json for transformers' from_pretrained")
+    from parallel.registry import checkpoint_writer_kinds
+
+    a.add_argument("--to", choices=["hf", *checkpoint_writer_kinds()], required=True,
+                   help="hf: model.safetensors + config.json for transformers' from_pretrained; "
+                   "deepspeed-universal: what DeepSpeed loads with checkpoint.load_universal "
+                   "(weights and optimizer state, any ZeRO-1/2 world size)")
     a.add_argument("path")
     a.add_argument("out")
     a.add_argument("--config", help="Hugging Face config.json (default: the one saved with it)")
@@ -51,7 +56,12 @@ def run(args) -> int:
             print(f"imported {args.kind} checkpoint {args.src} -> {out}")
             return 0
         if args.action == "export":
-            print(f"exported {export_hf(args.path, args.out, args.config)}")
+            if args.to == "hf":
+                print(f"exported {export_hf(args.path, args.out, args.config)}")
+            else:
+                from parallel.registry import checkpoint_writer
+
+                print(f"exported {checkpoint_writer(args.to)(args.path, args.out)}")
             return 0
         path = resolve(args.path)
         manifest = verify_checkpoint(path)  # sizes and sha256 of every file

@@ -61,6 +61,38 @@ def deepspeed_zero2(out: Path):
     engine.save_checkpoint(str(out))
 
 
+def deepspeed_universal_resume(root: Path):
+    """Plain DeepSpeed ZeRO-2 (no polyshard) loads polyshard's `ckpt export --to deepspeed-universal`
+    output with load_universal and runs steps 4-5; rank 0 writes the losses."""
+    import json
+
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)
+    torch.manual_seed(7)  # other weights than the run's: only the load can give its losses
+    model, batches = build_llama(llama_config("tiny")), global_batches(5, 1, ROWS)
+    cls, kw = optimizer_arg("adamw")
+    rows = ROWS // dist.get_world_size()
+    config = {"train_micro_batch_size_per_gpu": rows, "gradient_accumulation_steps": 1,
+              "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
+              "zero_optimization": {"stage": 2}, "checkpoint": {"load_universal": True}}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=cls(model.parameters(), **kw),
+                                      config=config)
+    engine.load_checkpoint(str(root / "exported_universal"))
+    rank, losses = dist.get_rank(), []
+    for ids in batches[STEPS:]:
+        mine = ids[rank * rows:(rank + 1) * rows]
+        loss = engine(input_ids=mine, labels=mine).loss
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / dist.get_world_size())
+    if rank == 0:
+        (root / "universal_losses.json").write_text(json.dumps({
+            "loss": losses, "global_steps": engine.global_steps}))
+
+
 def xla_fsdp_v1(out: Path):
     import torch_xla
     import torch_xla.core.xla_model as xm
@@ -94,6 +126,9 @@ def main():
     if "xla" not in args.which:
         dist.init_process_group("gloo")
     for name in args.which.split(","):
+        if name == "deepspeed_universal_resume":
+            deepspeed_universal_resume(Path(args.root))
+            continue
         {"fsdp2_dcp": fsdp2_dcp, "deepspeed_zero2": deepspeed_zero2,
          "xla": xla_fsdp_v1}[name](Path(args.root) / name)
     if dist.is_initialized():

@@ -4,7 +4,8 @@ Plain loops with no polyshard in them (tests/distributed/native_worker.py) write
 (FSDP2), a DeepSpeed ZeRO-2 checkpoint and XLA FSDP v1 shard files after 3 AdamW steps (and DeepSpeed's
 `ds_to_universal` turns the ZeRO-2 one into a universal checkpoint); `polyshard ckpt import` converts
 each, and FSDP1 and ZeRO-3 (2 ranks) resume from them: steps 4-5 must equal the
-uninterrupted single-process run, so Adam moments and step counts came along. The DeepSpeed import is
+uninterrupted single-process run, so Adam moments and step counts came along; an imported run
+exported with `ckpt export --to deepspeed-universal` resumes in plain DeepSpeed. The DeepSpeed import is
 exported with `polyshard ckpt export --to hf`; transformers' from_pretrained loads it and gives step 4's
 loss. A truncated and a byte-flipped copy are refused by `ckpt verify` and by `load`, naming the file."""
 
@@ -109,6 +110,28 @@ def test_hf_export_loads_in_transformers_with_the_same_loss(imported):
     with torch.no_grad():
         loss = model(input_ids=ids, labels=ids).loss.item()
     assert abs(loss - results["reference-adamw"]["loss"][3]) <= 1e-5
+
+
+@needs_both
+@pytest.mark.timeout(900)
+def test_universal_export_resumes_in_plain_deepspeed(imported):
+    """The FSDP2 run's checkpoint (imported from torch DCP) exported to DeepSpeed's universal format:
+    plain DeepSpeed ZeRO-2 with load_universal carries on with the uninterrupted run's losses, so
+    weights, Adam moments, step counts and hyper-parameters all arrived."""
+    tmp, results = imported
+    out = polyshard("ckpt", "export", "--to", "deepspeed-universal",
+                    tmp / "ckpt" / "native_dcp-adamw", tmp / "exported_universal")
+    assert out.returncode == 0, out.stderr[-3000:]
+    tag = (tmp / "exported_universal" / "latest_universal").read_text()
+    assert (tmp / "exported_universal" / tag / "zero" / "lm_head.weight" / "exp_avg_sq.pt").is_file()
+    torchrun(2, [str(DIST / "native_worker.py"), "--which", "deepspeed_universal_resume",
+                 "--root", str(tmp)], timeout=300)
+    resumed = json.loads((tmp / "universal_losses.json").read_text())
+    ref = results["reference-adamw"]["loss"][3:]
+    diff = max(abs(a - b) for a, b in zip(resumed["loss"], ref))
+    assert len(resumed["loss"]) == 2 and diff <= 1e-5, (resumed, ref)
+    assert resumed["global_steps"] == 5
+    print(f"universal export -> plain DeepSpeed ZeRO-2: steps 4-5 within {diff:.1e}")
 
 
 @needs_both
