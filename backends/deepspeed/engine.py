@@ -55,6 +55,11 @@ class DeepSpeedEngine(Engine):
         # deepspeed.comm wraps the process group the Engine created. zero.Init reads its world size
         # from there: before deepspeed.initialize it would see 1 and reject the batch sizes.
         deepspeed.init_distributed(dist_init_required=False)
+        if self.spec.deepspeed.deepcompile and self.device.type != "cuda":
+            raise SpecError([("deepspeed.deepcompile", f"needs CUDA: DeepSpeed "
+                              f"{deepspeed.__version__} enables DeepCompile on the cuda accelerator "
+                              f"only, and this process runs on {self.device.type}; set "
+                              "deepcompile: false (compile.enabled still compiles the model)")])
         if not isinstance(model, nn.Module):
             if self.spec.deepspeed.zero_init and STAGES[self.spec.shard] == 3:
                 # Parameters are partitioned as each module is constructed: no rank holds them all.
@@ -72,8 +77,13 @@ class DeepSpeedEngine(Engine):
         self._record_params(model)
         # DeepSpeed does not wrap: the wrap policy only picks the units activation checkpointing
         # recomputes, so a model without _no_split_modules needs no policy unless that is on.
+        compile_blocks = self.spec.compile.enabled and self.spec.compile.scope == "blocks"
+        units = plan_wrap(model, self.spec.wrap) if (self.spec.checkpoint_activations
+                                                     or compile_blocks) else []
         if self.spec.checkpoint_activations:
-            apply_ac(model, plan_wrap(model, self.spec.wrap))
+            apply_ac(model, units)
+        if compile_blocks:  # after checkpointing, so the wrapper (and its recompute) is compiled
+            self._apply_compile(model, units)
         # Built here and handed over as an instance, so the same checks as on every backend apply
         # (ZeRO keeps the parameter objects: groups built before prepare need no mapping).
         client = self._optimizer_over(self._optimizer_factory(optimizer), model)
@@ -81,6 +91,11 @@ class DeepSpeedEngine(Engine):
             model=model, optimizer=client,
             model_parameters=[p for p in model.parameters() if p.requires_grad],
             config=self.config, dist_init_required=False)
+        if self.spec.compile.enabled and self.spec.compile.scope == "model":
+            # DeepSpeed's own call: it compiles ds.module in place and records that it did
+            # (DeepCompile, compiled autograd and its nvtx switch hang off that record).
+            self._apply_compile(self.ds.module, [], lambda backend, kwargs: self.ds.compile(
+                backend=backend, compile_kwargs=kwargs))
         return self.ds, ds_optimizer
 
     def _optimizer_factory(self, optimizer: OptimizerArg):

@@ -18,9 +18,23 @@ STAGES = {"none": 0, "optimizer": 1, "grad_op": 2, "full": 3, "hybrid": 3}
 def translate(spec: Spec) -> dict:
     """The DeepSpeed config this spec means, with `deepspeed.native` merged last."""
     config, origins = _config(spec)
+    _deepcompile(spec, config, origins)
     native = _native(spec.deepspeed.native)
     merged = _merge(config, origins, native, "deepspeed.native")
     return {"config": merged}
+
+
+def _deepcompile(spec: Spec, config: dict, origins: dict) -> None:
+    """DeepCompile lives in DeepSpeed's `compile` block and acts through DeepSpeedEngine.compile(),
+    which compiles the whole model: scope model only."""
+    if not spec.deepspeed.deepcompile:
+        return
+    if not (spec.compile.enabled and spec.compile.scope == "model"):
+        raise SpecError([("deepspeed.deepcompile", "acts through DeepSpeedEngine.compile(), which "
+                          "compiles the whole model; set compile: {enabled: true, scope: model} "
+                          "or remove deepcompile")])
+    config["compile"] = {"deepcompile": True}
+    origins["compile.deepcompile"] = "deepspeed.deepcompile"
 
 
 def _config(spec: Spec) -> tuple[dict, dict]:

@@ -17,7 +17,7 @@ from parallel.checkpoint.dcp_state import read_model_optim, write_model_optim
 from parallel.engine.base import Engine
 from parallel.engine.step import OptimizerArg, clip_grad_norm, require_fp32
 from parallel.engine.params import Sharded, clean_name
-from parallel.engine.wrap import apply_ac, plan_wrap
+from parallel.engine.wrap import apply_ac, at_unit_places, plan_wrap
 from parallel.spec.io import SpecError
 from parallel.spec.model import Spec
 from parallel.tools.measurable import ModuleStateTensors
@@ -141,13 +141,23 @@ class FSDP2Engine(_TorchFSDP):
         elif self.spec.fsdp.sync_module_states:
             model.to(self.device)
             broadcast_from_rank0(chain(model.parameters(), model.buffers()))
-        # Checkpoint wrappers go on before fully_shard, so FSDP's hooks sit outside the recomputed
-        # region and each unit's parameters are gathered once for the recomputation too.
+        # torchtitan's order: activation checkpointing, then compile, then fully_shard, each on
+        # what sits at the unit's place (the checkpoint wrapper when there is one). fully_shard on
+        # the wrapper keeps FSDP's hooks outside the recomputed region (a unit's parameters are
+        # gathered once for backward and its recomputation) and outside the compiled graph (dynamo
+        # skips FSDP's hooks: inside, they were a graph break before any code of the block, and the
+        # block ran eagerly, measured in docs/compile.md). Compile on the wrapper compiles the
+        # recomputation too. nn.Module.compile works in place and fully_shard keeps the object.
         if self.spec.checkpoint_activations:
             apply_ac(model, self.units)
+        self.units = at_unit_places(model, self.units)
+        if self.spec.compile.scope == "blocks":
+            self._apply_compile(model, self.units)
         for _, unit in self.units:  # children first: each unit owns only what no inner unit owns
             fully_shard(unit, mesh=mesh, **kwargs)
         fully_shard(model, mesh=mesh, **kwargs)
+        if self.spec.compile.scope == "model":
+            self._apply_compile(model, [])
         if lazy:
             self._fill_from_rank0(model, full_sd, buffers)
         self._set_forward_prefetch(model)
@@ -239,6 +249,10 @@ class FSDP1Engine(_TorchFSDP):
         # (torch's recipe): wrapping a CheckpointWrapper instead would hide the layer class.
         if self.spec.checkpoint_activations:
             apply_ac(model, self.units)
+        # Compile last: each unit's block inside its FSDP wrapper (scope blocks), so FSDP1's
+        # unshard/reshard runs outside the graphs and dynamo traces the original parameters
+        # (use_orig_params), or the whole wrapped model (scope model).
+        self._apply_compile(model, self.units)
         # use_orig_params: false leaves one flat parameter per unit, which holds several originals
         return model, self._optimizer_over(optimizer, model, flat_members(model))
 

@@ -71,5 +71,11 @@ def translate(spec: Spec) -> dict:
         kwargs["mixed_precision"] = mixed
         origins["mixed_precision"] = "precision / reduce_dtype"
     native = merge_native(kwargs, origins, f.native, "fsdp.native")
+    if spec.compile.enabled and not native["use_orig_params"]:
+        # Dynamo traces the original parameters; FSDP1's flat parameter hides them behind views
+        # that change storage every forward (torch documents use_orig_params=True for compile).
+        raise SpecError([("fsdp.use_orig_params", "false with compile.enabled: torch.compile "
+                          "needs FSDP1's original parameters; set use_orig_params: true, or "
+                          "compile.enabled: false")])
     mesh = list(mesh_shape(spec)) if spec.shard in HYBRID_SHARDS else None
     return {"api": "FullyShardedDataParallel", "mesh": mesh, "kwargs": native}

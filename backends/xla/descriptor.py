@@ -31,6 +31,13 @@ DESCRIPTOR = BackendDescriptor(
             "XLA's checkpoints are written from device tensors by its own planners (SPMD) or "
             "gathered through XLA collectives (v1), which a background thread cannot drive",
             "checkpoint.async_save: false")},
+        "compile.enabled": {True: Unsupported(
+            "PyTorch/XLA already compiles: each step's forward, backward and optimizer update are "
+            "traced into one XLA graph, compiled once per shape and cached; torch.compile's "
+            "openxla backend is experimental for training and splits that graph in three "
+            "(forward, backward, optimizer), which XLA optimises less well (docs/compile.md)",
+            "compile.enabled: false (xla.compilation_cache keeps compiled graphs across "
+            "restarts)")},
         "export": {"accelerate": Unsupported("accelerate has no XLA FSDP",
                                              "--to hf-trainer (TrainingArguments' fsdp_config.xla)")},
     }),

@@ -21,8 +21,22 @@ def _check_reduce(spec: Spec) -> None:
                           f"{' or '.join(sorted(allowed))}; use one of those")])
 
 
+def _check_preemption_sync(spec: Spec) -> None:
+    ck = spec.checkpoint
+    if not spec.xla.preemption_sync:
+        return
+    if spec.xla.fsdp_version != 2:
+        raise SpecError([("xla.preemption_sync", "is torch_xla's SPMD sync point: set "
+                          "xla.fsdp_version: 2, or remove it (v1 agrees through its loss reduction)")])
+    if ck.dir is None or ck.preemption_signals != ["SIGTERM"]:
+        raise SpecError([("xla.preemption_sync", f"needs checkpoint.dir (got {ck.dir!r}) and "
+                          f"checkpoint.preemption_signals: [SIGTERM] (got {ck.preemption_signals}): "
+                          "torch_xla's notifier listens to SIGTERM only")])
+
+
 def translate(spec: Spec) -> dict:
     _check_reduce(spec)
+    _check_preemption_sync(spec)
     x = spec.xla
     settings = {k: v for k, v in x.xla_fsdp_settings.items() if k != "xla_fsdp_grad_ckpt"}
     if x.fsdp_version == 2:

@@ -24,6 +24,7 @@ from parallel.engine import dist as pdist
 from parallel.engine.data import ResumableLoader, ResumableSampler
 from parallel.engine.dims import ParallelDims
 from parallel.engine.checkpointing import CheckpointMixin
+from parallel.engine.compiling import CompileMixin
 from parallel.engine.guards import (
     BatchError,
     NonFiniteLossError,
@@ -45,7 +46,7 @@ from parallel.engine.step import (
 )
 from parallel.spec.model import Spec
 
-class Engine(CheckpointMixin, PreemptionMixin, ABC):
+class Engine(CheckpointMixin, PreemptionMixin, CompileMixin, ABC):
     """prepare -> train_step / eval_step -> save / load -> close."""
 
     name: str = "base"
@@ -189,6 +190,7 @@ class Engine(CheckpointMixin, PreemptionMixin, ABC):
         pays one loss reduction and, with on_nonfinite raise|skip, one host read of it
         (docs/reliability.md, "What a step pays")."""
         start = time.perf_counter()
+        self._check_start()  # first call only: a signal during start-up exits without a save
         if self._preempted is not None:  # saved at the end of the previous step: exit to requeue
             raise self._preempted
         self._check_finite()  # raise_deferred: an earlier step's record, if it has landed
@@ -243,6 +245,7 @@ class Engine(CheckpointMixin, PreemptionMixin, ABC):
         if self.scheduler is not None and stepped:
             self.scheduler.step()
         self.step += 1
+        self._compile_after_step()  # compile.enabled: host-only checks that it ran compiled
         return StepResult(step=self.step, loss_tensor=mean, grad_norm_tensor=grad_norm, lr=lr,
                           tokens=count_tokens(batch) * self.dp_size,
                           step_time=time.perf_counter() - start, stepped=stepped,

@@ -63,6 +63,7 @@ class AgreedFlag:
     Backends whose device reports differently (XLA: a step closure) override `record`."""
 
     lag = LAG
+    rides_loss = True  # the flag travels in the step's loss reduction
 
     def __init__(self, device: torch.device):
         self.pinned = device.type == "cuda"
@@ -113,7 +114,30 @@ class PreemptionMixin:
         (without one a preemption could only lose the run: the signals keep their default)."""
         names = self.spec.checkpoint.preemption_signals
         if names and self.spec.checkpoint.dir:
-            self._signals, self._agreed = SignalFlag(names), self._agreed_flag()
+            self._agreed = self._agreed_flag()
+            # an agreement that hears the signals itself (torch_xla's sync manager) needs no flag
+            self._signals = SignalFlag(names) if self._agreed.rides_loss else None
+
+    _started = False  # this process has passed its first train_step's start-up check
+
+    def _check_start(self) -> None:
+        """Once per process, at its first train_step: a signal caught during start-up (building,
+        sharding, resuming) means nothing was trained since the last checkpoint, so every rank exits
+        to requeue without writing one. One all-reduce of one element, once per process; from then
+        on the flag rides each step's loss reduction."""
+        if self._started or self._signals is None:
+            return
+        from parallel.engine import dist as pdist
+
+        self._started = True
+        caught = pdist.all_mean(torch.full((), self._signals.caught, device=self.device))
+        if float(caught) > 0:
+            message = (f"preempted before the first step of this launch: nothing was trained since "
+                       f"it started, so no checkpoint was written; exiting with {REQUEUE_EXIT} so "
+                       "the job is requeued (it resumes from the previous checkpoint, if any)")
+            if self.is_main:
+                print(message, file=sys.stderr, flush=True)
+            self._preempted = Preempted(message)
 
     def _agreed_flag(self) -> AgreedFlag:
         return AgreedFlag(self.device)
@@ -123,7 +147,7 @@ class PreemptionMixin:
         of ranks that caught a preemption signal (recorded, read `lag` steps later)."""
         from parallel.engine import dist as pdist
 
-        if self._agreed is None:
+        if self._signals is None:
             return pdist.all_mean(local)
         flag = torch.full((), self._signals.caught, device=local.device)
         packed = pdist.all_mean(torch.stack([local.float(), flag]))
@@ -137,7 +161,8 @@ class PreemptionMixin:
         if self._agreed is None or self._preempted or self._agreed.agreed(self.step + 1) <= 0:
             return
         path = self.save(Path(self.spec.checkpoint.dir) / f"step-{self.step:08d}", async_save=False)
-        mine = (f"this rank caught {signal.Signals(self._signals.signum).name}"
+        mine = ("torch_xla's preemption sync point was reached" if self._signals is None
+                else f"this rank caught {signal.Signals(self._signals.signum).name}"
                 if self._signals.signum else "another rank caught the signal")
         message = (f"preempted after step {self.step} ({mine}): checkpoint {path} is complete and "
                    f"`latest`; exiting with {REQUEUE_EXIT} so the job is requeued and resumes from "

@@ -85,3 +85,11 @@ def apply_ac(model: nn.Module, units: list[tuple[str, nn.Module]]) -> None:
     wrapper = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
     apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper,
                                    check_fn=lambda m: id(m) in ids)
+
+
+def at_unit_places(model: nn.Module, units: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """What sits at each unit's place in the tree: the unit itself, or the activation-checkpoint
+    wrapper apply_ac put around it. Sharding and compiling that module keeps FSDP's hooks and the
+    compiled region outside the recomputed one."""
+    wrapper_of = {id(getattr(m, "_checkpoint_wrapped_module", None)): m for m in model.modules()}
+    return [(name, wrapper_of.get(id(unit), unit)) for name, unit in units]

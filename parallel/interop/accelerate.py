@@ -151,11 +151,10 @@ def _top_level(imp: Import, cfg: dict, kind: str) -> None:
                 f"; did you mean {hint[0]!r}?" if hint else "")))
         elif key in LAUNCH_ONLY:
             imp.note(key, "launch", LAUNCH_ONLY[key])
-        elif key in EMPTY_OK and value and key != "parallelism_config" and not (
-                key == "dynamo_config" and str(value.get("dynamo_backend", "NO")).upper() == "NO"):
-            imp.refuse(key, f"{key} has no polyshard equivalent yet (torch.compile: issue 18; fp8, "
-                       "Megatron, IPEX, MPI: none)")
+        elif key in EMPTY_OK and value and key not in ("parallelism_config", "dynamo_config"):
+            imp.refuse(key, f"{key} has no polyshard equivalent (fp8, Megatron, IPEX, MPI)")
     _precision(imp, cfg)
+    _dynamo(imp, cfg)
     _topology(imp, cfg, kind)
     if cfg.get("use_cpu"):
         imp.refuse("use_cpu", "true trains on the CPU even where GPUs exist; polyshard uses the "
@@ -167,6 +166,40 @@ def _top_level(imp: Import, cfg: dict, kind: str) -> None:
     if cfg.get("downcast_bf16") not in (None, False, "no"):
         imp.refuse("downcast_bf16", "downcasts fp32 tensors to bf16 on TPUs, which changes the math "
                    "on no other backend")
+
+
+DYNAMO_BACKENDS = {"INDUCTOR": "inductor", "AOT_EAGER": "aot_eager", "EAGER": "eager"}
+
+
+def _dynamo(imp: Import, cfg: dict) -> None:
+    """dynamo_config, as `accelerate launch` hands it to its TorchDynamoPlugin: backend NO is off;
+    the whole model is compiled unless dynamo_use_regional_compilation; fullgraph defaults false;
+    dynamic false unless set."""
+    dyn = dict(cfg.get("dynamo_config") or {})
+    if "dynamo_backend" in cfg:  # accelerate's old top-level name for the same field
+        dyn.setdefault("dynamo_backend", cfg["dynamo_backend"])
+    src = "dynamo_config.dynamo_backend"
+    backend = str(dyn.get("dynamo_backend", "NO")).upper()
+    if backend == "NO":
+        return
+    if backend not in DYNAMO_BACKENDS:
+        imp.refuse(src, f"{backend!r}: polyshard compiles with inductor, aot_eager or eager "
+                   "(compile.backend)")
+        return
+    imp.set("compile.enabled", True, src)
+    imp.set("compile.backend", DYNAMO_BACKENDS[backend], src)
+    regional = bool(dyn.get("dynamo_use_regional_compilation", False))
+    imp.set("compile.scope", "blocks" if regional else "model",
+            "dynamo_config.dynamo_use_regional_compilation", detail=(
+                "compile.scope: 'blocks' (accelerate also compiles the modules outside the repeated "
+                "blocks, each on its own; polyshard runs those eagerly)" if regional else
+                "compile.scope: 'model' (accelerate compiles the whole model unless regional)"))
+    # accelerate launch's own defaults (its --dynamo_* arguments) fill what the file leaves out:
+    # dynamic is then False, not torch's None
+    for key, field, default in (("dynamo_mode", "mode", "default"),
+                                ("dynamo_use_fullgraph", "fullgraph", False),
+                                ("dynamo_use_dynamic", "dynamic", False)):
+        imp.set(f"compile.{field}", dyn.get(key, default), f"dynamo_config.{key}")
 
 
 def _precision(imp: Import, cfg: dict) -> None:

@@ -10,6 +10,7 @@ none is left to a default."""
 from __future__ import annotations
 
 from parallel.interop.accelerate import PREFETCH, STRATEGIES
+from parallel.spec.io import SpecError
 from parallel.spec.model import Spec
 
 STRATEGY_OF = {v: k for k, v in STRATEGIES.items()}
@@ -52,7 +53,21 @@ def common_accelerate(spec: Spec) -> dict:
     if spec.topology.rdzv_endpoint:
         host, _, port = spec.topology.rdzv_endpoint.rpartition(":")
         common.update(main_process_ip=host, main_process_port=int(port))
+    if spec.compile.enabled:
+        common["dynamo_config"] = accelerate_dynamo(spec)
     return common
+
+
+def accelerate_dynamo(spec: Spec) -> dict:
+    """`compile` as accelerate's dynamo_config (the inverse of parallel/interop/accelerate.py)."""
+    c = spec.compile
+    if c.dynamic is None:  # accelerate launch always passes dynamic=True or False
+        raise SpecError([("compile.dynamic", "None (torch's automatic dynamic shapes) has no "
+                          "accelerate equivalent: accelerate launch passes dynamic=False unless "
+                          "told true; set compile.dynamic: false or true")])
+    return {"dynamo_backend": c.backend.upper(), "dynamo_mode": c.mode,
+            "dynamo_use_fullgraph": c.fullgraph, "dynamo_use_dynamic": c.dynamic,
+            "dynamo_use_regional_compilation": c.scope == "blocks"}
 
 
 def trainer_args(spec: Spec) -> dict:

@@ -15,6 +15,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from parallel.spec.compiling import Compile
 from parallel.spec.sections import (
     Checkpointing,
     DeepSpeedOptions,
@@ -92,6 +93,10 @@ class Spec(Section):
               "them (non-reentrant checkpoint on every unit the wrap policy selects)."),
     ] = False
     wrap: Annotated[Wrap, Field(description="Which modules become shard units.")] = Wrap()
+    compile: Annotated[
+        Compile, Field(description="torch.compile: what is compiled and how (`compile: true` for "
+                       "the defaults).")
+    ] = Compile()
     micro_batch_size: Annotated[
         int, Field(ge=1, description="Samples per rank per forward pass.")
     ] = 1
@@ -232,7 +237,7 @@ class Spec(Section):
         elif self.world_size % self.topology.tp:
             problems.append(("topology.tp", f"{self.topology.tp} does not divide the world size "
                              f"{self.world_size}"))
-        for name in ("shard", "offload", "precision", "checkpoint.async_save"):
+        for name in ("shard", "offload", "precision", "checkpoint.async_save", "compile.enabled"):
             value = self
             for part in name.split("."):
                 value = getattr(value, part)

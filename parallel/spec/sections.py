@@ -243,6 +243,11 @@ class DeepSpeedOptions(Section):
     param_persistence_threshold: Annotated[
         int | None, Field(ge=0, description="ZeRO-3: parameters smaller than this stay unsharded.")
     ] = None
+    deepcompile: Annotated[
+        bool, Field(description="With compile: {enabled: true, scope: model}: DeepSpeed's "
+                    "DeepCompile (compiler passes that place ZeRO's gathers and reductions inside "
+                    "the compiled graph). DeepSpeed 0.19.8 runs it on CUDA only.")
+    ] = False
     native: Annotated[
         dict[str, Any] | str,
         Field(description="A DeepSpeed config dict or a path to its JSON, merged last. \"auto\" "
@@ -281,6 +286,13 @@ class XlaOptions(Section):
         Field(description="Directory for XLA's persistent compilation cache: a relaunch (resume, "
               "restart) reuses compiled graphs instead of compiling them again."),
     ] = None
+    preemption_sync: Annotated[
+        bool,
+        Field(description="v2 (SPMD) on TPU VM slices: agree on a preemption through torch_xla's "
+              "preemption sync manager (TSL's SIGTERM notifier and the coordination service every "
+              "host joins) instead of the loss reduction; every host then saves at the same step. "
+              "Needs checkpoint.dir and preemption_signals: [SIGTERM] (what it listens to)."),
+    ] = False
     xla_fsdp_settings: Annotated[
         dict[str, Any],
         Field(description="Accelerate's passthrough of XlaFullyShardedDataParallel arguments "

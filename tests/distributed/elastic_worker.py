@@ -7,7 +7,10 @@
   --stall-step K                rank R sleeps 120 s before step K (its peers time out)
   --bad-batch-step K            rank R's batch for step K has no labels (BatchError on that rank)
   --signal-step K               rank R (or every rank with --kill-rank -1) sends itself SIGTERM right
-                                after step K, first launch only (a preemption notice)
+                                after step K, first launch only (a preemption notice); K = 0:
+                                during start-up, before the first step
+  --signal-in-save K            rank R sends itself SIGTERM inside the save of step K, and again
+                                after step K + 1 (a signal during a save, and a second signal)
 
 The loop is the one a user writes: engine.resume() (checkpoint.resume: auto), train_step,
 engine.maybe_save() every checkpoint.every steps. Rank 0 appends every step's loss to --log.
@@ -49,7 +52,7 @@ def main():
     p.add_argument("--kill-rank", type=int, default=1)
     p.add_argument("--sleep", type=float, default=0.0, help="seconds after each step (a slow job)")
     for flag in ("--kill-step", "--kill-in-save", "--stall-step", "--bad-batch-step",
-                 "--signal-step"):
+                 "--signal-step", "--signal-in-save"):
         p.add_argument(flag, type=int)
     args = p.parse_args()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -68,7 +71,17 @@ def main():
             if engine.step == args.kill_in_save:
                 die()  # this rank's shards are on disk; the manifest never will be
         engine._save_model_optim = write_then_die
+    if faulty and args.signal_in_save:
+        write = engine._save_model_optim
+
+        def signal_while_writing(tmp):  # the handler only sets a flag: this save completes
+            if engine.step == args.signal_in_save:
+                os.kill(os.getpid(), signal.SIGTERM)
+            write(tmp)
+        engine._save_model_optim = signal_while_writing
     engine.resume()
+    if faulty and fresh and args.signal_step == 0:
+        os.kill(os.getpid(), signal.SIGTERM)  # during start-up, before any step
     while engine.step < args.steps:
         for batch in loader:
             if faulty and engine.step + 1 == args.stall_step:
@@ -84,6 +97,8 @@ def main():
                 die()
             if faulty and fresh and result.step == args.signal_step:
                 os.kill(os.getpid(), signal.SIGTERM)  # caught: the engine decides with its peers
+            if faulty and fresh and args.signal_in_save and result.step == args.signal_in_save + 1:
+                os.kill(os.getpid(), signal.SIGTERM)  # a second signal: still one checkpoint
             engine.maybe_save()
             time.sleep(args.sleep)
             if engine.step >= args.steps:

@@ -7,6 +7,7 @@ remaining steps. Rank 0 writes every number to --out; the pytest side asserts.
 """
 
 import argparse
+import dataclasses
 import json
 import traceback
 from pathlib import Path
@@ -81,6 +82,9 @@ def run_case(case, phase, ckpt_root):
         ids = batches[case["save_at"]]
         out["consolidated_loss"] = plain(input_ids=ids, labels=ids).loss.item()
     out.update(getattr(engine, "parity_facts", lambda: {})())
+    stats = engine.compile_stats()
+    if stats is not None:
+        out["compile"] = dataclasses.asdict(stats)
     if phase == "train":  # how many chunks hold each stored matrix (sharded writes one per shard)
         from parallel.checkpoint.portable import metadata
 

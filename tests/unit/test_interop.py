@@ -244,3 +244,42 @@ def test_hf_trainer_arguments_build_training_arguments(tmp_path, data):
         assert args.deepspeed["zero_optimization"]["stage"] == 1
     else:
         assert "full_shard" in [str(o.value) for o in args.fsdp]
+
+
+@pytest.mark.parametrize("dynamo", [
+    {"dynamo_backend": "INDUCTOR"},
+    {"dynamo_backend": "INDUCTOR", "dynamo_mode": "max-autotune", "dynamo_use_fullgraph": True,
+     "dynamo_use_dynamic": True, "dynamo_use_regional_compilation": True},
+    {"dynamo_backend": "AOT_EAGER", "dynamo_use_regional_compilation": False},
+])
+def test_dynamo_config_means_what_accelerate_launch_makes_of_it(monkeypatch, dynamo):
+    """The oracle: accelerate launch copies dynamo_config onto its --dynamo_* arguments (defaults
+    mode default, fullgraph/dynamic/regional False), exports them as ACCELERATE_DYNAMO_*, and its
+    TorchDynamoPlugin reads them back."""
+    from accelerate.utils import TorchDynamoPlugin
+
+    launch = {"dynamo_mode": "default", "dynamo_use_fullgraph": False, "dynamo_use_dynamic": False,
+              "dynamo_use_regional_compilation": False, **dynamo}
+    for key, value in launch.items():
+        monkeypatch.setenv(f"ACCELERATE_{key.upper()}", str(value))
+    plugin = TorchDynamoPlugin()
+    compiled = load_spec(from_accelerate({**FSDP, "dynamo_config": dynamo})[0]).compile
+    assert compiled.enabled and compiled.backend == plugin.backend.value.lower()
+    assert (compiled.mode, compiled.fullgraph, compiled.dynamic) == (
+        plugin.mode, plugin.fullgraph, plugin.dynamic)
+    assert (compiled.scope == "blocks") == plugin.use_regional_compilation
+
+
+def test_dynamo_backends_polyshard_has_not_are_refused_naming_the_field():
+    assert "dynamo_config.dynamo_backend" in problems(
+        from_accelerate, {**FSDP, "dynamo_config": {"dynamo_backend": "TVM"}})
+    off = load_spec(from_accelerate({**FSDP, "dynamo_config": {"dynamo_backend": "NO"}})[0])
+    assert not off.compile.enabled
+
+
+def test_compile_exports_to_accelerate_and_imports_back():
+    spec = load_spec({"compile": {"enabled": True, "dynamic": False, "fullgraph": True}})
+    cfg = export_to("accelerate", spec)
+    assert cfg["dynamo_config"]["dynamo_use_regional_compilation"] is True
+    assert load_spec(from_accelerate(cfg)[0]).compile == spec.compile
+    assert "compile.dynamic" in problems(export_to, "accelerate", load_spec({"compile": True}))

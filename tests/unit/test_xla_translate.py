@@ -74,3 +74,14 @@ def test_tpu_vm_command_runs_the_same_spec_on_every_worker():
     inner = shlex.split(remote)
     assert inner[inner.index("polyshard"):][:4] == ["polyshard", "launch", "--set", "precision=bf16"]
     assert "PJRT_DEVICE=TPU" in inner and inner[-3:] == ["examples/train_lm.py", "--steps", "100"]
+
+
+def test_preemption_sync_is_spmd_with_sigterm_and_a_checkpoint_dir():
+    ok = {"backend": "xla_fsdp", "xla": {"fsdp_version": 2, "preemption_sync": True},
+          "checkpoint": {"dir": "ckpt", "preemption_signals": ["SIGTERM"]}}
+    assert load_spec(ok).xla.preemption_sync
+    for bad in ({**ok, "xla": {"fsdp_version": 1, "preemption_sync": True}},
+                {**ok, "checkpoint": {"dir": "ckpt"}},  # default signals include SIGUSR1
+                {**ok, "checkpoint": {"preemption_signals": ["SIGTERM"]}}):
+        with pytest.raises(SpecError, match="xla.preemption_sync"):
+            load_spec(bad)

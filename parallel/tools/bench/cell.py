@@ -108,6 +108,8 @@ def main() -> None:
         losses.append(loss)
         if i >= args.warmup:
             times.append(elapsed)
+        elif i == 0:
+            first_step = elapsed  # with compile.enabled: the step that compiles
         if native is not None and not i % 2:
             record(theirs, native(mine), i >= args.warmup)
     if args.profile:  # untimed, after the timed steps: the profiler's own cost stays out of them
@@ -131,6 +133,7 @@ def main() -> None:
             "world_size": engine.world_size, "devices": engine.world_size * engine.devices_per_process,
             "step_times": times, "losses": losses, "tokens_per_step": args.global_rows * args.seq,
             "params": params_total, "ranks": ranks, "native": theirs if native else None,
+            "first_step_s": first_step, "compile": compile_row(engine),
             "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}))
     engine.close()
 
@@ -153,6 +156,12 @@ def save_times(engine, root: Path) -> dict:
         runs = [timed(i, True) for i in (1, 2)]
         out.update(async_blocking_s=min(r[0] for r in runs), async_total_s=min(r[1] for r in runs))
     return out
+
+
+def compile_row(engine) -> dict | None:
+    """What torch.compile did on this rank (compile.enabled), for the table's compile column."""
+    stats = engine.compile_stats()
+    return None if stats is None else stats.row()
 
 
 def record(into: dict, timed: tuple[float, float], measured: bool) -> None:

@@ -198,10 +198,11 @@ def write_csv(results: dict, path: Path) -> None:
         w = csv.writer(f)
         w.writerow(["cell", *CSV_KEYS, "all_gather_B", "reduce_scatter_B", "all_reduce_B",
                     "native_median_s", "x_native", "x_native_p5", "x_native_p95", "native_loss_gap",
-                    "save_sync_s", "save_async_blocking_s", "save_async_total_s", "note"])
+                    "save_sync_s", "save_async_blocking_s", "save_async_total_s", "first_step_s",
+                    "compile_s", "compiled_units", "graphs", "graph_breaks", "recompiles", "note"])
         for label, r in results.items():
             if "median_s" not in r:
-                w.writerow([label, *[""] * (len(CSV_KEYS) + 11), r.get("skipped") or "error"])
+                w.writerow([label, *[""] * (len(CSV_KEYS) + 17), r.get("skipped") or "error"])
                 continue
             c, native = r["comm_bytes_per_step"], r.get("native") or {}
             saves = (r.get("ranks") or [{}])[0].get("saves") or {}
@@ -210,4 +211,7 @@ def write_csv(results: dict, path: Path) -> None:
                         *(native.get("paired") or ["", "", ""]),
                         "" if loss_gap(r) is None else loss_gap(r),
                         *[saves.get(k, "") for k in ("sync_s", "async_blocking_s", "async_total_s")],
+                        r.get("first_step_s", ""),
+                        *[(r.get("compile") or {}).get(k, "") for k in
+                          ("compile_s", "compiled", "graphs", "breaks", "recompiles")],
                         native.get("skipped", "")])

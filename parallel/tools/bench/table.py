@@ -10,7 +10,8 @@ from parallel.tools.bench.report import MiB, loss_gap, save_text, vs_native
 
 NARROW = ("cell", "ms/step", "tok/s", "loss", "MiB/rank", "x native", "Δ loss")
 WIDE = ("cell", "step ms (med / p90)", "tok/s", "loss", "params MiB", "grads MiB", "optim MiB",
-        "RSS MiB", "AG / RS / AR MiB/step", "MFU", "native ms", "x native", "Δ loss", "save blocks")
+        "RSS MiB", "AG / RS / AR MiB/step", "MFU", "native ms", "x native", "Δ loss", "save blocks",
+        "compile")
 
 
 def _gap(r: dict) -> str:
@@ -37,7 +38,17 @@ def wide_row(r: dict) -> list[str]:
             f"{r['rss_peak_bytes'] / MiB:.0f}", comm,
             "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%",
             f"{native['median_s'] * 1e3:.0f}" if "median_s" in native else "-",
-            vs_native(r, interval=True), _gap(r), _saves(r)]
+            vs_native(r, interval=True), _gap(r), _saves(r), compile_text(r)]
+
+
+def compile_text(r: dict) -> str:
+    """compile.enabled cells: first step (it compiles) / compiling alone, units that ran compiled,
+    graphs and graph breaks."""
+    c = r.get("compile")
+    if not c:
+        return "-"
+    return (f"1st {r['first_step_s']:.1f}s (compile {c['compile_s']:.1f}s), {c['compiled']} units, "
+            f"{c['graphs']}g {c['breaks']}b {c['recompiles']}rc")
 
 
 def _saves(r: dict) -> str:
@@ -68,5 +79,9 @@ def render(results: dict, out_dir: Path, wide: bool = False) -> None:
                       "difference from the native loop; x native: median over steps of polyshard's "
                       "step time / the native step next to it (90% interval: --wide); every "
                       "column: --wide or bench.csv")
+    compiled = {label: compile_text(r) for label, r in results.items() if r.get("compile")}
+    if compiled and not wide:
+        console.print("compile (steady-state steps above; the first step compiles): " + "; ".join(
+            f"{label}: {text}" for label, text in compiled.items()))
     figure = plot(results, out_dir)
     console.print(f"results: {out_dir / 'bench.json'}, {out_dir / 'bench.csv'}; figure: {figure}")
