@@ -9,26 +9,32 @@ with `"checkpoint": {"load_universal": true}`, at any ZeRO-1/2 world size.
     OUT/global_step<N>/zero/optimizer_state.pt param groups' hyper-parameters, clip_grad, ds_version
     OUT/global_step<N>/mp_rank_00_model_states.pt  shapes per group, untrained tensors, counters
 
-One tensor is in memory at a time (read by key from the DCP state), so exporting a 70B run needs no
-more host memory than its largest parameter. Untrained tensors (frozen parameters, buffers) go into
-the model-states file's `module`, listed as buffer_names: DeepSpeed's universal load does not read
-them (it restores trained parameters only), polyshard's import does.
+One trained parameter is in memory at a time (its weight and optimizer entries, read in one call
+by key from the DCP state, whose index is parsed once), so exporting a 70B run needs about as much
+host memory as its largest parameter's state. Untrained tensors (frozen parameters, buffers) go
+together into the model-states file's `module`, as DeepSpeed keeps them, listed as buffer_names:
+DeepSpeed's universal load does not read them (it restores trained parameters only), polyshard's
+import does. A run with a large frozen part holds that part while writing this one file.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, defaultdict
 from pathlib import Path
 
 import torch
 
 from parallel.checkpoint.directory import resolve, verify_checkpoint
 from parallel.checkpoint.importers import CheckpointImportError
-from parallel.checkpoint.portable import read_groups, read_tensor, tensor_shapes
+from parallel.checkpoint.portable import (
+    STATE_DIR,
+    IndexOnceReader,
+    read_groups,
+    read_tensors,
+    tensor_shapes,
+)
 
-
-def _one(path: Path, key: str, shape_dtype) -> torch.Tensor:
-    return read_tensor(path, key, *shape_dtype)
+OPTIM_STATE = "optim.state."
 
 
 def write_universal(src: str | Path, out: str | Path) -> Path:
@@ -36,32 +42,34 @@ def write_universal(src: str | Path, out: str | Path) -> Path:
     path, out = resolve(src), Path(out)
     manifest = verify_checkpoint(path)
     shapes, groups = tensor_shapes(path), read_groups(path)
+    reader = IndexOnceReader(str(path / STATE_DIR))
     trained = [name for group in groups for name in group["params"]]
     missing = [n for n in trained if f"model.{n}" not in shapes]
     if missing:
         raise CheckpointImportError(f"{path}: optimizer groups name {missing[:3]}, which the model "
                                     "state does not hold")
-    tag = f"global_step{manifest['step']}"
-    tag_dir = out / tag
-    zero = tag_dir / "zero"
+    entries: dict[str, list[str]] = defaultdict(list)  # parameter -> its optimizer entries
+    for key in shapes:
+        if key.startswith(OPTIM_STATE):
+            name, _, entry = key[len(OPTIM_STATE):].rpartition(".")
+            entries[name].append(entry)
+    tag_dir = out / f"global_step{manifest['step']}"
     for name in trained:
-        folder = zero / name
+        keys = [f"model.{name}", *(f"{OPTIM_STATE}{name}.{e}" for e in entries[name])]
+        got = read_tensors(path, {k: shapes[k] for k in keys}, reader)
+        folder = tag_dir / "zero" / name
         folder.mkdir(parents=True, exist_ok=True)
-        weight = _one(path, f"model.{name}", shapes[f"model.{name}"]).float()
-        torch.save({"param": weight}, folder / "fp32.pt")
-        prefix = f"optim.state.{name}."
-        for key in (k[len(prefix):] for k in shapes if k.startswith(prefix)):
-            if "." in key:  # another parameter's entry whose name extends this one
-                continue
-            value = _one(path, prefix + key, shapes[prefix + key])
-            torch.save(value if key == "step" else {"param": value}, folder / f"{key}.pt")
-    _write_states(path, manifest, tag_dir, groups, shapes, set(trained))
-    (out / "latest_universal").write_text(tag)
+        torch.save({"param": got.pop(f"model.{name}").float()}, folder / "fp32.pt")
+        for key, value in got.items():
+            entry = key.rpartition(".")[2]
+            torch.save(value if entry == "step" else {"param": value}, folder / f"{entry}.pt")
+    _write_states(path, manifest, tag_dir, groups, shapes, set(trained), reader)
+    (out / "latest_universal").write_text(tag_dir.name)
     return tag_dir
 
 
 def _write_states(path: Path, manifest: dict, tag_dir: Path, groups: list[dict], shapes: dict,
-                  trained: set[str]) -> None:
+                  trained: set[str], reader) -> None:
     """zero/optimizer_state.pt and mp_rank_00_model_states.pt: what DeepSpeed reads besides the
     per-parameter files (its _load_global_state asserts ds_version; load_checkpoint needs the
     counters)."""
@@ -79,7 +87,8 @@ def _write_states(path: Path, manifest: dict, tag_dir: Path, groups: list[dict],
                        and k[len("model."):] not in trained)
     step = manifest["step"]
     torch.save({
-        "module": {n: _one(path, f"model.{n}", shapes[f"model.{n}"]) for n in untrained},
+        "module": {n[len("model."):]: t for n, t in read_tensors(
+            path, {f"model.{n}": shapes[f"model.{n}"] for n in untrained}, reader).items()},
         "buffer_names": untrained, "frozen_param_shapes": OrderedDict(), "shared_params": {},
         "param_shapes": [OrderedDict((n, torch.Size(shapes[f"model.{n}"][0])) for n in g["params"])
                          for g in groups],

@@ -194,15 +194,32 @@ def read_model(path: Path) -> dict[str, torch.Tensor]:
     return load_state(template, path, collective=False)["model"]
 
 
-def read_tensor(path: Path, key: str, shape, dtype) -> torch.Tensor:
-    """One stored tensor by its flat key ("model.lm_head.weight", "optim.state.<name>.exp_avg"),
-    read alone in this process: DCP reads only the chunks a partial template asks for, so a
-    converter holds one tensor at a time, never the model."""
-    head, _, rest = key.partition(".")
-    template = {head: {rest: torch.empty(shape, dtype=dtype)}}
+class IndexOnceReader(dcp.FileSystemReader):
+    """A DCP reader that unpickles the checkpoint's index (.metadata) once. The index lists every
+    chunk of every tensor (O(keys x writers)); a converter that reads a few keys per call would
+    otherwise parse all of it again on every call."""
+
+    _index = None
+
+    def read_metadata(self, *args, **kwargs):
+        if self._index is None:
+            self._index = super().read_metadata(*args, **kwargs)
+        return self._index
+
+
+def read_tensors(path: Path, wanted: dict[str, tuple], reader=None) -> dict[str, torch.Tensor]:
+    """Stored tensors by flat key ("model.lm_head.weight", "optim.state.<name>.exp_avg") ->
+    (shape, dtype), read alone in this process: DCP reads only the chunks a partial template asks
+    for, so a converter holds what it asked for, never the model. Pass one IndexOnceReader for a
+    sequence of calls."""
+    template: dict[str, dict] = {}
+    for key, (shape, dtype) in wanted.items():
+        head, _, rest = key.partition(".")
+        template.setdefault(head, {})[rest] = torch.empty(shape, dtype=dtype)
     with _quiet_dcp():
-        dcp.load(template, storage_reader=dcp.FileSystemReader(str(path / STATE_DIR)), no_dist=True)
-    return template[head][rest]
+        dcp.load(template, storage_reader=reader or dcp.FileSystemReader(str(path / STATE_DIR)),
+                 no_dist=True)
+    return {key: template[key.partition(".")[0]][key.partition(".")[2]] for key in wanted}
 
 
 def full_template(names_shapes: dict[str, torch.Size], optim_keys: dict[str, list[str]],

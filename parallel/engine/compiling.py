@@ -9,7 +9,8 @@ Verified: during the first `PROBE_STEPS` steps each compiled module's call is br
 sees whether that counter moved. A module whose calls ran no graph ran eagerly (the silent failure of
 regional compilation in accelerate#4188): the engine warns once, naming it. Then the probes come off;
 what remains per step is comparing how many graphs the backend has compiled (a list's length) to
-catch recompiles that keep coming. Nothing here touches the device or a collective.
+catch recompiles that keep coming, and per graph call the counter's integer add (the graphs dynamo
+cached keep their wrapper). Nothing here touches the device or a collective.
 """
 
 from __future__ import annotations

@@ -73,8 +73,8 @@ class Compile(Section):
         return self
 
     def torch_kwargs(self) -> dict:
-        """The arguments of torch.compile / nn.Module.compile this section stands for."""
-        out = {"fullgraph": self.fullgraph, "dynamic": self.dynamic}
-        if self.mode != "default":
-            out["mode"] = self.mode
-        return out
+        """The arguments of torch.compile / nn.Module.compile besides the backend. `mode` is not
+        among them: it configures inductor, so it travels inside the backend object
+        (parallel/engine/compiling.py), and torch.compile would hand it to a callable backend as a
+        keyword that backend does not take."""
+        return {"fullgraph": self.fullgraph, "dynamic": self.dynamic}

@@ -101,3 +101,11 @@ def test_compile_true_is_shorthand_and_each_backend_says_what_it_does():
     from backends.deepspeed.translate import translate
 
     assert translate(spec)["config"]["compile"] == {"deepcompile": True}
+
+
+def test_a_mode_reaches_inductor_inside_the_backend():
+    """torch.compile hands `mode` to a callable backend as a keyword; it travels inside ours."""
+    section = Compile(enabled=True, mode="reduce-overhead")  # no CUDA graphs on a CPU tensor
+    assert "mode" not in section.torch_kwargs()
+    stats = run([Block(0)], 2, section).stats()
+    assert stats.ran_compiled == 1 and stats.graphs >= 1
