@@ -279,8 +279,13 @@ def zero_section(imp: Import, zero) -> None:
         imp.set("topology.shard_group_size", int(hpz), "zero_optimization.zero_hpz_partition_size")
     else:
         imp.set("shard", SHARD_OF_STAGE[stage], "zero_optimization.stage")
-    _offload(imp, fields.pop("offload_optimizer", (None, None))[1],
-             fields.pop("offload_param", (None, None))[1])
+    param = fields.pop("offload_param", (None, None))[1]
+    if stage != 3 and isinstance(param, dict) and param.get("device", "none") != "none":
+        # DeepSpeed hands offload_param to ZeRO-3 only; stages 0-2 never read it
+        imp.note("zero_optimization.offload_param", "ignored", f"ZeRO-{stage} does not read it: "
+                 "DeepSpeed offloads parameters at stage 3 only")
+        param = None
+    _offload(imp, fields.pop("offload_optimizer", (None, None))[1], param)
     spec_fields = {"reduce_bucket_size": "deepspeed.reduce_bucket_size",
                    "prefetch_bucket_size": "deepspeed.prefetch_bucket_size",
                    "param_persistence_threshold": "deepspeed.param_persistence_threshold",

@@ -283,3 +283,18 @@ def test_compile_exports_to_accelerate_and_imports_back():
     assert cfg["dynamo_config"]["dynamo_use_regional_compilation"] is True
     assert load_spec(from_accelerate(cfg)[0]).compile == spec.compile
     assert "compile.dynamic" in problems(export_to, "accelerate", load_spec({"compile": True}))
+
+
+def test_zero2_with_offload_param_means_what_deepspeed_does_with_it():
+    """A public accelerate config (ChatLM-mini-Chinese's README): ZeRO-2, both offload devices cpu,
+    dynamo INDUCTOR. DeepSpeed reads offload_param at stage 3 only, so this is ZeRO-2 with optimizer
+    offload, compiled; it used to be refused."""
+    cfg = {"distributed_type": "DEEPSPEED", "num_processes": 8, "mixed_precision": "bf16",
+           "deepspeed_config": {"gradient_accumulation_steps": 8, "gradient_clipping": 1.0,
+                                "offload_optimizer_device": "cpu", "offload_param_device": "cpu",
+                                "zero3_init_flag": False, "zero_stage": 2},
+           "dynamo_config": {"dynamo_backend": "INDUCTOR"}}
+    data, report = from_accelerate(cfg)
+    spec = load_spec(data)
+    assert (spec.shard, spec.offload, spec.compile.enabled) == ("grad_op", "optimizer", True)
+    assert any(r[0] == "zero_optimization.offload_param" and r[1] == "ignored" for r in report)
