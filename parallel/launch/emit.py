@@ -50,12 +50,21 @@ def slurm_script(spec: Spec, spec_path: str, overrides: list[str], script: str,
 # end; it is passed to srun, which passes it to every task; the ranks agree, save into
 # checkpoint.dir and exit 85, and the job is requeued to resume from that checkpoint.
 {unsaved}set -uo pipefail
+# The trap comes first: bash's default for USR1 is to exit, so a notice that arrived before it was set
+# would end the job with no checkpoint and no requeue. Until srun runs, the notice is only recorded.
+notice=0 sent=0 pid=
+forward() {{ notice=1; if [ -n "$pid" ] && [ "$sent" -eq 0 ]; then sent=1; kill -USR1 "$pid" 2>/dev/null; fi; }}
+trap forward USR1
 head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-1}}
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${{TORCH_NCCL_ASYNC_ERROR_HANDLING:-3}}
+if [ "$notice" -eq 1 ]; then  # noticed before the ranks started: nothing to save, come back later
+  scontrol requeue "$SLURM_JOB_ID"
+  exit {REQUEUE_EXIT}
+fi
 srun --kill-on-bad-exit=1 --ntasks-per-node=1 {launch} &
 pid=$!
-trap 'kill -USR1 "$pid" 2>/dev/null' USR1
+[ "$notice" -eq 1 ] && forward  # a notice between the check above and $! being set
 code=0
 while true; do
   wait "$pid"; code=$?

@@ -103,12 +103,14 @@ def test_srun_without_a_master_address_is_a_clear_error():
 
 
 FAKE = {"srun": "#!/bin/bash\necho \"$*\" > \"$LOG/srun\"\n{body}\n",
-        "scontrol": "#!/bin/bash\necho \"$*\" >> \"$LOG/scontrol\"\n"
+        "scontrol": "#!/bin/bash\necho \"$*\" >> \"$LOG/scontrol\"\n{scontrol}"
                     "[ \"$1\" = show ] && echo node1\nexit 0\n"}
 
 
-def run_with_fakes(tmp_path, srun_body: str, signal_after: float | None = None):
-    """The emitted script under bash with `srun` and `scontrol` faked on PATH."""
+def run_with_fakes(tmp_path, srun_body: str, signal_when: str | None = None, scontrol: str = ""):
+    """The emitted script under bash with `srun` and `scontrol` faked on PATH. With signal_when,
+    USR1 goes to the script once the fakes have written that file under $LOG (a readiness marker,
+    not a fixed delay: a loaded CI box took longer than 1 s to reach srun's trap)."""
     import os
     import signal
     import time
@@ -117,14 +119,17 @@ def run_with_fakes(tmp_path, srun_body: str, signal_after: float | None = None):
     bin_dir.mkdir(parents=True)
     log.mkdir()
     for name, text in FAKE.items():
-        (bin_dir / name).write_text(text.format(body=srun_body))
+        (bin_dir / name).write_text(text.format(body=srun_body, scontrol=scontrol))
         (bin_dir / name).chmod(0o755)
     (tmp_path / "job.sbatch").write_text(slurm_script(SPEC, "c.yaml", [], "train.py", []))
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "LOG": str(log),
            "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node[1-4]"}
     proc = subprocess.Popen(["bash", str(tmp_path / "job.sbatch")], env=env)
-    if signal_after is not None:
-        time.sleep(signal_after)
+    if signal_when is not None:
+        deadline = time.monotonic() + 30
+        while not (log / signal_when).exists() and proc.poll() is None:
+            assert time.monotonic() < deadline, f"the fakes never wrote {signal_when}"
+            time.sleep(0.02)
         proc.send_signal(signal.SIGUSR1)
     proc.wait(timeout=60)
     calls = (log / "scontrol").read_text().splitlines() if (log / "scontrol").exists() else []
@@ -140,10 +145,20 @@ def test_slurm_script_requeues_on_the_preemption_exit_code_only(tmp_path):
 
 def test_slurm_script_passes_the_notice_to_srun_and_waits_for_it(tmp_path):
     # the fake srun exits 85 once it receives USR1, as the ranks do after saving
-    body = "trap 'echo got >> \"$LOG/usr1\"; exit 85' USR1\nsleep 30 & wait $!"
-    code, calls, log = run_with_fakes(tmp_path, body, signal_after=1.0)
+    body = ("trap 'echo got >> \"$LOG/usr1\"; exit 85' USR1\ntouch \"$LOG/srun-ready\"\n"
+            "sleep 30 & wait $!")
+    code, calls, log = run_with_fakes(tmp_path, body, signal_when="srun-ready")
     assert (log / "usr1").read_text().strip() == "got"
     assert code == 85 and "requeue 4242" in calls, calls
+
+
+def test_a_notice_before_srun_starts_requeues_without_launching(tmp_path):
+    # USR1 while the script is still resolving the head node: before this fix bash's default
+    # action for USR1 ended the script (exit 138, no requeue)
+    code, calls, log = run_with_fakes(tmp_path, "exit 0", signal_when="in-scontrol",
+                                      scontrol='touch "$LOG/in-scontrol"; sleep 1\n')
+    assert code == 85 and "requeue 4242" in calls, calls
+    assert not (log / "srun").exists(), "srun started after the notice"
 
 
 def test_pods_get_the_spec_grace_period():
