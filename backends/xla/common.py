@@ -17,8 +17,36 @@ from parallel.engine.preempt import AgreedFlag
 from parallel.engine.step import require_fp32
 from parallel.engine.params import aliases, retie
 from parallel.engine.wrap import disable_kv_cache, plan_wrap
+from parallel.spec.io import SpecError
 from parallel.spec.model import Spec
 from parallel.tools.measurable import ModuleStateTensors
+
+
+# torch_xla releases whose PJRT clients write the persistent cache but cannot read it back: every
+# lookup fails with "Deserializing serialized executable not supported" and compiles again. Measured
+# on the CPU client (docs/xla.md); TPU: pytorch/xla#9094, still reported on 2.9.0.
+UNREADABLE_CACHE = ("2.9.",)
+
+
+def apply_compilation_cache(path: str | None, version: str | None = None) -> None:
+    """xla.compilation_cache, or a clear refusal where the installed torch_xla never reads it."""
+    if not path:
+        return
+    import torch_xla
+
+    version = version or torch_xla.__version__
+    if version.startswith(UNREADABLE_CACHE):
+        raise SpecError([("xla.compilation_cache", (
+            f"{path!r}: torch_xla {version} writes its persistent compilation cache but cannot "
+            "read it back ('Deserializing serialized executable not supported': measured on the "
+            "CPU client, docs/xla.md; TPU: pytorch/xla#9094), so a relaunch compiles every graph "
+            "again and each compile also pays a cache write. Remove xla.compilation_cache; with a "
+            "torch_xla build that reads it back (pytorch/xla#9759) set XLA_PERSISTENT_CACHE_PATH "
+            "yourself"))])
+    import torch_xla.runtime as xr
+
+    if not torch_xla._XLAC._xla_computation_cache_is_initialized():  # once per process
+        xr.initialize_cache(path)
 
 
 class _Xla(ModuleStateTensors, Engine):
@@ -27,12 +55,7 @@ class _Xla(ModuleStateTensors, Engine):
 
     def __init__(self, spec: Spec):
         self.plan = translate(spec)
-        if spec.xla.compilation_cache:
-            import torch_xla
-            import torch_xla.runtime as xr
-
-            if not torch_xla._XLAC._xla_computation_cache_is_initialized():  # once per process
-                xr.initialize_cache(spec.xla.compilation_cache)
+        apply_compilation_cache(spec.xla.compilation_cache)  # before the runtime's first compile
         self._before_runtime()
         super().__init__(spec)
         import torch_xla

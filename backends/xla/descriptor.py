@@ -36,8 +36,7 @@ DESCRIPTOR = BackendDescriptor(
             "traced into one XLA graph, compiled once per shape and cached; torch.compile's "
             "openxla backend is experimental for training and splits that graph in three "
             "(forward, backward, optimizer), which XLA optimises less well (docs/compile.md)",
-            "compile.enabled: false (xla.compilation_cache keeps compiled graphs across "
-            "restarts)")},
+            "compile.enabled: false")},
         "export": {"accelerate": Unsupported("accelerate has no XLA FSDP",
                                              "--to hf-trainer (TrainingArguments' fsdp_config.xla)")},
     }),

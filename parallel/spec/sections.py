@@ -284,7 +284,8 @@ class XlaOptions(Section):
     compilation_cache: Annotated[
         str | None,
         Field(description="Directory for XLA's persistent compilation cache: a relaunch (resume, "
-              "restart) reuses compiled graphs instead of compiling them again."),
+              "restart) reuses compiled graphs instead of compiling them again. Refused with "
+              "torch_xla 2.9, which writes the cache but cannot read it back (docs/xla.md)."),
     ] = None
     preemption_sync: Annotated[
         bool,

@@ -1,5 +1,6 @@
 """Save under one backend, resume under another: every ordered pair of FSDP2, FSDP1, ZeRO-1/2/3, XLA v1
-(world size 1) and XLA v2 (2 devices), with SGD-momentum and AdamW. 3 steps on A, save, load on B
+(world size 1) and XLA v2 (2 devices) with AdamW (moments and step counts), and with SGD-momentum a
+cycle in which every backend is once the source and once the target. 3 steps on A, save, load on B
 (from other initial weights), 2 more steps: fp32 losses within 1e-5 of one uninterrupted single-process
 run, so weights, momentum, Adam moments and step counts all survived the move. World size changes
 2 -> 1 and 1 -> 2 happen on the way (XLA v1, and FSDP2 launched on one rank).
@@ -34,12 +35,18 @@ LAUNCHES = [
     (["xla2"], {"xla_devices": 2}),
     (["fsdp2_w1"], {"nproc": 1}),
 ]
+# SGD's state is one momentum buffer per parameter, moved by the same code as Adam's moments: a
+# cycle covers it (each target loads the next source's), AdamW covers every pair
+SGD_SOURCE = {target: SOURCES[(i + 1) % len(SOURCES)] for i, target in enumerate(BACKENDS)}
+PLAN = {target: [f"{s}-adamw" for s in SOURCES] + [f"{SGD_SOURCE[target]}-sgd"]
+        for target in BACKENDS}
 
 
 def launch(tmp, phase, names, how):
     out = tmp / f"{phase}-{names[0]}.json"
     args = [str(WORKER), "--phase", phase, "--backends", str(tmp / "backends.json"),
-            "--names", ",".join(names), "--root", str(tmp / "ckpt"), "--out", str(out)]
+            "--names", ",".join(names), "--root", str(tmp / "ckpt"), "--out", str(out),
+            "--plan", str(tmp / "plan.json")]
     if "nproc" in how:
         torchrun(how["nproc"], args, timeout=400)
     else:
@@ -53,6 +60,7 @@ def launch(tmp, phase, names, how):
 def matrix(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("transfer")
     (tmp_path / "backends.json").write_text(json.dumps(BACKENDS))
+    (tmp_path / "plan.json").write_text(json.dumps(PLAN))
     (tmp_path / "ckpt").mkdir()
     saved, loaded = {}, {}
     for names, how in LAUNCHES:
@@ -76,13 +84,15 @@ def test_every_pair_resumes_with_the_uninterrupted_losses(matrix):
         for source in SOURCES:
             before = saved[f"{source}-{opt}"]["loss"]
             assert max(abs(a - b) for a, b in zip(before, ref[:3])) <= 1e-5, (source, opt, before)
-            for target in BACKENDS:
+            for target in BACKENDS if opt == "adamw" else [t for t in BACKENDS
+                                                           if SGD_SOURCE[t] == source]:
                 res = loaded[f"{source}->{target}-{opt}"]
                 assert res["start"] == 3, (source, target, res)
                 diff = max(abs(a - b) for a, b in zip(res["loss"], ref[3:]))
                 assert diff <= 1e-5, f"{source} -> {target} ({opt}): {res['loss']} vs {ref[3:]}"
                 worst, pairs = max(worst, diff), pairs + 1
-    assert pairs == len(SOURCES) * len(BACKENDS) * 2
+    assert pairs == len(SOURCES) * len(BACKENDS) + len(BACKENDS)
+    assert set(SGD_SOURCE.values()) == set(SOURCES) and all(SGD_SOURCE[s] != s for s in SOURCES)
     print(f"{pairs} transfers, max |loss - uninterrupted| = {worst:.2e}")
 
 

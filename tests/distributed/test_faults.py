@@ -145,24 +145,15 @@ CLEAN: dict[str, list] = {}  # uninterrupted losses per job, shared by cases tha
 #                              how they agree on a preemption (the numbers are the same)
 
 
-@pytest.fixture(scope="module")
-def xla_cache(tmp_path_factory):
-    """One persistent XLA compilation cache for every XLA launch here: the cases run the same
-    graphs, and the cache changes no number."""
-    return tmp_path_factory.mktemp("xla-cache")
-
-
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", list(PREEMPTED))
-def test_sigterm_saves_exits_to_requeue_and_resumes_exactly(tmp_path, uninterrupted, xla_cache,
-                                                            name):
+def test_sigterm_saves_exits_to_requeue_and_resumes_exactly(tmp_path, uninterrupted, name):
     """SIGTERM after step 3 (one rank, or every rank): the ranks agree at the end of step 3 + 1 +
     (lag - 1), save a complete checkpoint there, exit 85; the relaunch resumes from it and steps 1-8
     equal the same backend's uninterrupted run bit for bit."""
     changes, who, env = PREEMPTED[name]
     if name.startswith("xla"):
         pytest.importorskip("torch_xla")
-        changes = {**changes, "xla": {**changes["xla"], "compilation_cache": str(xla_cache)}}
     job = json.dumps({k: v for k, v in changes.items() if k != "checkpoint"} | {"xla": {
         k: v for k, v in changes.get("xla", {}).items() if k != "preemption_sync"}}, sort_keys=True)
     if not changes:

@@ -20,3 +20,43 @@ def test_v1_with_two_cpu_devices_is_a_clear_error():
                          timeout=100)
     assert out.returncode != 0
     assert "CPU client is single-process" in out.stderr and "fsdp_version: 2" in out.stderr
+
+
+
+PROBE = """
+import sys, torch, torch_xla, torch_xla.runtime as xr, torch_xla.debug.metrics as met
+xr.initialize_cache(sys.argv[1])
+x = torch.ones(4, 4, device=torch_xla.device()) * 3 + 1
+torch_xla.sync()
+assert x.cpu().sum().item() == 64
+print({k: met.counter_value(k) or 0 for k in ("PersistentCacheHit", "PersistentCacheMiss",
+                                              "PersistentCacheDeserializeFailure")})
+"""
+
+
+@pytest.mark.timeout(200)
+def test_the_persistent_cache_this_torch_xla_writes_is_never_read_back(tmp_path):
+    """The evidence behind refusing xla.compilation_cache: the second process finds the first
+    process's entry and fails to deserialize it. When a torch_xla upgrade reads it back, this
+    fails: lift the refusal (backends/xla/common.py: UNREADABLE_CACHE)."""
+    import ast
+
+    import torch_xla
+
+    from backends.xla.common import UNREADABLE_CACHE, apply_compilation_cache
+    from parallel.spec.io import SpecError
+
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1"}
+    counts = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", PROBE, str(tmp_path / "cache")], env=env,
+                             capture_output=True, text=True, timeout=90)
+        assert out.returncode == 0, out.stderr[-2000:]
+        counts.append(ast.literal_eval(out.stdout.strip().splitlines()[-1]))
+    assert counts[0]["PersistentCacheMiss"] == 1 and any((tmp_path / "cache").iterdir())
+    assert counts[1]["PersistentCacheHit"] == 0, counts  # read back: lift the refusal
+    assert counts[1]["PersistentCacheDeserializeFailure"] == 1, counts
+    assert torch_xla.__version__.startswith(UNREADABLE_CACHE)
+    with pytest.raises(SpecError, match=r"xla.compilation_cache: '/c': torch_xla 2\.9\.0 writes"):
+        apply_compilation_cache("/c", version="2.9.0")
+    apply_compilation_cache(None)  # unset: nothing to refuse

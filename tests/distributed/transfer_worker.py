@@ -2,8 +2,8 @@
 
 phase "save": for each source backend in this launch and each optimizer, train 3 steps from the
 reference initial weights on the shared global batches, save to <root>/<source>-<optimizer>.
-phase "load": for each target backend in this launch and each saved checkpoint, a fresh engine over
-differently-initialised weights loads it and trains steps 4 and 5. Rank 0 writes every number, and
+phase "load": for each target backend in this launch and each checkpoint --plan lists for it, a fresh
+engine over differently-initialised weights loads it and trains steps 4 and 5. Rank 0 writes every number, and
 the single-process reference losses, to --out; the pytest side asserts.
 """
 
@@ -51,11 +51,10 @@ def save_phase(backends, names, root):
     return out
 
 
-def load_phase(backends, names, root):
+def load_phase(backends, names, root, plan):
     out = {}
-    saved = sorted(p.name for p in root.iterdir() if (p / "manifest.json").is_file())
     for name in names:
-        for source in saved:
+        for source in plan[name]:
             opt = source.rsplit("-", 1)[1]
             key = f"{source.rsplit('-', 1)[0]}->{name}-{opt}"
             try:
@@ -77,11 +76,14 @@ def main():
     p.add_argument("--names", required=True, help="comma-separated backends run in this launch")
     p.add_argument("--root", required=True)
     p.add_argument("--out", required=True)
+    p.add_argument("--plan", help="load: JSON file {target: [checkpoint names to load]}")
     args = p.parse_args()
     backends, root = json.loads(Path(args.backends).read_text()), Path(args.root)
     names = args.names.split(",")
-    phase = save_phase if args.phase == "save" else load_phase
-    results = phase(backends, names, root)
+    if args.phase == "save":
+        results = save_phase(backends, names, root)
+    else:
+        results = load_phase(backends, names, root, json.loads(Path(args.plan).read_text()))
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if rank == 0:
         spec = load_spec(backends[names[0]])
