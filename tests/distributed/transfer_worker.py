@@ -2,9 +2,10 @@
 
 phase "save": for each source backend in this launch and each optimizer, train 3 steps from the
 reference initial weights on the shared global batches, save to <root>/<source>-<optimizer>.
-phase "load": for each target backend in this launch and each checkpoint --plan lists for it, a fresh
-engine over differently-initialised weights loads it and trains steps 4 and 5. Rank 0 writes every number, and
-the single-process reference losses, to --out; the pytest side asserts.
+phase "load": for each target backend in this launch and each checkpoint --plan lists for it (every
+saved one without --plan), a fresh engine over differently-initialised weights loads it and trains
+steps 4 and 5. Rank 0 writes every number, and the single-process reference losses, to --out; the
+pytest side asserts.
 """
 
 import argparse
@@ -51,10 +52,11 @@ def save_phase(backends, names, root):
     return out
 
 
-def load_phase(backends, names, root, plan):
+def load_phase(backends, names, root, plan=None):
     out = {}
+    saved = sorted(p.name for p in root.iterdir() if (p / "manifest.json").is_file())
     for name in names:
-        for source in plan[name]:
+        for source in plan[name] if plan else saved:
             opt = source.rsplit("-", 1)[1]
             key = f"{source.rsplit('-', 1)[0]}->{name}-{opt}"
             try:
@@ -76,14 +78,16 @@ def main():
     p.add_argument("--names", required=True, help="comma-separated backends run in this launch")
     p.add_argument("--root", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--plan", help="load: JSON file {target: [checkpoint names to load]}")
+    p.add_argument("--plan", help="load: JSON file {target: [checkpoint names to load]} "
+                   "(default: every checkpoint under --root)")
     args = p.parse_args()
     backends, root = json.loads(Path(args.backends).read_text()), Path(args.root)
     names = args.names.split(",")
     if args.phase == "save":
         results = save_phase(backends, names, root)
     else:
-        results = load_phase(backends, names, root, json.loads(Path(args.plan).read_text()))
+        plan = json.loads(Path(args.plan).read_text()) if args.plan else None
+        results = load_phase(backends, names, root, plan)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if rank == 0:
         spec = load_spec(backends[names[0]])
