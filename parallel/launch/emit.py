@@ -53,7 +53,7 @@ def slurm_script(spec: Spec, spec_path: str, overrides: list[str], script: str,
 # The trap comes first: bash's default for USR1 is to exit, so a notice that arrived before it was set
 # would end the job with no checkpoint and no requeue. Until srun runs, the notice is only recorded.
 notice=0 sent=0 pid=
-forward() {{ notice=1; if [ -n "$pid" ] && [ "$sent" -eq 0 ]; then sent=1; kill -USR1 "$pid" 2>/dev/null; fi; }}
+forward() {{ notice=1 woke=1; if [ -n "$pid" ] && [ "$sent" -eq 0 ]; then sent=1; kill -USR1 "$pid" 2>/dev/null; fi; }}
 trap forward USR1
 head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-1}}
@@ -65,10 +65,12 @@ fi
 srun --kill-on-bad-exit=1 --ntasks-per-node=1 {launch} &
 pid=$!
 [ "$notice" -eq 1 ] && forward  # a notice between the check above and $! being set
-code=0
-while true; do
+# A trapped signal ends `wait` early (status 128 + 10) and then runs the trap, which sets woke:
+# wait again for srun's own status, also when srun has exited in between (bash keeps it).
+code=0 woke=1
+while [ "$woke" -eq 1 ]; do
+  woke=0
   wait "$pid"; code=$?
-  kill -0 "$pid" 2>/dev/null || break  # a trapped signal ends `wait` early: wait again
 done
 if [ "$code" -eq {REQUEUE_EXIT} ]; then
   scontrol requeue "$SLURM_JOB_ID"
