@@ -94,9 +94,30 @@ class DeepSpeedEngine(Engine):
         if self.spec.compile.enabled and self.spec.compile.scope == "model":
             # DeepSpeed's own call: it compiles ds.module in place and records that it did
             # (DeepCompile, compiled autograd and its nvtx switch hang off that record).
-            self._apply_compile(self.ds.module, [], lambda backend, kwargs: self.ds.compile(
-                backend=backend, compile_kwargs=kwargs))
+            self._apply_compile(self.ds.module, [], self._compile_whole)
         return self.ds, ds_optimizer
+
+    def _compile_whole(self, backend, kwargs: dict) -> None:
+        """DeepSpeedEngine.compile() with our counting backend. DeepCompile takes a backend *name*
+        (asserts 'inductor' or 'eager', measured on an H100) and builds its own backend from it, so
+        there the counter wraps what DeepSpeed built, and the graphs that run are still counted."""
+        if not self.spec.deepspeed.deepcompile:
+            self.ds.compile(backend=backend, compile_kwargs=kwargs)
+            return
+        build = self.ds.get_deepspeed_compile_backend
+
+        def counted(name, compile_kwargs, schedule):
+            resolved, schedule = build(name, compile_kwargs, schedule)
+            if resolved is None:  # DeepSpeed fell back to plain torch.compile(name): uncounted,
+                return None, schedule  # so the watch reports the model as run eagerly
+            backend.inner = resolved
+            return backend, schedule
+
+        self.ds.get_deepspeed_compile_backend = counted  # this instance only, for this one call
+        try:
+            self.ds.compile(backend=self.spec.compile.backend, compile_kwargs=kwargs)
+        finally:
+            del self.ds.get_deepspeed_compile_backend
 
     def _optimizer_factory(self, optimizer: OptimizerArg):
         """The client optimizer, or with `deepspeed.cpu_adam` DeepSpeed's compiled CPU Adam with the

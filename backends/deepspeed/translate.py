@@ -33,6 +33,14 @@ def _deepcompile(spec: Spec, config: dict, origins: dict) -> None:
         raise SpecError([("deepspeed.deepcompile", "acts through DeepSpeedEngine.compile(), which "
                           "compiles the whole model; set compile: {enabled: true, scope: model} "
                           "or remove deepcompile")])
+    if spec.compile.backend not in ("inductor", "eager"):  # DeepSpeed asserts on anything else
+        raise SpecError([("compile.backend", f"{spec.compile.backend!r} with deepspeed.deepcompile: "
+                          "DeepCompile builds on 'inductor' or 'eager' only; pick one of those or "
+                          "remove deepcompile")])
+    if STAGES[spec.shard] == 0:  # DeepSpeed would log a line and compile without its passes
+        raise SpecError([("deepspeed.deepcompile", "DeepCompile's passes are ZeRO-1/2/3 passes, and "
+                          "shard 'none' is ZeRO-0; use shard: optimizer, grad_op or full, or "
+                          "remove deepcompile (compile.enabled still compiles the model)")])
     config["compile"] = {"deepcompile": True}
     origins["compile.deepcompile"] = "deepspeed.deepcompile"
 

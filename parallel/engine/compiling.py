@@ -140,7 +140,8 @@ class CompileWatch:
         from torch._dynamo.utils import counters
 
         self.counters, self.backend, self.section, self.loud = counters, backend, section, loud
-        self.base = counters["frames"]["total"], sum(counters["graph_break"].values())
+        # dynamo's counters are per process: another engine in it may have compiled before this one
+        self.base_frames, self.base_breaks = counters["frames"]["total"], Counter(counters["graph_break"])
         self.tallies = {name: Counter() for name, _ in units}
         self.units = units
         for name, module in units:
@@ -185,14 +186,15 @@ class CompileWatch:
 
     def stats(self) -> CompileStats:
         breaks = Counter()
-        for reason, n in self.counters["graph_break"].items():  # one line, addresses dropped
+        mine = Counter(self.counters["graph_break"]) - self.base_breaks  # this engine's only
+        for reason, n in mine.items():  # one line, addresses dropped
             breaks[re.sub(r" at 0x[0-9a-f]+", "", reason.strip().splitlines()[0])] += n
         compiles = self.backend.compiles
         return CompileStats(
             units=len(self.units), ran_compiled=sum(1 for t in self.tallies.values() if t["compiled"]),
             eager=[n for n, t in self.tallies.items() if t["eager"] and not t["compiled"]],
-            frames=self.counters["frames"]["total"] - self.base[0], graphs=len(compiles),
-            graph_breaks=sum(breaks.values()) - self.base[1],
+            frames=self.counters["frames"]["total"] - self.base_frames, graphs=len(compiles),
+            graph_breaks=sum(breaks.values()),
             recompiles=sum(c.again for c in compiles),
             late_graphs=0 if self.warm_graphs is None else len(compiles) - self.warm_graphs,
             compile_s=sum(c.seconds for c in compiles), breaks=dict(breaks))

@@ -96,8 +96,15 @@ def test_compile_true_is_shorthand_and_each_backend_says_what_it_does():
         with pytest.raises(SpecError) as err:
             load_spec(data)
         assert path in str(err.value), (path, str(err.value))
-    spec = load_spec({"backend": "deepspeed", "deepspeed": {"deepcompile": True},
-                      "compile": {"enabled": True, "scope": "model"}})
+    whole = {"backend": "deepspeed", "deepspeed": {"deepcompile": True},
+             "compile": {"enabled": True, "scope": "model"}}
+    # DeepCompile asserts on any backend name but these two, and has no ZeRO-0 pass
+    for path, change in (("compile.backend", {"compile": {**whole["compile"], "backend": "aot_eager"}}),
+                         ("deepspeed.deepcompile", {"shard": "none"})):
+        with pytest.raises(SpecError) as err:
+            load_spec({**whole, **change})
+        assert path in str(err.value), (path, str(err.value))
+    spec = load_spec(whole)
     from backends.deepspeed.translate import translate
 
     assert translate(spec)["config"]["compile"] == {"deepcompile": True}
