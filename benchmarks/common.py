@@ -43,18 +43,30 @@ def counter(a):
     return StepCounter()
 
 
+def config(name: str):
+    """toy:SIZE (the sizes parallel/toy.py reads) or a Hugging Face config.json, as bench's --model."""
+    from transformers import AutoConfig, LlamaConfig
+
+    if not name.startswith("toy:"):
+        return AutoConfig.from_pretrained(name)
+    with open(SIZES) as f:
+        sizes = json.load(f)
+    return LlamaConfig(**sizes["common"], **sizes[name.removeprefix("toy:")])
+
+
 def model(name: str, seed: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    with open(SIZES) as f:  # the same sizes parallel/toy.py reads
-        sizes = json.load(f)
-    config = LlamaConfig(**sizes["common"], **sizes[name.removeprefix("toy:")])
-    return LlamaForCausalLM(config).float()
+    if name.startswith("toy:"):
+        return LlamaForCausalLM(config(name)).float()
+    return AutoModelForCausalLM.from_config(config(name), torch_dtype=torch.float32).float()
 
 
-def batches(a, vocab=256):
+def batches(a):
+    """The batches polyshard's bench cell draws (parallel/tools/parity/cell.global_batches)."""
     g = torch.Generator().manual_seed(a.seed + 1)
+    vocab = config(a.model).vocab_size
     return [torch.randint(0, vocab, (a.global_rows, a.seq), generator=g)
             for _ in range(a.warmup + a.steps)]
 

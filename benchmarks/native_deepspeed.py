@@ -17,6 +17,7 @@ def build(a, rank: int, world: int):
     engine, *_ = deepspeed.initialize(model=net, optimizer=opt, config=config)
 
     def step(ids):
+        ids = ids.to(engine.device)  # DeepSpeed moves the model, not the batch
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
         engine.step()
