@@ -325,6 +325,7 @@ class Engine(CheckpointMixin, PreemptionMixin, CompileMixin, ABC):
     def close(self) -> None:
         self._check_finite(wait=True)  # a deferred non-finite loss is never silently dropped
         self._saver.wait()  # an async save in flight is published (or its error raised) first
+        self._saver.pinned.release()
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()

@@ -80,7 +80,7 @@ class CheckpointMixin:
             publish_all()
             self.barrier()
         else:
-            with staging() as queued:  # copies this rank's state; no file is written yet
+            with staging(self._saver.pinned) as queued:  # copies this rank's state; no file yet
                 self._save_model_optim(tmp)
 
             def write_in_background() -> None:
