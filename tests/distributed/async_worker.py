@@ -5,6 +5,7 @@ writes everything to --out."""
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -20,7 +21,9 @@ SPECS = {"fsdp2": {"backend": "fsdp"}, "zero3": {"backend": "deepspeed", "shard"
 
 def engine_for(spec, seed):
     engine = create_engine(load_spec({**spec, "micro_batch_size": 2,
-                                      "topology": {"procs_per_node": 2}}))
+                                      # 2 gloo ranks on CPU; one per GPU under NCCL
+                                      "topology": {"procs_per_node": int(os.environ.get(
+                                          "LOCAL_WORLD_SIZE", 2))}}))
     torch.manual_seed(seed)
     engine.prepare(build_llama(llama_config("demo")), (torch.optim.AdamW, {"lr": 1e-3}))
     return engine
