@@ -3,6 +3,8 @@ shared training step. deepspeed is imported when the engine is built."""
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 
 import torch
@@ -39,6 +41,20 @@ def _reinit_partitioned(model: nn.Module) -> None:
 
     with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
         model.apply(init)
+
+
+def check_arch_list(value: str) -> None:
+    """DeepCompile builds a CUDA op on first use, and DeepSpeed 0.19.8's JIT builder reads each
+    TORCH_CUDA_ARCH_LIST entry as MAJOR.MINOR[+PTX]: torch's arch-specific '9.0a' (sm_90a) failed
+    deep inside it with "invalid literal for int() with base 10: '0a'" (measured on an H100 image
+    that exports it; with 9.0 the same job ran). Said before DeepSpeed starts building."""
+    bad = [e for e in value.replace(" ", ";").split(";")
+           if e.strip() and not re.fullmatch(r"\d+\.\d+(\+PTX)?", e.strip())]
+    if bad:
+        raise RuntimeError(f"TORCH_CUDA_ARCH_LIST={value!r}: deepspeed.deepcompile builds DeepSpeed's "
+                           f"op, whose builder reads each entry as MAJOR.MINOR[+PTX], and {bad} are "
+                           "not; export the list without arch suffixes (e.g. 9.0 for 9.0a) or unset "
+                           "it (DeepSpeed then asks the GPU)")
 
 
 class DeepSpeedEngine(Engine):
@@ -104,6 +120,7 @@ class DeepSpeedEngine(Engine):
         if not self.spec.deepspeed.deepcompile:
             self.ds.compile(backend=backend, compile_kwargs=kwargs)
             return
+        check_arch_list(os.environ.get("TORCH_CUDA_ARCH_LIST", ""))
         build = self.ds.get_deepspeed_compile_backend
 
         def counted(name, compile_kwargs, schedule):

@@ -116,3 +116,13 @@ def test_a_mode_reaches_inductor_inside_the_backend():
     assert "mode" not in section.torch_kwargs()
     stats = run([Block(0)], 2, section).stats()
     assert stats.ran_compiled == 1 and stats.graphs >= 1
+
+
+def test_deepcompile_names_an_arch_list_deepspeeds_builder_cannot_read():
+    from backends.deepspeed.engine import check_arch_list
+
+    for fine in ("", "9.0", "8.0;9.0+PTX", "8.6 9.0"):
+        check_arch_list(fine)
+    with pytest.raises(RuntimeError, match=r"TORCH_CUDA_ARCH_LIST='9.0a'.*\['9.0a'\]"):
+        check_arch_list("9.0a")
+
