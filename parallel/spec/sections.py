@@ -93,7 +93,8 @@ class Checkpointing(Section):
               "as what the rank holds); a background thread writes, hashes and publishes it, and "
               "`latest` moves only when every rank's files are durable. The next save, load and "
               "close wait for it and raise its error. Costs one host copy of the rank's state "
-              "while writing (docs/checkpoint-format.md)."),
+              "while writing; on GPUs that copy is page-locked memory kept from one save to the "
+              "next and freed at close (docs/checkpoint-format.md)."),
     ] = False
 
     @model_validator(mode="after")
