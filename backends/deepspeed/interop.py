@@ -86,10 +86,27 @@ def import_into(imp: Import, cfg: Any, caller: str = "polyshard") -> None:
     for block in ("optimizer", "scheduler"):
         if block in cfg:
             _client_block(imp, block, cfg[block])
-    for key in ("zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer"):
-        if key in cfg:
-            imp.note(key, "ignored", "polyshard always hands DeepSpeed your optimizer and allows it "
-                     "(deepspeed.cpu_adam picks DeepSpeed's CPU Adam)")
+    if "zero_allow_untested_optimizer" in cfg:
+        imp.note("zero_allow_untested_optimizer", "ignored", "polyshard always hands DeepSpeed "
+                 "your optimizer and allows it")
+    _cpu_optimizer(imp, cfg)
+
+
+def _cpu_optimizer(imp: Import, cfg: dict) -> None:
+    """zero_force_ds_cpu_optimizer (default true): with optimizer offload, DeepSpeed refuses a client
+    optimizer and builds DeepSpeedCPUAdam from its optimizer block, and accelerate swaps the script's
+    torch Adam/AdamW for DeepSpeedCPUAdam (map_pytorch_optim_to_deepspeed): either way the job runs
+    DeepSpeed's CPU Adam, which is deepspeed.cpu_adam: true."""
+    key, force = "zero_force_ds_cpu_optimizer", cfg.get("zero_force_ds_cpu_optimizer", True)
+    if not isinstance(force, bool):
+        imp.problems.append((key, f"{force!r} is not true or false"))
+    elif imp.spec.get("offload", "none") != "none":
+        imp.set("deepspeed.cpu_adam", force, key, "mapped" if key in cfg else "default",
+                f"deepspeed.cpu_adam: {str(force).lower()}: with offload DeepSpeed and accelerate "
+                + ("run DeepSpeedCPUAdam in place of the script's Adam/AdamW" if force else
+                   "keep the script's optimizer") + ("" if key in cfg else " (absent: true)"))
+    elif key in cfg:
+        imp.note(key, "ignored", "read only with optimizer offload, which this file does not turn on")
 
 
 def _unknown(imp: Import, key: str) -> None:
@@ -268,6 +285,13 @@ def zero_section(imp: Import, zero) -> None:
         return
     imp.problems += schema.zero_key_problems(zero, "zero_optimization")
     fields = {schema.ZERO_DEPRECATED.get(k, schema.field_of(k)): (k, v) for k, v in zero.items()}
+    for name in ("offload_optimizer", "offload_param"):  # cpu_offload / cpu_offload_param: true
+        key, value = fields.get(name, (None, None))
+        if isinstance(value, bool):  # DeepSpeed 0.19.8 still reads them as a CPU offload block
+            fields[name] = (key, {"device": "cpu"} if value else None)
+    if "pin_memory" in fields:  # cpu_offload_use_pin_memory: DeepSpeed warns and sets nothing
+        imp.note(f"zero_optimization.{fields.pop('pin_memory')[0]}", "ignored", "deprecated; "
+                 "DeepSpeed 0.19.8 reads it into no setting (offload blocks pin by default)")
     stage = fields.pop("stage", ("stage", 0))[1]
     if stage not in SHARD_OF_STAGE:
         imp.problems.append(("zero_optimization.stage", f"{stage!r} is no ZeRO stage; use 0, 1, 2 "
@@ -392,13 +416,18 @@ def _python_hint(block: str, value) -> str:
     if not isinstance(value, dict):
         return "see the DeepSpeed docs"
     params = {k: v for k, v in (value.get("params") or {}).items() if v != "auto"}
-    kind = value.get("type", "?")
-    if block == "optimizer" and str(kind).lower() in ("adamw", "adam", "sgd"):
-        cls = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}[str(kind).lower()]
-        return f"optimizer=(torch.optim.{cls}, {params})"
+    kind = str(value.get("type", "?")).lower()
+    if block == "optimizer" and kind in ("adamw", "adam", "sgd"):
+        # DeepSpeed's "Adam" decouples weight decay unless adam_w_mode is false (ADAM_W_MODE_DEFAULT
+        # True); its "AdamW" always does; torch_adam and adam_w_mode are no torch arguments
+        decoupled = kind == "adamw" or params.get("adam_w_mode", True) is not False
+        cls = "SGD" if kind == "sgd" else "AdamW" if decoupled else "Adam"
+        torch_params = {k: v for k, v in params.items() if k not in DEEPSPEED_ONLY}
+        return f"optimizer=(torch.optim.{cls}, {torch_params})"
     return f"{block} {kind} with {params}"
 
 
+DEEPSPEED_ONLY = {"torch_adam", "adam_w_mode"}  # DeepSpeed's switches, no torch arguments
 HANDLED = {"train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
            "gradient_clipping", "fp16", "bf16", "bfloat16", "zero_optimization",
            "communication_data_type", "optimizer", "scheduler", "zero_allow_untested_optimizer",

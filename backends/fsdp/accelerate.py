@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import difflib
 
-from parallel.interop.accelerate import PREFETCH, Import, strategy, wrap_section
+from parallel.interop.accelerate import BY_NUMBER, PREFETCH, STRATEGIES, Import, strategy, wrap_section
+
+STRATEGY_NAMES = {v: k for k, v in STRATEGIES.items()}
 
 KEYS = {"fsdp_version", "fsdp_sharding_strategy", "fsdp_reshard_after_forward", "fsdp_offload_params",
         "fsdp_auto_wrap_policy", "fsdp_transformer_layer_cls_to_wrap", "fsdp_min_num_params",
@@ -119,7 +121,18 @@ def _v1(imp: Import, fsdp: dict) -> None:
     if shard:
         imp.set("shard", shard, "fsdp_config.fsdp_sharding_strategy",
                 "mapped" if "fsdp_sharding_strategy" in fsdp else "default")
-    if "fsdp_reshard_after_forward" in fsdp:
+    asked = str(fsdp.get("fsdp_reshard_after_forward", "")).upper()
+    asked = BY_NUMBER.get(asked, asked)
+    if asked in STRATEGIES and STRATEGIES[asked] != shard:
+        # `accelerate config` writes its FSDP1 sharding question here, but `accelerate launch`
+        # always exports FSDP_SHARDING_STRATEGY (default FULL_SHARD), which accelerate's plugin
+        # prefers: the answer is silently dropped (measured with its launcher and plugin)
+        imp.refuse("fsdp_config.fsdp_reshard_after_forward", f"{asked} is what `accelerate "
+                   f"config` records as FSDP1's sharding strategy, but accelerate 1.11's launcher "
+                   f"passes fsdp_sharding_strategy ({STRATEGY_NAMES[shard]}) instead and its plugin "
+                   f"prefers that, so the file runs {STRATEGY_NAMES[shard]}, not {asked}. Add "
+                   f"fsdp_sharding_strategy: {asked} to run what you asked (under accelerate too)")
+    elif "fsdp_reshard_after_forward" in fsdp:
         imp.note("fsdp_config.fsdp_reshard_after_forward", "ignored", "FSDP1 under accelerate reads "
                  "fsdp_sharding_strategy only")
     prefetch = str(fsdp.get("fsdp_backward_prefetch", "NO_PREFETCH")).upper()
