@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from backends.deepspeed.translate import translate
-from parallel.interop.export import common_accelerate, trainer_args
+from parallel.interop.export import common_accelerate, trainer_args, trainer_document
 from parallel.spec.io import load_spec
 from parallel.spec.model import Spec
 
@@ -29,4 +29,4 @@ def to_deepspeed(spec: Spec) -> dict:
 
 
 def to_hf_trainer(spec: Spec) -> dict:
-    return {**trainer_args(spec), "deepspeed": to_deepspeed(spec)}
+    return trainer_document({**trainer_args(spec), "deepspeed": to_deepspeed(spec)})

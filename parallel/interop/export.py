@@ -70,6 +70,14 @@ def accelerate_dynamo(spec: Spec) -> dict:
             "dynamo_use_regional_compilation": c.scope == "blocks"}
 
 
+def trainer_document(arguments: dict, environment: dict[str, str] | None = None) -> dict:
+    """What `--to hf-trainer` writes: TrainingArguments' keyword arguments, and the environment the
+    training processes need for what TrainingArguments has no field for (transformers 4.57 selects
+    FSDP2 only through accelerate's FSDP_VERSION variable). Use it as
+    `os.environ.update(doc["environment"]); TrainingArguments(**doc["training_arguments"])`."""
+    return {"training_arguments": arguments, "environment": environment or {}}
+
+
 def trainer_args(spec: Spec) -> dict:
     return {"per_device_train_batch_size": spec.micro_batch_size,
             "gradient_accumulation_steps": spec.grad_accum_steps,

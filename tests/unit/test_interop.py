@@ -3,6 +3,9 @@ whole real-file corpus runs through the tools' own parsers in test_real_configs.
 
 import json
 
+import os
+from unittest import mock
+import torch
 import pytest
 import yaml
 
@@ -227,23 +230,41 @@ def test_deepspeed_export_is_accepted_by_deepspeed_config():
 @pytest.mark.parametrize("data", [
     {"backend": "fsdp", "shard": "full", "wrap": {"policy": "layer_classes",
                                                    "layer_classes": ["LlamaDecoderLayer"]}},
+    {"backend": "fsdp", "shard": "grad_op", "fsdp": {"version": 1}},
     {"backend": "deepspeed", "shard": "optimizer"},
     {"backend": "xla_fsdp", "xla": {"fsdp_version": 1, "xla_fsdp_grad_ckpt": True}},
     {"backend": "xla_fsdp", "xla": {"fsdp_version": 2}},
 ])
-def test_hf_trainer_arguments_build_training_arguments(tmp_path, data):
+def test_hf_trainer_arguments_build_training_arguments(tmp_path, monkeypatch, data):
+    """TrainingArguments built from the export, in the environment it names, hands accelerate the
+    FSDP version the spec says (accelerate's own plugin reads it; FSDP2 was silently FSDP1)."""
     pytest.importorskip("transformers")
     from transformers import TrainingArguments
 
-    kwargs = export_to("hf-trainer", load_spec(data))
-    args = TrainingArguments(output_dir=str(tmp_path), **kwargs)
+    document = export_to("hf-trainer", load_spec(data))
+    assert set(document) == {"training_arguments", "environment"}
+    # TrainingArguments exports FSDP_* variables itself: the whole environment is restored after
+    monkeypatch.setattr(os, "environ", os.environ.copy())
+    monkeypatch.setenv("FSDP_VERSION", "2" if data.get("fsdp", {}).get("version") == 1 else "1")
+    for key, value in document["environment"].items():
+        monkeypatch.setenv(key, value)
+    for key in [k for k in os.environ if k.startswith("FSDP_") and k != "FSDP_VERSION"]:
+        monkeypatch.delenv(key)
+    args = TrainingArguments(output_dir=str(tmp_path), **document["training_arguments"])
     if data["backend"] == "xla_fsdp":
         assert args.fsdp_config["xla"] is True
         assert args.fsdp_config["xla_fsdp_v2"] == (data["xla"]["fsdp_version"] == 2)
     elif data["backend"] == "deepspeed":
         assert args.deepspeed["zero_optimization"]["stage"] == 1
     else:
-        assert "full_shard" in [str(o.value) for o in args.fsdp]
+        from accelerate.utils import FullyShardedDataParallelPlugin
+
+        assert {"full": "full_shard", "grad_op": "shard_grad_op"}[data["shard"]] in [
+            str(o.value) for o in args.fsdp]
+        with mock.patch("accelerate.utils.dataclasses.is_cuda_available", lambda: True), \
+                mock.patch.object(torch.cuda, "current_device", lambda: 0):
+            plugin = FullyShardedDataParallelPlugin()  # from the variables TrainingArguments set
+        assert plugin.fsdp_version == data.get("fsdp", {}).get("version", 2)
 
 
 @pytest.mark.parametrize("dynamo", [
