@@ -59,6 +59,7 @@ def check_arch_list(value: str) -> None:
 
 class DeepSpeedEngine(Engine):
     name = "deepspeed"
+    per_parameter_grads = False  # ZeRO steps flat fp32 partitions (ZeRO-0: see state.py)
 
     def __init__(self, spec: Spec):
         super().__init__(spec)
@@ -157,10 +158,11 @@ class DeepSpeedEngine(Engine):
         inner = getattr(self.optimizer, "optimizer", None)
         return inner if isinstance(inner, torch.optim.Optimizer) else self.optimizer
 
-    def _backward(self, loss, micro_batches):
-        # DeepSpeed divides by gradient_accumulation_steps itself, and counts micro-steps in step():
-        # step() is called after every micro-batch and only updates at the accumulation boundary.
-        self.ds.backward(loss)
+    def _backward(self, share):
+        # The share is weighed already (DeepSpeed would divide by gradient_accumulation_steps
+        # again). It counts micro-steps in step(): step() is called after every micro-batch and only
+        # updates at the accumulation boundary.
+        self.ds.backward(share, scale_wrt_gas=False)
         if not self.ds.is_gradient_accumulation_boundary():
             self.ds.step()
 

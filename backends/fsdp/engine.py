@@ -84,9 +84,8 @@ class _TorchFSDP(ModuleStateTensors, Engine):
         self.optimizer.zero_grad(set_to_none=True)
         return norm, stepped
 
-    def _backward(self, loss, micro_batches):
-        loss = loss / micro_batches
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+    def _backward(self, share):
+        (self.scaler.scale(share) if self.scaler is not None else share).backward()
 
     def _save_model_optim(self, tmp: Path) -> None:
         write_model_optim(tmp, self.model, self.optimizer, self.spec.state_dict == "sharded",
@@ -206,6 +205,10 @@ class _RequiresGradSync:
 
 
 class FSDP1Engine(_TorchFSDP):
+    @property
+    def per_parameter_grads(self) -> bool:  # use_orig_params: the optimizer steps the originals
+        return self.spec.fsdp.use_orig_params
+
     def _prepare(self, model, optimizer: OptimizerArg):
         from torch.distributed.fsdp import (
             BackwardPrefetch,

@@ -24,6 +24,7 @@ from parallel.engine.step import OptimizerArg
 
 
 class XlaFsdpEngine(_Xla):
+    per_parameter_grads = False  # each unit's parameters are one flat tensor (flatten_parameters)
     def _check_runtime(self) -> None:
         import torch_xla.runtime as xr
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import sys
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -34,6 +35,8 @@ from parallel.engine.guards import (
 )
 from parallel.engine.hang import PROGRESS, CollectiveTimeout, HangWatch, is_timeout, timeout_error
 from parallel.engine.preempt import PreemptionMixin
+from parallel.engine.experts import Experts
+from parallel.engine.objective import CountFn, Objective
 from parallel.engine.params import ParamGroupsHook, ParamPlan, per_parameter
 from parallel.engine.step import (
     LossFn,
@@ -53,6 +56,9 @@ class Engine(CheckpointMixin, PreemptionMixin, CompileMixin, ABC):
     # Devices one process feeds. 1 except under SPMD, where one process drives every local device
     # and its step batch holds micro_batch_size x grad_accum_steps samples for each of them.
     devices_per_process: int = 1
+    # The optimizer steps one tensor per parameter, so a parameter's gradient can be dropped (an
+    # expert no rank used: experts.py). False where it steps flat tensors holding many parameters.
+    per_parameter_grads: bool = True
 
     def __init__(self, spec: Spec):
         self.spec = spec
@@ -66,6 +72,9 @@ class Engine(CheckpointMixin, PreemptionMixin, CompileMixin, ABC):
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler = None
         self.loss_fn: LossFn | None = None
+        self._count_fn: CountFn | None = None
+        self.objective = Objective(None, self.dp_size)  # set from the model in _record_params
+        self.experts: Experts | None = None  # mixture-of-experts blocks, from _record_params
         self.loaders: list[ResumableLoader] = []
         # Called with the engine once a step's gradients exist, before the update (bench measures
         # gradient memory here): an extension point, empty by default.
@@ -106,7 +115,8 @@ class Engine(CheckpointMixin, PreemptionMixin, CompileMixin, ABC):
     # ---- set-up ----
     def prepare(self, model: nn.Module | Callable[[], nn.Module], optimizer: OptimizerArg,
                 scheduler: Callable | None = None, loss_fn: LossFn | None = None,
-                param_groups: ParamGroupsHook | None = None) -> nn.Module:
+                param_groups: ParamGroupsHook | None = None,
+                count_fn: CountFn | None = None) -> nn.Module:
         """Shard `model` (a module, or a factory for memory-efficient loading), then build the
         optimizer over the sharded parameters and the scheduler over the optimizer.
 
@@ -114,8 +124,11 @@ class Engine(CheckpointMixin, PreemptionMixin, CompileMixin, ABC):
         the model before prepare (the usual habit) are mapped onto the sharded parameters by name.
         `param_groups`: called once before sharding with the model's (name, parameter) pairs as
         built (full shapes, on every backend), it returns torch-style groups whose "params" are
-        names or parameters; the optimizer is built over those groups of sharded parameters."""
-        self.loss_fn = loss_fn
+        names or parameters; the optimizer is built over those groups of sharded parameters.
+        `count_fn(micro_batch)`: how many items `loss_fn`'s mean is taken over (a tensor or int), so
+        that micro-batches weigh by it (`loss_weighting: tokens`); Hugging Face models with `labels`
+        need none (parallel/engine/objective.py)."""
+        self.loss_fn, self._count_fn = loss_fn, count_fn
         self._param_groups_hook = param_groups
         self._check_global_batch()
         self.model, self.optimizer = self._prepare(model, optimizer)
@@ -142,8 +155,20 @@ class Engine(CheckpointMixin, PreemptionMixin, CompileMixin, ABC):
                               "topology")])
 
     def _record_params(self, model: nn.Module) -> ParamPlan:
-        """Before sharding: parameter names, tied weights and the param_groups hook's groups."""
-        self.params = ParamPlan(model, self._param_groups_hook)
+        """Before sharding: parameter names, tied weights, the param_groups hook's groups, and what
+        the model's loss averages over."""
+        self.objective = Objective.for_model(model, self._count_fn, self.loss_fn is not None,
+                                             self.spec.loss_weighting, self.dp_size)
+        self.experts = Experts(model, touch=self.dp_size > 1) or None
+        if self.experts and not self.per_parameter_grads and self.is_main:
+            print(f"polyshard: {self.name} ({type(self).__name__}) steps flat tensors, so an expert "
+                  f"no rank routes a token to in a step gets a zero gradient and is still updated "
+                  f"(weight decay, momentum, Adam's step count), where one process skips it: "
+                  f"{self.experts.summary()}. FSDP2, FSDP1 with use_orig_params and XLA FSDP v2 "
+                  "skip it exactly (docs/moe.md)", file=sys.stderr, flush=True)
+        # stand-ins on the GPU, so that a factory asking for a fused optimizer sees CUDA tensors
+        where = self.device if self.device.type == "cuda" else "cpu"
+        self.params = ParamPlan(model, self._param_groups_hook, where)
         return self.params
 
     def _optimizer_over(self, optimizer: OptimizerArg, model: nn.Module,
@@ -219,16 +244,21 @@ class Engine(CheckpointMixin, PreemptionMixin, CompileMixin, ABC):
 
     def _train_step(self, batch, start: float) -> StepResult:
         self.model.train()
-        micro_batches = self._split(batch)
-        total = torch.zeros((), device=self.device)
+        micro_batches = [self._to_device(m) for m in self._split(batch)]
+        # Each micro-batch weighs by the items its loss averages over (objective.py), so the step's
+        # loss and gradient are one process's on the global batch. The global count is one small
+        # reduction, in flight during the first forward and waited for at the first backward.
+        counts = self.objective.counts(micro_batches)
+        total = pdist.PendingSum(counts.sum()) if counts is not None else None
+        local = torch.zeros((), device=self.device)
         PROGRESS.phase = "forward/backward"
         for i, micro in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             with self._sync_context(last):  # skip gradient reduction until the last micro-batch
-                loss = self._loss(self._to_device(micro))
-                self._backward(loss, len(micro_batches))
-            total += loss.detach().float()
-        local = total / len(micro_batches)
+                share = self.objective.share(self._loss(micro), i, counts, total,
+                                             len(micro_batches))
+                self._backward(share)
+            local += share.detach().float()
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this update uses (schedule moves after)
         PROGRESS.phase = "optimizer step"
         if self._watch is None:  # raise | skip: decided before the update
@@ -248,13 +278,32 @@ class Engine(CheckpointMixin, PreemptionMixin, CompileMixin, ABC):
         self._compile_after_step()  # compile.enabled: host-only checks that it ran compiled
         return StepResult(step=self.step, loss_tensor=mean, grad_norm_tensor=grad_norm, lr=lr,
                           tokens=count_tokens(batch) * self.dp_size,
+                          targets_tensor=total() if total is not None else None,
                           step_time=time.perf_counter() - start, stepped=stepped,
                           loss_value=value)
 
     def _update(self) -> tuple[torch.Tensor | None, bool]:
+        if self.experts and self.dp_size > 1 and self.per_parameter_grads:
+            self._drop_unused_experts()
         for hook in self.on_gradients:  # gradients exist only now
             hook(self)
         return self._optimizer_step()
+
+    def _drop_unused_experts(self) -> None:
+        """Experts no rank used this step got zero gradients (experts.py): drop them, so the
+        optimizer skips them as one process does. One small sum over ranks and one host read, for
+        mixture-of-experts models only (whose blocks read their routing to the host anyway)."""
+        used = torch.tensor(self.experts.step_done(), dtype=torch.float32, device=self.device)
+        unused = [i for i, n in enumerate(pdist.PendingSum(used)().tolist()) if n == 0]
+        if unused:
+            names = set(self.experts.param_names(unused))
+            for p, (name,) in self._trained_params():
+                if name in names:
+                    p.grad = None
+
+    def _trained_params(self):
+        """(trained tensor, [its original name]) of every parameter the optimizer steps."""
+        return per_parameter(self.model)
 
     def _nonfinite(self, local: torch.Tensor) -> tuple[None, bool]:
         """Every rank read the same non-finite mean: name the ranks, then raise or skip."""
@@ -277,8 +326,14 @@ class Engine(CheckpointMixin, PreemptionMixin, CompileMixin, ABC):
 
     @torch.no_grad()
     def eval_step(self, batch) -> float:
+        """The loss on `batch` (this rank's part of an evaluation batch), weighed as the step weighs
+        it: the mean over the whole evaluation batch's items."""
         self.model.eval()
-        return float(pdist.all_mean(self._loss(self._to_device(batch)).detach().float()))
+        batch = self._to_device(batch)
+        counts = self.objective.counts([batch])
+        total = pdist.PendingSum(counts.sum()) if counts is not None else None
+        share = self.objective.share(self._loss(batch), 0, counts, total, 1)
+        return float(pdist.all_mean(share.detach().float()))
 
     def _loss(self, batch) -> torch.Tensor:
         with self._autocast():
@@ -292,9 +347,9 @@ class Engine(CheckpointMixin, PreemptionMixin, CompileMixin, ABC):
     def _sync_context(self, last: bool):
         return nullcontext()
 
-    def _backward(self, loss: torch.Tensor, micro_batches: int) -> None:
-        """The step's loss is the mean over micro-batches, so each contributes loss / count."""
-        (loss / micro_batches).backward()
+    def _backward(self, share: torch.Tensor) -> None:
+        """`share`: this micro-batch's part of the step's loss, already weighed (objective.py)."""
+        share.backward()
 
     @abstractmethod
     def _optimizer_step(self) -> tuple[torch.Tensor | None, bool]:

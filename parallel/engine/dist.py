@@ -124,6 +124,23 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+class PendingSum:
+    """A sum over ranks in flight: started when made, waited for when first called (on NCCL the
+    wait makes the compute stream wait; the host does not)."""
+
+    def __init__(self, value: torch.Tensor):
+        self.value, self.work = value, None
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            self.value = value.clone()
+            self.work = dist.all_reduce(self.value, op=dist.ReduceOp.SUM, async_op=True)
+
+    def __call__(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.value
+
+
 def all_mean(value: torch.Tensor) -> torch.Tensor:
     """Mean over ranks. gloo has no ReduceOp.AVG, so sum then divide."""
     if dist.is_initialized() and dist.get_world_size() > 1:

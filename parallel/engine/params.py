@@ -5,12 +5,18 @@ views of a flat shard), so anything the user built from the model *as built* (pa
 `named_parameters()`, grouping by `p.dim()`, tied weights) no longer points at what is trained.
 polyshard knows every parameter's original name, so it maps by name:
 
-- `ParamPlan.record(model)` runs before sharding: names, tied groups, and weak references to the
-  original parameters (nothing is kept alive);
-- `ParamPlan.optimizer(...)` runs after: it builds the optimizer over the sharded parameters (by the
-  `param_groups` hook's names if given), switches any original parameter the optimizer holds (groups
-  built before `prepare`, the usual habit) to its sharded counterpart, and refuses an optimizer that
-  does not hold every trainable parameter exactly once.
+- `ParamPlan(model)` runs before sharding: names, tied groups, weak references to the original
+  parameters (nothing is kept alive), and a stand-in per parameter: a tensor with the parameter's shape,
+  dtype and requires_grad as built, on the device the optimizer steps on, holding one element (an
+  expanded view). FSDP1 turns every parameter into a 1-D view of a flat shard in place and ZeRO-3's
+  zero.Init into an empty tensor, so the live objects no longer tell a factory what was built (measured:
+  an AdamW factory splitting groups by `p.dim()` put every FSDP1 parameter in the no-decay group,
+  2e-3 off by step 5);
+- `ParamPlan.optimizer(...)` runs after: it calls the optimizer factory (or class) on the stand-ins
+  (grouped by the `param_groups` hook's names if given), so it sees the model as built on every
+  backend, then switches whatever the optimizer holds (stand-ins, or original parameters in groups built
+  before `prepare`, the usual habit) to the sharded counterparts, and refuses an optimizer that does not
+  hold every trainable parameter exactly once.
 """
 
 from __future__ import annotations
@@ -73,15 +79,29 @@ def per_parameter(model: nn.Module) -> list[tuple[nn.Parameter, list[str]]]:
 Sharded = list[tuple[nn.Parameter, list[str]]]  # trained tensor, the original names it holds
 
 
+def stand_in(p: torch.Tensor, device: torch.device | str = "cpu") -> nn.Parameter:
+    """A parameter's shape (ZeRO-3's `ds_shape` when partitioned), dtype and requires_grad as built,
+    holding one element: what optimizer factories and param_groups hooks are shown."""
+    shape = tuple(getattr(p, "ds_shape", p.shape))
+    one = torch.empty((), dtype=p.dtype, device=device)
+    return nn.Parameter(one.expand(shape), requires_grad=p.requires_grad)
+
+
 class ParamPlan:
     """What is known of the parameters before sharding, applied to the optimizer after it."""
 
-    def __init__(self, model: nn.Module, hook: ParamGroupsHook | None = None):
+    def __init__(self, model: nn.Module, hook: ParamGroupsHook | None = None,
+                 device: torch.device | str = "cpu"):
         named = [(clean_name(n), p) for n, p in model.named_parameters()]
         self.tied = tied_groups(model)
         self._originals = {id(p): (weakref.ref(p), n) for n, p in named}
         self.trainable = {n for n, p in named if p.requires_grad}
-        self.groups = _named_groups(hook(named), {id(p): n for n, p in named}) if hook else None
+        self.as_built = [(n, stand_in(p, device)) for n, p in named]  # kept: they are 1 element each
+        self._originals.update({id(s): (weakref.ref(s), n) for n, s in self.as_built})
+        # a hook may return the stand-ins it was shown or the model's own parameters
+        name_of = {id(s): n for n, s in self.as_built} | {id(p): n for n, p in named}
+        self.groups = _named_groups(hook(self.as_built), name_of) if hook else None
+        self._stand_in = dict(self.as_built).__getitem__
 
     def original_name(self, p) -> str | None:
         entry = self._originals.get(id(p))
@@ -89,13 +109,13 @@ class ParamPlan:
 
     def optimizer(self, build: Callable[[Any], torch.optim.Optimizer],
                   sharded: Sharded) -> torch.optim.Optimizer:
-        """Build over the hook's groups (by name) or every tensor holding a trainable parameter,
+        """Build over the stand-ins of the hook's groups (by name) or of every trainable parameter,
         then switch() whatever the optimizer holds onto the sharded tensors."""
         if self.groups is None:
-            over = [p for p, names in sharded if self.trainable & set(names)]
+            over = [s for n, s in self.as_built if n in self.trainable]
         else:
-            tensors = _regroup([names for names, _ in self.groups], sharded)
-            over = [{**hyper, "params": ts} for ts, (_, hyper) in zip(tensors, self.groups)]
+            over = [{**hyper, "params": [self._stand_in(n) for n in names]}
+                    for names, hyper in self.groups]
         optimizer = build(over)
         self.switch(optimizer, sharded)
         return optimizer

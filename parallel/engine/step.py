@@ -28,12 +28,19 @@ class StepResult:
     step_time: float
     stepped: bool = True  # False when the update was skipped (fp16 loss scaling; on_nonfinite: skip)
     loss_value: float | None = None  # the host copy, once read
+    # items the step's loss averaged over, all ranks (target tokens of a labelled HF batch); None
+    # where every micro-batch weighs alike
+    targets_tensor: torch.Tensor | None = None
 
     @property
     def loss(self) -> float:
         if self.loss_value is None:
             self.loss_value = float(self.loss_tensor)
         return self.loss_value
+
+    @property
+    def targets(self) -> int | None:
+        return None if self.targets_tensor is None else int(self.targets_tensor)
 
     @property
     def grad_norm(self) -> float | None:

@@ -103,8 +103,20 @@ class Spec(Section):
     grad_accum_steps: Annotated[
         int,
         Field(ge=1, description="Micro-batches per optimizer step. A step's batch on each rank holds "
-              "micro_batch_size * grad_accum_steps samples; the loss is their mean."),
+              "micro_batch_size * grad_accum_steps samples; how their losses combine: loss_weighting."),
     ] = 1
+    loss_weighting: Annotated[
+        Literal["tokens", "micro_batches"],
+        Field(description="How micro-batches and ranks combine into the step's loss. tokens "
+              "(default): each micro-batch weighs by the items its loss averages over (target "
+              "tokens: labels != -100, after the shift for causal LMs), so the step's loss and "
+              "gradient are those of one process on the global batch whatever the world size and "
+              "accumulation, padded rows included (Hugging Face Trainer's num_items_in_batch). "
+              "Models whose loss is not a known token mean (classification heads, a loss_fn "
+              "without count_fn) weigh every micro-batch alike, exact for per-sample means. "
+              "micro_batches: every micro-batch's own mean weighs alike (Accelerate's and "
+              "Lightning's behaviour; differs when rows hold different numbers of targets)."),
+    ] = "tokens"
     global_batch_size: Annotated[
         int | None,
         Field(ge=1, description="Samples per optimizer step over all data-parallel ranks "

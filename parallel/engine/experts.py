@@ -1,0 +1,127 @@
+"""Parameters a step does not use: mixture-of-experts layers, where each rank's tokens reach a few
+experts and different ranks reach different ones.
+
+One process on the global batch gives every routed expert its gradient and leaves the others without
+one (`grad` None), which torch optimizers skip: no weight decay, no momentum, no step count. Split over
+ranks, an expert used on rank 0 only has a gradient there and none on rank 1, and the backends break
+in three ways (measured on HF Mixtral, 16 experts top-1, 2 ranks): FSDP2 and ZeRO-2 reduce different
+lists of gradients on different ranks (gloo: "collective mismatch"; NCCL: a hang or wrong sums); ZeRO-3
+gathers different experts on different ranks; the flat-parameter backends give the unused a zero
+gradient and update it.
+
+The convention this reads is Hugging Face's (Mixtral, Qwen2-MoE, OLMoE, ...): a block holding an
+`experts` ModuleList that calls only the experts its tokens were routed to. Two things are done:
+
+- Every expert runs every forward, in index order, on every rank: an expert the block did not call
+  is called on an empty input (no rows: a few empty kernels) just before the next one it does call,
+  or at the block's end, and its empty output is added to that call's output (an exact zero). So every
+  rank's backward produces a gradient for every expert, in the same order: the lists reduced and the
+  parameters gathered agree across ranks, and a zero gradient adds nothing to a sum.
+- Which experts ran for real is known on the host when they run (the block itself read its routing
+  to the host to call them). Before the update, one small sum over ranks says which experts no rank
+  used; their gradients are dropped, so the optimizer skips them exactly as one process does. Backends
+  whose optimizer steps flat tensors (FSDP1 without use_orig_params, XLA FSDP v1, DeepSpeed ZeRO) cannot
+  skip one parameter: they say so at prepare, naming the experts (docs/moe.md has the measured
+  difference).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from parallel.engine.params import clean_name
+
+
+def moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Blocks that route tokens to some of their `experts` (a ModuleList), by clean name."""
+    return [(clean_name(name), m) for name, m in model.named_modules()
+            if isinstance(getattr(m, "experts", None), nn.ModuleList)]
+
+
+class Experts:
+    """The experts of a model as built, their use on this rank, and the hooks that touch them."""
+
+    def __init__(self, model: nn.Module, touch: bool):
+        self.blocks = moe_blocks(model)
+        self.names: list[str] = []  # one per expert, "model.layers.0.mlp.experts.3"
+        self.used: list[bool] = []  # this rank, this step
+        self._touching = False
+        self._handles = []
+        for block_name, block in self.blocks:
+            first = len(self.names)
+            self.names += [f"{block_name}.experts.{i}" for i in range(len(block.experts))]
+            self.used += [False] * len(block.experts)
+            self._hook(block, first, touch)
+
+    def __bool__(self) -> bool:
+        return bool(self.names)
+
+    def summary(self) -> str:
+        """The experts by pattern: 'model.layers.{0..1}.mlp.experts.{0..15} (32 modules)'."""
+        name, block = self.blocks[0]
+        return (f"{len(self.names)} experts in {len(self.blocks)} blocks such as {name}.experts."
+                f"{{0..{len(block.experts) - 1}}} ({type(block).__name__})")
+
+    def param_names(self, experts: list[int]) -> list[str]:
+        out = []
+        for i in experts:
+            block_name, _, index = self.names[i].rpartition(".experts.")
+            block = dict(self.blocks)[block_name]
+            out += [f"{self.names[i]}.{n}" for n, _ in block.experts[int(index)].named_parameters()]
+        return out
+
+    def step_done(self) -> list[bool]:
+        """This rank's use during the step that just ran; the record starts again."""
+        used, self.used = self.used, [False] * len(self.used)
+        return used
+
+    def _hook(self, block: nn.Module, first: int, touch: bool) -> None:
+        cursor = {"next": 0, "input": None}  # the next expert index the block has not run
+
+        def block_pre(module, args, kwargs):
+            cursor["next"] = 0
+            hidden = args[0] if args else next(iter(kwargs.values()))
+            cursor["input"] = hidden.new_empty(0, hidden.shape[-1])
+            return None
+
+        def expert_pre(index: int) -> Callable:
+            def hook(module, args):
+                if self._touching:
+                    return None
+                self.used[first + index] = True
+                cursor["pending"] = self._run_empty(block, cursor, index) if touch else None
+                return None
+            return hook
+
+        def expert_post(module, args, output):
+            pending = cursor.pop("pending", None)
+            return output if pending is None or self._touching else output + pending
+
+        def block_post(module, args, kwargs, output):
+            tail = self._run_empty(block, cursor, len(block.experts)) if touch else None
+            if tail is None:
+                return output
+            if isinstance(output, torch.Tensor):
+                return output + tail
+            return (output[0] + tail, *output[1:])  # (hidden states, router logits)
+
+        self._handles.append(block.register_forward_pre_hook(block_pre, with_kwargs=True))
+        self._handles.append(block.register_forward_hook(block_post, with_kwargs=True))
+        for index, expert in enumerate(block.experts):
+            self._handles.append(expert.register_forward_pre_hook(expert_pre(index)))
+            self._handles.append(expert.register_forward_hook(expert_post))
+
+    def _run_empty(self, block: nn.Module, cursor: dict, upto: int) -> torch.Tensor | None:
+        """Run experts cursor..upto-1 (those the block skipped) on no rows; their summed empty
+        outputs, an exact zero that carries their gradients (zeros) into the backward."""
+        start, cursor["next"] = cursor["next"], upto + 1
+        if start >= upto or cursor["input"] is None:
+            return None
+        self._touching = True
+        try:
+            return sum(block.experts[j](cursor["input"]).sum() for j in range(start, upto))
+        finally:
+            self._touching = False
