@@ -35,12 +35,23 @@ def _reinit_partitioned(model: nn.Module) -> None:
     of 5.548, docs/deepspeed.md). Re-run the model's own `_init_weights` on gathered parameters, in
     the same module order, so the weights equal those of a plain construction with the same seed."""
     init = getattr(model, "_init_weights", None)
-    if init is None:
-        return
+    if init is None or any(getattr(p, "_is_hf_initialized", False) for p in model.parameters()):
+        return  # from_pretrained under HfDeepSpeedConfig loaded (and initialised) it already
     import deepspeed
 
     with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
         model.apply(init)
+
+
+def register_with_transformers(config: dict):
+    """ZeRO-3 as Hugging Face expects it (HfDeepSpeedConfig): `is_deepspeed_zero3_enabled()` is then
+    true, so `generate` keeps ranks in step (synced_gpus) and from_pretrained partitions. transformers
+    holds a weak reference: the engine keeps the object until close(). None without transformers."""
+    try:
+        from transformers.integrations import HfDeepSpeedConfig
+    except ImportError:
+        return None
+    return HfDeepSpeedConfig(config)
 
 
 def check_arch_list(value: str) -> None:
@@ -65,6 +76,7 @@ class DeepSpeedEngine(Engine):
         super().__init__(spec)
         self.config = translate(spec)["config"]
         self.ds = None
+        self._hf_zero3 = None  # HfDeepSpeedConfig, held while the engine lives (ZeRO-3)
 
     def _prepare(self, model, optimizer: OptimizerArg):
         import deepspeed
@@ -77,18 +89,24 @@ class DeepSpeedEngine(Engine):
                               f"{deepspeed.__version__} enables DeepCompile on the cuda accelerator "
                               f"only, and this process runs on {self.device.type}; set "
                               "deepcompile: false (compile.enabled still compiles the model)")])
+        zero3 = STAGES[self.spec.shard] == 3
+        # the model-sized "auto" values are filled after construction; zero.Init reads none
+        known = {**self.config, "zero_optimization": {
+            k: v for k, v in self.config.get("zero_optimization", {}).items() if v != "auto"}}
         if not isinstance(model, nn.Module):
-            if self.spec.deepspeed.zero_init and STAGES[self.spec.shard] == 3:
+            if self.spec.deepspeed.zero_init and zero3:
                 # Parameters are partitioned as each module is constructed: no rank holds them all.
-                # the model-sized "auto" values are filled after construction; Init reads none
-                zero = {k: v for k, v in self.config.get("zero_optimization", {}).items()
-                        if v != "auto"}
-                with deepspeed.zero.Init(config_dict_or_path={**self.config,
-                                                              "zero_optimization": zero}):
+                # Registered first, so a factory calling from_pretrained loads the weights into the
+                # partitions as Hugging Face does under ZeRO-3 (without it: "Cannot copy out of
+                # meta tensor")
+                self._hf_zero3 = register_with_transformers(known)
+                with deepspeed.zero.Init(config_dict_or_path=known):
                     model = model()
                 _reinit_partitioned(model)
             else:
                 model = model()
+        if zero3 and self._hf_zero3 is None:  # after a plain build: from_pretrained stays as written
+            self._hf_zero3 = register_with_transformers(known)
         require_fp32(model)
         self.config = fill_model_autos(self.config, model)
         self._record_params(model)
@@ -233,6 +251,15 @@ class DeepSpeedEngine(Engine):
         if master_names(self.ds):
             return unfused_state(self.ds)["model"]
         return {ps.clean_name(k): v.detach().cpu() for k, v in self.ds.module.state_dict().items()}
+
+
+    def close(self) -> None:
+        super().close()
+        if self._hf_zero3 is not None:  # transformers no longer sees ZeRO-3 once the job is done
+            from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+            unset_hf_deepspeed_config()
+            self._hf_zero3 = None
 
 
 def make_engine(spec: Spec) -> Engine:

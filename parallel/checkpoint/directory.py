@@ -280,12 +280,3 @@ def library_versions() -> dict:
         except PackageNotFoundError:
             pass
     return found
-
-
-def hf_config_json(model) -> str | None:
-    """A Hugging Face model's config as JSON, found through any wrapper."""
-    for module in (model.modules() if model is not None else ()):
-        config = getattr(module, "config", None)
-        if hasattr(config, "to_json_string"):
-            return config.to_json_string()
-    return None

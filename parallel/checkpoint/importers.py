@@ -4,24 +4,21 @@ Import (`polyshard ckpt import KIND SRC OUT`): a torch DCP directory (torch's ge
 torchtitan, FSDP2 loops and Accelerate write it), or any kind a backend reads (its descriptor's
 checkpoint_readers: DeepSpeed ZeRO, XLA FSDP shard files). Optimizer moments and step counts come
 along.
-Export (`polyshard ckpt export --to hf`): safetensors + config.json for `from_pretrained`.
+Export to Hugging Face: parallel/checkpoint/hf.py.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 from parallel.checkpoint.directory import (
     library_versions,
-    resolve,
     record_written,
-    verify_checkpoint,
     write_checkpoint,
 )
-from parallel.checkpoint.portable import clean_name, hyperparams, read_model, save_state
+from parallel.checkpoint.portable import clean_name, hyperparams, save_state
 
 
 class CheckpointImportError(RuntimeError):
@@ -89,24 +86,3 @@ def kinds() -> list[str]:
     from parallel.registry import checkpoint_kinds
 
     return ["dcp", *checkpoint_kinds()]
-
-
-def export_hf(path: str | Path, out: str | Path, config: str | Path | None = None) -> Path:
-    """Weights as model.safetensors plus config.json, the layout `from_pretrained` reads."""
-    from safetensors.torch import save_file
-
-    path, out = resolve(path), Path(out)
-    verify_checkpoint(path)
-    source = Path(config) if config else path / "hf_config.json"
-    if not source.is_file():
-        raise CheckpointImportError(f"{path}: no hf_config.json (imported, or saved from a model without a "
-                           "Hugging Face config); pass --config CONFIG.json")
-    cfg = json.loads(source.read_text())
-    weights = read_model(path)
-    if cfg.get("tie_word_embeddings") and "lm_head.weight" in weights:
-        weights.pop("lm_head.weight")  # tied: from_pretrained points it at the embedding
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    return out

@@ -243,8 +243,18 @@ def shared_step(entries) -> torch.Tensor | None:
 
 
 def single_step(per_name: dict[str, dict], names) -> torch.Tensor | None:
-    """The one step count shared by parameters that live in one flat optimizer tensor."""
-    return shared_step(per_name[n] for n in names if n in per_name)
+    """The one step count shared by parameters that live in one flat optimizer tensor (this run's).
+    A checkpoint with per-parameter counts that differ (a backend that skips parameters without a
+    gradient, e.g. experts no rank used: parallel/engine/experts.py) gives the most steps, which is
+    what the flat tensor would have taken; the skipped parameters' Adam bias correction then uses
+    it, as it would have on this backend all along (docs/moe.md)."""
+    steps = {float(per_name[n]["step"]) for n in names if "step" in per_name.get(n, {})}
+    if len(steps) > 1:
+        warnings.warn(f"a flat optimizer tensor holds parameters whose step counts in the checkpoint "
+                      f"differ ({sorted(steps)[:4]}, e.g. experts no rank used in some steps): it "
+                      f"takes {max(steps):g}, the steps the flat tensor would have taken",
+                      RuntimeWarning, stacklevel=2)
+    return torch.tensor(max(steps)) if steps else None
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

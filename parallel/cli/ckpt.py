@@ -9,7 +9,8 @@ EXAMPLES = """example: polyshard ckpt inspect runs/demo   # a checkpoint, or a d
 more:
   polyshard ckpt verify runs/demo/step-30     # exit 1 naming the first corrupted file
   polyshard ckpt import deepspeed ds_ckpt/ runs/imported --step 1000
-  polyshard ckpt export --to hf runs/demo hf_model/
+  polyshard ckpt export --to hf runs/demo hf_model/ --tokenizer tok/   # a LoRA run: merged
+  polyshard ckpt export --to peft runs/lora adapter/          # PeftModel.from_pretrained(base, adapter/)
   polyshard ckpt export --to deepspeed-universal runs/demo ds_universal/"""
 
 
@@ -36,18 +37,25 @@ def add_parser(sub) -> None:
                            description="write weights for another tool")
     from parallel.registry import checkpoint_writer_kinds
 
-    a.add_argument("--to", choices=["hf", *checkpoint_writer_kinds()], required=True,
-                   help="hf: model.safetensors + config.json for transformers' from_pretrained; "
-                   "deepspeed-universal: what DeepSpeed loads with checkpoint.load_universal "
-                   "(weights and optimizer state, any ZeRO-1/2 world size)")
+    a.add_argument("--to", choices=["hf", "peft", *checkpoint_writer_kinds()], required=True,
+                   help="hf: safetensors shards + config.json + generation config for "
+                   "transformers' from_pretrained (a LoRA run's adapter merged into the weights); "
+                   "peft: the adapter alone for PeftModel.from_pretrained; deepspeed-universal: "
+                   "what DeepSpeed loads with checkpoint.load_universal (weights and optimizer "
+                   "state, any ZeRO-1/2 world size)")
     a.add_argument("path")
     a.add_argument("out")
-    a.add_argument("--config", help="Hugging Face config.json (default: the one saved with it)")
+    a.add_argument("--config", help="hf: Hugging Face config.json (default: the one saved with it)")
+    a.add_argument("--dtype", choices=["fp32", "bf16", "fp16"],
+                   help="hf: dtype of the exported weights (default: the run's precision)")
+    a.add_argument("--tokenizer", help="hf: a local tokenizer directory, saved beside the weights")
+    a.add_argument("--adapter", help="peft: which adapter (default: the run's active one)")
 
 
 def run(args) -> int:
     from parallel.checkpoint.directory import CheckpointError, resolve, verify_checkpoint
-    from parallel.checkpoint.importers import CheckpointImportError, export_hf, import_checkpoint
+    from parallel.checkpoint.hf import ExportError, export_hf, export_peft
+    from parallel.checkpoint.importers import CheckpointImportError, import_checkpoint
     from parallel.checkpoint.portable import PortableStateError
 
     try:
@@ -57,7 +65,9 @@ def run(args) -> int:
             return 0
         if args.action == "export":
             if args.to == "hf":
-                print(f"exported {export_hf(args.path, args.out, args.config)}")
+                print(f"exported {export_hf(args.path, args.out, args.config, args.dtype, args.tokenizer)}")
+            elif args.to == "peft":
+                print(f"exported {export_peft(args.path, args.out, args.adapter)}")
             else:
                 from parallel.registry import checkpoint_writer
 
@@ -65,7 +75,8 @@ def run(args) -> int:
             return 0
         path = resolve(args.path)
         manifest = verify_checkpoint(path)  # sizes and sha256 of every file
-    except (CheckpointError, CheckpointImportError, PortableStateError, OSError) as err:
+    except (CheckpointError, CheckpointImportError, ExportError, PortableStateError,
+            OSError) as err:
         print(f"ckpt {args.action}: {err}", file=sys.stderr)
         return 1
     if args.action == "inspect":

@@ -75,6 +75,7 @@ class Engine(CheckpointMixin, PreemptionMixin, CompileMixin, ABC):
         self._count_fn: CountFn | None = None
         self.objective = Objective(None, self.dp_size)  # set from the model in _record_params
         self.experts: Experts | None = None  # mixture-of-experts blocks, from _record_params
+        self.notices: list[str] = []  # what this run does differently from one process, said once
         self.loaders: list[ResumableLoader] = []
         # Called with the engine once a step's gradients exist, before the update (bench measures
         # gradient memory here): an extension point, empty by default.
@@ -103,6 +104,13 @@ class Engine(CheckpointMixin, PreemptionMixin, CompileMixin, ABC):
         """The torch DeviceMesh over (dp_replicate, dp_shard), made on first use (backends that
         shard with torch's DeviceMesh take it or a slice of it)."""
         return self.dims.device_mesh(self.device.type)
+
+    def _say(self, message: str) -> None:
+        """Where this backend means something other than one process would: kept in `notices`
+        (every rank) and printed once (the main rank)."""
+        self.notices.append(message)
+        if self.is_main:
+            print(f"polyshard: {message}", file=sys.stderr, flush=True)
 
     def _check_world(self) -> None:
         if self.ctx.world_size != self.spec.world_size:
@@ -160,12 +168,12 @@ class Engine(CheckpointMixin, PreemptionMixin, CompileMixin, ABC):
         self.objective = Objective.for_model(model, self._count_fn, self.loss_fn is not None,
                                              self.spec.loss_weighting, self.dp_size)
         self.experts = Experts(model, touch=self.dp_size > 1) or None
-        if self.experts and not self.per_parameter_grads and self.is_main:
-            print(f"polyshard: {self.name} ({type(self).__name__}) steps flat tensors, so an expert "
-                  f"no rank routes a token to in a step gets a zero gradient and is still updated "
-                  f"(weight decay, momentum, Adam's step count), where one process skips it: "
-                  f"{self.experts.summary()}. FSDP2, FSDP1 with use_orig_params and XLA FSDP v2 "
-                  "skip it exactly (docs/moe.md)", file=sys.stderr, flush=True)
+        if self.experts and not self.per_parameter_grads:
+            self._say(f"{self.name} ({type(self).__name__}) steps flat tensors, so an expert no rank "
+                      f"routes a token to in a step gets a zero gradient and is still updated "
+                      f"(weight decay, momentum, Adam's step count), where one process skips it: "
+                      f"{self.experts.summary()}. FSDP2, FSDP1 with use_orig_params and XLA FSDP v2 "
+                      "skip it exactly (docs/moe.md)")
         # stand-ins on the GPU, so that a factory asking for a fused optimizer sees CUDA tensors
         where = self.device if self.device.type == "cuda" else "cpu"
         self.params = ParamPlan(model, self._param_groups_hook, where)

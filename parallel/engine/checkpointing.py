@@ -16,7 +16,6 @@ from parallel.checkpoint.directory import (
     WRITTEN,
     begin_checkpoint,
     finish_checkpoint,
-    hf_config_json,
     library_versions,
     publish,
     resolve,
@@ -24,6 +23,7 @@ from parallel.checkpoint.directory import (
     record_written,
     verify_parallel,
 )
+from parallel.checkpoint.hf import hf_config_json, peft_config_json
 from parallel.checkpoint.portable import save_state
 
 
@@ -52,6 +52,7 @@ class CheckpointMixin:
                              "(checkpoint.async_save); save synchronously")
         PROGRESS.at(self.step, "done, saving")
         path, hf_config = Path(path), hf_config_json(self.model)
+        peft_config = peft_config_json(self.model)  # a LoRA run: what `export --to peft` needs
         group = self._saver.ensure_group() if background_write else None
         tmp = begin_checkpoint(path, self.rank, group)
         rng, trainer = pdist.rng_state(), (self.trainer_state() if self.is_main else None)
@@ -64,9 +65,10 @@ class CheckpointMixin:
             if self.is_main:
                 torch.save(trainer, tmp / "trainer.pt")
                 record_written(tmp / "trainer.pt")
-                if hf_config is not None:  # lets `polyshard ckpt export --to hf` stand alone
-                    (tmp / "hf_config.json").write_text(hf_config)
-                    record_written(tmp / "hf_config.json")
+                for name, text in (("hf_config.json", hf_config), ("peft_config.json", peft_config)):
+                    if text is not None:  # lets `polyshard ckpt export --to hf|peft` stand alone
+                        (tmp / name).write_text(text)
+                        record_written(tmp / name)
 
         def publish_all() -> None:
             finish_checkpoint(path, tmp, self.rank, meta, group=group)

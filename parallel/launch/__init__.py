@@ -4,7 +4,7 @@ failed job once (agent.py), cluster files (emit.py), facts about the host (envin
 `from parallel.launch import current_spec` works; the names load on first use, so importing a
 submodule (the registry reads envinfo) does not import the launcher."""
 
-_EXPORTS = {"SPEC_ENV", "LaunchArgs", "current_spec", "launch"}
+_EXPORTS = {"SPEC_ENV", "LaunchArgs", "NoSpecError", "current_spec", "launch"}
 
 
 def __getattr__(name: str):

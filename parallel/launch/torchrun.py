@@ -20,13 +20,31 @@ from parallel.spec.io import load_spec
 SPEC_ENV = "POLYSHARD_SPEC"
 
 
+class NoSpecError(RuntimeError):
+    """A script asked for its spec outside `polyshard launch` and named none."""
+
+
 def current_spec(default: str | Path | dict | None = None, overrides: list[str] = ()) -> Spec:
-    """The spec this process runs under: the one `polyshard launch` passed, else `default`."""
+    """The spec this process runs under: the one `polyshard launch` passed (POLYSHARD_SPEC), else
+    `default` (a spec file or dict the script names). Never the built-in defaults silently: with
+    neither, it stops and says how to give one."""
     from parallel.launch.agent import install_error_report
 
     install_error_report()  # under a launcher: the first failing rank is reported once
     passed = os.environ.get(SPEC_ENV)
-    return load_spec(Path(passed) if passed else default, list(overrides))
+    if passed:
+        return load_spec(Path(passed), list(overrides))
+    if default is None:
+        raise NoSpecError(
+            "no spec: this script was not started by `polyshard launch` (which passes one through "
+            f"{SPEC_ENV}) and names none. Run `polyshard launch SPEC.yaml {Path(sys.argv[0]).name}`, "
+            f"or set {SPEC_ENV}=SPEC.yaml, or call current_spec(default='SPEC.yaml') in the script")
+    spec = load_spec(default, list(overrides))
+    if int(os.environ.get("RANK", "0")) == 0:  # said once, so a forgotten launcher is noticed
+        where = default if isinstance(default, (str, Path)) else "the dict the script passes"
+        print(f"polyshard: spec from {where} (not started by `polyshard launch`)", file=sys.stderr,
+              flush=True)
+    return spec
 
 
 @dataclass

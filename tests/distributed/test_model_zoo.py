@@ -1,13 +1,19 @@
 """Models people actually train (zoo.py: GPT-2 with tied embeddings, T5, BERT masked-LM, a plain
 nn.Module with tuple batches and its own loss, frozen parameters, two param groups built before
-prepare) on FSDP2, FSDP1, ZeRO-1/2/3, XLA v1 (world size 1) and XLA v2 (2 devices): 3 steps match
+prepare, padded SFT rows with accumulation and a factory grouping by p.dim(), two mixture-of-experts
+families) on FSDP2, FSDP1, ZeRO-1/2/3, XLA v1 (world size 1) and XLA v2 (2 devices): 3 steps match
 one process to 1e-5, then each backend's checkpoint resumes on the next backend of a cycle and
-steps 4-5 match the uninterrupted single-process run."""
+steps 4-5 match the uninterrupted single-process run. Backends that step flat tensors (ZeRO, XLA v1)
+update experts no rank used: on MoE models they must say so, naming the experts, and stay within the
+difference docs/moe.md records."""
 
 import json
 
 import pytest
 from harness import ROOT, torchrun, needs_both
+from zoo import ZOO
+
+ZOO_MOE = {name: bool(entry.get("moe")) for name, entry in ZOO.items()}
 
 pytestmark = pytest.mark.distributed
 
@@ -23,16 +29,33 @@ BACKENDS = {
     "xla2": {"backend": "xla_fsdp", "micro_batch_size": 2, "xla": {"fsdp_version": 2}},
 }
 CYCLE = list(BACKENDS)
-SOURCE_OF = {b: CYCLE[i - 1] for i, b in enumerate(CYCLE)}  # each loads the previous one's
-LAUNCHES = [(["fsdp2", "fsdp1", "zero1", "zero2", "zero3"], {"nproc": 2}),
-            (["xla1"], {"xla_devices": 1}), (["xla2"], {"xla_devices": 2})]
+FLAT = {"zero1", "zero2", "zero3", "xla1"}  # one optimizer tensor per flat partition / unit
+MOE_FLAT_BOUND = 5e-3  # docs/moe.md: measured 1.2e-3 on Mixtral with AdamW (weight decay 0.1)
+GLOO = ["fsdp2", "fsdp1", "zero1", "zero2", "zero3"]
+SHARED = [m for m, e in ZOO.items() if e.get("xla", True) is True]  # one XLA process for these
+ALONE = [m for m, e in ZOO.items() if e.get("xla") == "alone"]  # a fresh XLA process each
+LAUNCHES = [(GLOO, list(ZOO), {"nproc": 2}),
+            (["xla1"], SHARED, {"xla_devices": 1}), (["xla2"], SHARED, {"xla_devices": 2}),
+            *[(["xla1"], [m], {"xla_devices": 1}) for m in ALONE],
+            *[(["xla2"], [m], {"xla_devices": 2}) for m in ALONE]]
+CELLS = [(b, m) for names, models, _ in LAUNCHES for b in names for m in models]
 
 
-def launch(tmp, phase, names, how):
-    out = tmp / f"{phase}-{names[0]}.json"
+def source_of() -> dict[str, str]:
+    """Each cell loads the checkpoint of the backend before it in the cycle that ran the model."""
+    out = {}
+    for backend, model in CELLS:
+        ran = [b for b in CYCLE if (b, model) in CELLS]
+        out[f"{backend}-{model}"] = f"{ran[ran.index(backend) - 1]}-{model}"
+    return out
+
+
+def launch(tmp, phase, names, models, how):
+    out = tmp / f"{phase}-{names[0]}-{models[0]}.json"
     args = [str(WORKER), "--phase", phase, "--backends", str(tmp / "backends.json"),
-            "--names", ",".join(names), "--source-of", str(tmp / "source_of.json"),
-            "--root", str(tmp / "ckpt"), "--out", str(out)]
+            "--names", ",".join(names), "--models", ",".join(models),
+            "--source-of", str(tmp / "source_of.json"), "--root", str(tmp / "ckpt"),
+            "--out", str(out)]
     if "nproc" in how:
         torchrun(how["nproc"], args, timeout=500)
     else:
@@ -46,13 +69,13 @@ def launch(tmp, phase, names, how):
 @pytest.mark.timeout(1500)
 def test_model_zoo_matches_one_process_and_moves_between_backends(tmp_path):
     (tmp_path / "backends.json").write_text(json.dumps(BACKENDS))
-    (tmp_path / "source_of.json").write_text(json.dumps(SOURCE_OF))
+    (tmp_path / "source_of.json").write_text(json.dumps(source_of()))
     (tmp_path / "ckpt").mkdir()
     saved, loaded = {}, {}
-    for names, how in LAUNCHES:
-        saved.update(launch(tmp_path, "save", names, how))
-    for names, how in LAUNCHES:
-        loaded.update(launch(tmp_path, "load", names, how))
+    for names, models, how in LAUNCHES:
+        saved.update(launch(tmp_path, "save", names, models, how))
+    for names, models, how in LAUNCHES:
+        loaded.update(launch(tmp_path, "load", names, models, how))
     refused = {k: loaded.pop(k, None) or saved.pop(k) for k in
                ("refusal-xla1-split-groups", "refusal-zero2-other-groups")}
     split, other = refused["refusal-xla1-split-groups"], refused["refusal-zero2-other-groups"]
@@ -62,16 +85,58 @@ def test_model_zoo_matches_one_process_and_moves_between_backends(tmp_path):
     assert "other param groups than in the checkpoint" in other["message"], other
     errors = {k: v["error"] for k, v in {**saved, **loaded}.items() if "error" in v}
     assert not errors, "\n\n".join(f"{k}:\n{v[-2500:]}" for k, v in errors.items())
-    worst = {}
+    worst, moe = {}, {}
     for phase, results, (start, stop) in (("trained", saved, (0, 3)), ("resumed", loaded, (3, 5))):
         for key, res in results.items():
             if key.startswith("reference-"):
                 continue
-            ref = saved[f"reference-{key.split('-', 1)[1]}"]
+            backend, model_name = key.split("-", 1)
+            ref = saved[f"reference-{model_name}"]
             assert res.get("start", 0) == start, (key, res)
             diff = max(abs(a - b) for a, b in zip(res["loss"], ref[start:stop]))
-            assert len(res["loss"]) == stop - start and diff <= 1e-5, (
+            assert len(res["loss"]) == stop - start, (key, res)
+            declared = [n for n in res["notices"] if "steps flat tensors" in n]
+            flat_moe = backend in FLAT and ZOO_MOE[model_name]
+            assert bool(declared) == flat_moe, f"{key}: notices {res['notices']}"
+            # a checkpoint a flat backend wrote carries its difference into the backend loading it
+            inherited = ZOO_MOE[model_name] and res.get("source", "-").split("-")[0] in FLAT
+            if flat_moe or inherited:
+                assert diff <= MOE_FLAT_BOUND, f"{key} {phase}: {res['loss']} vs {ref[start:]}"
+                moe[f"{key} {phase}"] = diff
+                continue
+            assert diff <= 1e-5, (
                 f"{key} {phase} (from {res.get('source', 'scratch')}): {res['loss']} vs {ref[start:]}")
             worst[f"{key} {phase}"] = diff
-    assert len(worst) == 2 * len(BACKENDS) * 6
-    print(f"{len(worst)} cells, max |loss - one process| = {max(worst.values()):.2e}")
+    assert len(worst) + len(moe) == 2 * len(CELLS)
+    exported = check_lora_exports(tmp_path, saved["reference-lora"])
+    top = sorted(worst.items(), key=lambda kv: -kv[1])[:4]
+    print(f"{len(worst)} cells, max |loss - one process| = {max(worst.values()):.2e} ({top}); flat backends "
+          f"on MoE ({len(moe)} cells, declared): max {max(moe.values()):.2e}; LoRA exports loaded "
+          f"by from_pretrained: max {max(exported.values()):.2e} ({len(exported)})")
+
+
+def check_lora_exports(tmp, reference) -> dict[str, float]:
+    """Every backend's LoRA checkpoint (saved after step 3), exported --to hf (merged) and --to peft
+    (over the base model as built), gives the uninterrupted run's step-4 loss on step 4's batch."""
+    import torch
+    import zoo as z
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    from parallel.checkpoint.hf import export_hf, export_peft
+
+    torch.manual_seed(0)  # zoo_worker's SEED: the base model every backend started from
+    z._llama().save_pretrained(tmp / "base")
+    batch = z.ZOO["lora"]["batches"](5, 4, 1)[3]
+    diffs = {}
+    for backend in (b for b, m in CELLS if m == "lora"):
+        ckpt = tmp / "ckpt" / f"{backend}-lora"
+        merged = LlamaForCausalLM.from_pretrained(export_hf(ckpt, tmp / f"hf-{backend}"))
+        adapter = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(tmp / "base"),
+                                            export_peft(ckpt, tmp / f"peft-{backend}"))
+        for kind, model in (("hf", merged), ("peft", adapter)):
+            with torch.no_grad():
+                diffs[f"{backend} {kind}"] = abs(float(model(**batch).loss) - reference[3])
+    bad = {k: v for k, v in diffs.items() if v > 1e-5}
+    assert not bad, f"exports that from_pretrained loads off the run's loss {reference[3]}: {bad}"
+    return diffs

@@ -7,12 +7,18 @@ is built. Dropout is off so that every backend computes the same numbers as one 
 - gpt2: GPT-2 with the LM head tied to the token embedding.
 - t5: an encoder-decoder; `shared`, both `embed_tokens` and `lm_head` are one tensor.
 - bert: BERT masked-LM (decoder tied to the word embedding, `_no_split_modules` empty, so the wrap
-  policy names BertLayer); labels -100 except every 4th position (equal counts per row, so a mean of
-  per-rank means is the global token mean).
+  policy names BertLayer); a different number of masked positions in every row.
 - mlp: a plain nn.Module with tuple batches (features, class) and its own loss.
 - frozen: a Llama whose embedding and first decoder layer are frozen (requires_grad False).
 - groups: a Llama with two optimizer param groups built from `named_parameters()` before `prepare`,
   the usual habit: no weight decay and another lr for biases and norms.
+- padded: a Llama on SFT-style rows (prompt and padding at -100, a different number of targets per
+  row, one row with none), with gradient accumulation, and an optimizer factory that splits its
+  groups by `p.dim()` (FSDP1's flat views used to put every parameter in the no-decay group).
+- lora: a Llama with a peft LoRA adapter on q_proj and v_proj (the base frozen); its checkpoints
+  are exported --to hf (merged) and --to peft and loaded back with from_pretrained.
+- mixtral, qwen2moe: mixture-of-experts (16 experts, top-1 / top-2, few tokens per rank), so ranks
+  route to different experts and some experts get no token in a step.
 """
 
 from __future__ import annotations
@@ -85,6 +91,41 @@ def _llama():
     return build_llama(llama_config("tiny"))
 
 
+def _mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM(MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=16, num_experts_per_tok=1,
+        max_position_embeddings=SEQ * 2))
+
+
+def _qwen2moe():
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    return Qwen2MoeForCausalLM(Qwen2MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, moe_intermediate_size=16,
+        shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=16, num_experts_per_tok=2, decoder_sparse_step=1,
+        max_position_embeddings=SEQ * 2))
+
+
+def by_dim(params):
+    """An optimizer factory as people write them: decay on matrices, none on vectors."""
+    params = list(params)
+    return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2]},
+                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                             lr=LR, weight_decay=0.1)
+
+
+def _lora():
+    import peft
+
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                             lora_dropout=0.0)
+    return peft.get_peft_model(_llama(), config)
+
+
 def _frozen():
     model = _llama()
     for module in (model.model.embed_tokens, model.model.layers[0]):
@@ -109,13 +150,28 @@ def t5_batches(steps, rows, seed):
 
 
 def mlm_batches(steps, rows, seed):
+    out, g = [], torch.Generator().manual_seed(seed + 7)
+    for batch in lm_batches(steps, rows, seed):
+        masked = torch.rand(batch["input_ids"].shape, generator=g) < 0.3  # unequal per row
+        labels = torch.where(masked, batch["input_ids"], -100)
+        ids = torch.where(masked, 3, batch["input_ids"])  # 3: the "mask" token
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def padded_batches(steps, rows, seed):
+    """SFT rows: a prompt (-100) of 1-5 tokens, then targets, then padding (-100) from a random
+    length on; the second row of every step has no target at all."""
+    g = torch.Generator().manual_seed(seed + 11)
     out = []
     for batch in lm_batches(steps, rows, seed):
-        labels = torch.full_like(batch["input_ids"], -100)
-        labels[:, ::4] = batch["input_ids"][:, ::4]
-        ids = batch["input_ids"].clone()
-        ids[:, ::4] = 3  # the "mask" token
-        out.append({"input_ids": ids, "labels": labels})
+        labels = batch["input_ids"].clone()
+        for r in range(rows):
+            prompt = int(torch.randint(1, 6, (1,), generator=g))
+            end = int(torch.randint(prompt + 1, SEQ + 1, (1,), generator=g))
+            labels[r, :prompt], labels[r, end:] = -100, -100
+        labels[1] = -100
+        out.append({"input_ids": batch["input_ids"], "labels": labels})
     return out
 
 
@@ -151,6 +207,17 @@ ZOO = {
     # refused there (test_model_zoo asserts the refusal); per-parameter shards make them possible.
     "groups": {"build": _llama, "batches": lm_batches, "wrap": {"policy": "auto"}, "groups": True,
                "overrides": {"xla1": {"xla": {"fsdp_version": 1, "flatten_parameters": False}}}},
+    "padded": {"build": _llama, "batches": padded_batches, "wrap": {"policy": "auto"},
+               "accumulate": 2, "factory": by_dim,
+               "overrides": {"xla1": {"xla": {"fsdp_version": 1, "flatten_parameters": False}}}},
+    "lora": {"build": _lora, "batches": padded_batches, "wrap": {"policy": "auto"}},
+    # flat backends (ZeRO, XLA v1) update experts no rank used: they say so, and differ (moe: True).
+    # HF's MoE blocks route with data-dependent shapes, which XLA compiles anew each step (docs/moe.md:
+    # 4-12 s a step here): one family runs on XLA, in launches of its own (xla: "alone").
+    "mixtral": {"build": _mixtral, "batches": padded_batches, "wrap": {"policy": "auto"}, "moe": True,
+                "xla": "alone"},
+    "qwen2moe": {"build": _qwen2moe, "batches": lm_batches, "wrap": {"policy": "auto"}, "moe": True,
+                 "xla": False},
 }
 
 
@@ -159,6 +226,9 @@ def spec_for(model_name: str, backend: str, backend_spec: dict) -> dict:
     entry = ZOO[model_name]
     override = entry.get("overrides", {}).get(backend, {})
     merged = {**backend_spec, "wrap": entry["wrap"], **override}
+    if entry.get("accumulate"):  # the same rows per step, in micro-batches
+        merged["micro_batch_size"] = backend_spec["micro_batch_size"] // entry["accumulate"]
+        merged["grad_accum_steps"] = entry["accumulate"]
     if "xla" in override:
         merged["xla"] = {**backend_spec.get("xla", {}), **override["xla"]}
     return merged
@@ -167,6 +237,8 @@ def spec_for(model_name: str, backend: str, backend_spec: dict) -> dict:
 def optimizer_for(name: str, model):
     """What a user passes to prepare: (class, kwargs), or for `groups` a factory over groups built
     before prepare (it ignores the parameters it is handed, as user code usually does)."""
+    if ZOO[name].get("factory"):
+        return ZOO[name]["factory"]
     if ZOO[name].get("groups"):
         groups = usual_groups(model, LR)
         return lambda params: torch.optim.AdamW(groups, lr=LR, weight_decay=0.1)

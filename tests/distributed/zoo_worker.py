@@ -42,22 +42,24 @@ def batches_of(model_name):
     return zoo.ZOO[model_name]["batches"](STEPS, GLOBAL_ROWS, SEED + 1)
 
 
-def run(phase, backends, names, root, source_of):
+def run(phase, backends, names, root, source_of, models):
     out = {}
     for backend in names:
-        for model_name in zoo.ZOO:
+        for model_name in models:
             key = f"{backend}-{model_name}"
             try:
                 if phase == "save":
                     engine, rows = engine_for(backends, backend, model_name, SEED)
-                    out[key] = {"loss": train(engine, rows, batches_of(model_name), range(SAVE_AT))}
+                    out[key] = {"loss": train(engine, rows, batches_of(model_name), range(SAVE_AT)),
+                                "notices": engine.notices}
                     engine.save(root / key)
                 else:
-                    source = f"{source_of[backend]}-{model_name}"
+                    source = source_of[key]
                     engine, rows = engine_for(backends, backend, model_name, SEED + 99)
                     engine.load(root / source)
                     out[key] = {"source": source, "start": engine.step, "loss": train(
-                        engine, rows, batches_of(model_name), range(engine.step, STEPS))}
+                        engine, rows, batches_of(model_name), range(engine.step, STEPS)),
+                        "notices": engine.notices}
             except Exception:  # record it and go on: one broken case must not hide the others
                 out[key] = {"error": traceback.format_exc()}
     return out
@@ -102,18 +104,20 @@ def main():
     p.add_argument("--phase", choices=["save", "load"], required=True)
     p.add_argument("--backends", required=True, help="JSON file: {name: spec}")
     p.add_argument("--names", required=True, help="comma-separated backends of this launch")
-    p.add_argument("--source-of", required=True, help="JSON file: {target: source backend}")
+    p.add_argument("--source-of", required=True, help="JSON file: {backend-model: the checkpoint "
+                   "it loads}")
+    p.add_argument("--models", required=True, help="comma-separated zoo models of this launch")
     p.add_argument("--root", required=True)
     p.add_argument("--out", required=True)
     args = p.parse_args()
     backends = json.loads(Path(args.backends).read_text())
     names = args.names.split(",")
     results = run(args.phase, backends, names, Path(args.root),
-                  json.loads(Path(args.source_of).read_text()))
+                  json.loads(Path(args.source_of).read_text()), args.models.split(","))
     results.update(refusals(args.phase, backends, names, Path(args.root)))
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if rank == 0:
-        for model_name in zoo.ZOO:
+        for model_name in args.models.split(","):
             results[f"reference-{model_name}"] = zoo.reference(model_name, SEED,
                                                                batches_of(model_name))
         Path(args.out).write_text(json.dumps(results, indent=1))

@@ -1,0 +1,240 @@
+"""Checkpoints out to Hugging Face: `polyshard ckpt export --to hf | peft` (docs/checkpoint-format.md).
+
+`--to hf` writes what `save_pretrained` writes at scale: safetensors shards of at most 5 GB with
+`model.safetensors.index.json` (one `model.safetensors` when it fits), config.json with the weights'
+dtype, generation_config.json for models that generate, and the tokenizer when one is given. It is
+streamed: one shard's tensors are read from the checkpoint's DCP files at a time (DCP reads only the
+chunks asked for), so memory is one shard, never the model. A LoRA run's checkpoint exports merged
+(W + the adapter's delta, by peft's own `merge` on one layer at a time); `--to peft` writes the adapter
+alone (adapter_model.safetensors + adapter_config.json, keys as peft's get_peft_model_state_dict names
+them) for `PeftModel.from_pretrained` over the base model.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from parallel.checkpoint.directory import resolve, verify_checkpoint
+from parallel.checkpoint.portable import IndexOnceReader, read_tensors, tensor_shapes
+
+MAX_SHARD_BYTES = 5_000_000_000  # save_pretrained's default max_shard_size, "5GB"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+HF_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the Hugging Face model
+
+
+class ExportError(RuntimeError):
+    """A checkpoint that cannot be exported as asked; says what to pass instead."""
+
+
+def hf_config_json(model) -> str | None:
+    """The config of the Hugging Face model inside `model` (any wrapper, PEFT included), with its
+    class as `architectures`, which a model built from a config (not loaded) does not record."""
+    for module in (model.modules() if model is not None else ()):
+        config = getattr(module, "config", None)
+        if hasattr(type(module), "config_class") and hasattr(config, "to_json_string"):
+            data = json.loads(config.to_json_string())
+            data["architectures"] = data.get("architectures") or [type(module).__name__]
+            return json.dumps(data, indent=2)
+    return None
+
+
+def peft_config_json(model) -> str | None:
+    """A PEFT model's adapter configs and active adapter (adapter_config.json's content), or None."""
+    for module in (model.modules() if model is not None else ()):
+        configs = getattr(module, "peft_config", None)
+        if isinstance(configs, dict) and hasattr(module, "active_adapter"):
+            adapters = {name: {k: sorted(v) if isinstance(v, set) else v
+                               for k, v in cfg.to_dict().items()} for name, cfg in configs.items()}
+            active = module.active_adapter
+            return json.dumps({"active": active if isinstance(active, str) else active[0],
+                               "adapters": adapters}, indent=2, default=str)
+    return None
+
+
+def export_hf(path: str | Path, out: str | Path, config: str | Path | None = None,
+              dtype: str | None = None, tokenizer: str | Path | None = None,
+              max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+    """Weights (a LoRA run's merged) as sharded safetensors with config.json, generation config and
+    tokenizer: the layout `from_pretrained` reads."""
+    path, out = resolve(path), Path(out)
+    manifest = verify_checkpoint(path)
+    cfg = _hf_config(path, config)
+    dtype_name = dtype or (manifest.get("spec") or {}).get("precision", "fp32")
+    if dtype_name not in DTYPES:
+        raise ExportError(f"--dtype {dtype_name!r}: one of {', '.join(DTYPES)}")
+    peft_cfg = _read_json(path / "peft_config.json")
+    weights = _merged_weights(path, cfg, peft_cfg) if peft_cfg else _plain_weights(path, cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_shards(out, weights, DTYPES[dtype_name], max_shard_bytes)
+    cfg["dtype"] = cfg["torch_dtype"] = HF_DTYPE[DTYPES[dtype_name]]  # 4.57 reads dtype; older torch_
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    _generation_config(cfg, out)
+    if tokenizer:
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True).save_pretrained(str(out))
+    return out
+
+
+def export_peft(path: str | Path, out: str | Path, adapter: str | None = None) -> Path:
+    """The adapter of a PEFT run, as `PeftModel.save_pretrained` writes it."""
+    from safetensors.torch import save_file
+
+    path, out = resolve(path), Path(out)
+    verify_checkpoint(path)
+    peft_cfg = _read_json(path / "peft_config.json")
+    if peft_cfg is None:
+        raise ExportError(f"{path}: not a PEFT run (no peft_config.json): it has no adapter; export "
+                          "it --to hf")
+    name = adapter or peft_cfg["active"]
+    model, config = _meta_peft_model(_hf_config(path, None), peft_cfg, name)
+    from peft.utils import get_peft_model_state_dict
+
+    full = {n: t for n, t in model.state_dict().items()}
+    picked = get_peft_model_state_dict(model, state_dict=full, adapter_name=name)
+    source = {id(t): n for n, t in full.items()}
+    wanted = {f"model.{source[id(t)]}": (tuple(t.shape), t.dtype) for t in picked.values()}
+    read = read_tensors(path, wanted, IndexOnceReader(str(path / "state")))
+    tensors = {key: read[f"model.{source[id(t)]}"].contiguous() for key, t in picked.items()}
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(str(out))
+    return out
+
+
+Weights = list[tuple[str, tuple[int, ...], Callable[[], torch.Tensor]]]  # HF name, shape, reader
+
+
+def _plain_weights(path: Path, cfg: dict) -> Weights:
+    shapes, reader = tensor_shapes(path, "model."), IndexOnceReader(str(path / "state"))
+    tied = cfg.get("tie_word_embeddings") and "lm_head.weight" in shapes
+    return [(name, tuple(shape), _reading(path, f"model.{name}", shape, dt, reader))
+            for name, (shape, dt) in shapes.items() if not (tied and name == "lm_head.weight")]
+
+
+def _reading(path: Path, key: str, shape, dtype, reader) -> Callable[[], torch.Tensor]:
+    return lambda: read_tensors(path, {key: (tuple(shape), dtype)}, reader)[key]
+
+
+def _merged_weights(path: Path, cfg: dict, peft_cfg: dict) -> Weights:
+    """The base model's weights with each LoRA layer merged (peft's merge, one layer at a time)."""
+    model, _ = _meta_peft_model(cfg, peft_cfg, peft_cfg["active"])
+    shapes, reader = tensor_shapes(path, "model."), IndexOnceReader(str(path / "state"))
+    out: Weights = []
+    tied = cfg.get("tie_word_embeddings")
+    for name, (shape, dt) in shapes.items():
+        if not name.startswith(PEFT_PREFIX) or ".lora_" in name or ".original_module." in name:
+            continue  # the adapter's own tensors (merged below) and modules_to_save's originals
+        hf_name = name[len(PEFT_PREFIX):].replace(".base_layer.", ".").replace(
+            f".modules_to_save.{peft_cfg['active']}.", ".")
+        if tied and hf_name == "lm_head.weight":
+            continue
+        owner, _, leaf = name.rpartition(".")
+        if owner.endswith(".base_layer") and leaf == "weight":
+            layer = owner[: -len(".base_layer")]
+            out.append((hf_name, tuple(shape), _merging(path, model, layer, shapes, reader)))
+        else:
+            out.append((hf_name, tuple(shape), _reading(path, f"model.{name}", shape, dt, reader)))
+    return out
+
+
+def _merging(path: Path, model, layer: str, shapes: dict, reader) -> Callable[[], torch.Tensor]:
+    def merged() -> torch.Tensor:
+        module = model.get_submodule(layer)
+        module.to_empty(device="cpu", recurse=True)  # this layer only: its base weight and adapter
+        names = [n for n, _ in module.named_parameters()]
+        wanted = {f"model.{layer}.{n}": (tuple(shapes[f"{layer}.{n}"][0]), shapes[f"{layer}.{n}"][1])
+                  for n in names if f"{layer}.{n}" in shapes}
+        values = read_tensors(path, wanted, reader)
+        with torch.no_grad():
+            for n, p in module.named_parameters():
+                p.copy_(values[f"model.{layer}.{n}"])
+            module.merge(safe_merge=True)
+        weight = module.get_base_layer().weight.detach().clone()
+        module.to_empty(device="meta", recurse=True)
+        return weight
+    return merged
+
+
+def _meta_peft_model(cfg: dict, peft_cfg: dict, adapter: str):
+    """The run's PEFT model on the meta device (no memory): what peft's own functions need."""
+    import peft
+    import transformers
+
+    data = {k: v for k, v in cfg.items() if k not in ("dtype", "torch_dtype")}
+    config = transformers.AutoConfig.for_model(data.pop("model_type"), **data)
+    arch = (cfg.get("architectures") or [None])[0]
+    if not hasattr(transformers, str(arch)):
+        raise ExportError(f"hf_config.json: architectures {cfg.get('architectures')} names no "
+                          "transformers model class; pass --config with the model's config.json")
+    if adapter not in peft_cfg["adapters"]:
+        raise ExportError(f"--adapter {adapter!r}: the run has {sorted(peft_cfg['adapters'])}")
+    peft_config = peft.PeftConfig.from_peft_type(**peft_cfg["adapters"][adapter])
+    with torch.device("meta"):
+        base = getattr(transformers, arch)(config)
+        model = peft.get_peft_model(base, peft_config, adapter_name=adapter)
+    return model, peft_config
+
+
+def _write_shards(out: Path, weights: Weights, dtype: torch.dtype, max_bytes: int) -> None:
+    """Shards planned from the shapes, then written one at a time (memory: one shard)."""
+    from safetensors.torch import save_file
+
+    size = torch.empty((), dtype=dtype).element_size()
+    shards: list[list] = [[]]
+    used = 0
+    for entry in weights:
+        nbytes = size * _numel(entry[1])
+        if shards[-1] and used + nbytes > max_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(entry)
+        used += nbytes
+    n = len(shards)
+    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+                                                   for i in range(n)]
+    weight_map = {}
+    for file_name, shard in zip(names, shards):
+        tensors = {name: read().to(dtype).contiguous() for name, _, read in shard}
+        save_file(tensors, str(out / file_name), metadata={"format": "pt"})
+        weight_map.update({name: file_name for name in tensors})
+        del tensors
+    if n > 1:
+        index = {"metadata": {"total_size": sum(size * _numel(s) for _, s, _ in weights)},
+                 "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def _generation_config(cfg: dict, out: Path) -> None:
+    import transformers
+
+    cls = getattr(transformers, str((cfg.get("architectures") or [None])[0]), None)
+    if cls is not None and cls.can_generate():
+        from transformers import GenerationConfig, PretrainedConfig
+
+        GenerationConfig.from_model_config(PretrainedConfig.from_dict(cfg)).save_pretrained(str(out))
+
+
+def _hf_config(path: Path, config: str | Path | None) -> dict:
+    source = Path(config) if config else path / "hf_config.json"
+    data = _read_json(source)
+    if data is None:
+        raise ExportError(f"{path}: no hf_config.json (imported, or saved from a model without a "
+                          "Hugging Face config); pass --config CONFIG.json")
+    return data
+
+
+def _read_json(file: Path) -> dict | None:
+    return json.loads(file.read_text()) if file.is_file() else None
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
