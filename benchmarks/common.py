@@ -71,20 +71,35 @@ def batches(a):
             for _ in range(a.warmup + a.steps)]
 
 
+IGNORE_INDEX = -100
+
+
+def token_share(mean: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """torchtitan's loss normalisation (trainer.train_step): this rank's summed loss over the step's
+    target tokens of every data-parallel rank, the global count summed on the device (one all-reduce,
+    no host sync). HF's causal loss shifts inside the model, so the targets are labels[..., 1:]
+    (torchtitan's labels come shifted). Summed over ranks it is the global batch's mean loss."""
+    local = (labels[..., 1:] != IGNORE_INDEX).sum()
+    total = local.clone()
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(total)
+    return mean * local / total
+
+
 def timed(step, ids, world: int) -> tuple[float, float]:
-    """One step as a logging loop takes it: the step, the loss averaged over ranks and read back
-    (so asynchronous devices have finished). (seconds, loss)."""
+    """One step as a logging loop takes it: the step, then its loss summed over ranks (each returns
+    its share) and read back (so asynchronous devices have finished). (seconds, loss)."""
     start = time.perf_counter()
     loss = step(ids)
     if torch.distributed.is_initialized() and world > 1:
         torch.distributed.all_reduce(loss := loss.detach().clone())
-        loss /= world
     value = float(loss)
     return time.perf_counter() - start, value
 
 
 def run(a, step, rank: int, world: int):
-    """`step(ids) -> loss tensor`; times each step with the loss read back, as polyshard does."""
+    """`step(ids) -> this rank's share of the loss`; times each step with the loss read back, as
+    polyshard does."""
     rows = a.global_rows // world
     times, losses, counting = [], [], counter(a)
     for i, ids in enumerate(batches(a)):

@@ -4,7 +4,7 @@ the step; as a script, a whole job."""
 import deepspeed
 import torch
 import torch.distributed as dist
-from common import args, model, run
+from common import args, model, run, token_share
 
 
 def build(a, rank: int, world: int):
@@ -18,8 +18,8 @@ def build(a, rank: int, world: int):
 
     def step(ids):
         ids = ids.to(engine.device)  # DeepSpeed moves the model, not the batch
-        loss = engine(input_ids=ids, labels=ids).loss
-        engine.backward(loss)
+        loss = token_share(engine(input_ids=ids, labels=ids).loss, ids)
+        engine.backward(loss * world)  # DeepSpeed averages gradients over the ranks
         engine.step()
         return loss
 

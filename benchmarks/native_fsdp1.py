@@ -4,7 +4,7 @@ use_orig_params, AdamW, clip; the same job. `build` is the step; as a script, a 
 import functools
 
 import torch
-from common import distributed_main, model
+from common import distributed_main, model, token_share
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import ShardingStrategy
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
@@ -24,8 +24,8 @@ def build(a, rank: int, world: int):
     opt = torch.optim.AdamW(net.parameters(), lr=a.lr, weight_decay=0.1)
 
     def step(ids):
-        loss = net(input_ids=ids, labels=ids).loss
-        loss.backward()
+        loss = token_share(net(input_ids=ids, labels=ids).loss, ids)
+        (loss * world).backward()  # FSDP1 averages gradients over the ranks
         if a.clip:
             net.clip_grad_norm_(a.clip)
         opt.step()

@@ -3,8 +3,8 @@
 run as a script, it is a whole training job."""
 
 import torch
-from common import distributed_main, model
-from torch.distributed.fsdp import fully_shard
+from common import distributed_main, model, token_share
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 
 def build(a, rank: int, world: int):
@@ -14,10 +14,15 @@ def build(a, rank: int, world: int):
     for layer in net.model.layers:
         fully_shard(layer, reshard_after_forward=a.stage == 3)
     fully_shard(net, reshard_after_forward=a.stage == 3)
+    for module in net.modules():  # torchtitan: the loss is normalised by the global token count
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            if not torch.cuda.is_available():  # gloo has no PREMUL_SUM: factor 1 is a plain SUM
+                module.set_force_sum_reduction_for_comms(True)
     opt = torch.optim.AdamW(net.parameters(), lr=a.lr, weight_decay=0.1)
 
     def step(ids):
-        loss = net(input_ids=ids, labels=ids).loss
+        loss = token_share(net(input_ids=ids, labels=ids).loss, ids)
         loss.backward()
         if a.clip:
             torch.nn.utils.clip_grad_norm_(net.parameters(), a.clip)

@@ -3,7 +3,7 @@ is the step; as a script, a whole job."""
 
 import torch_xla
 import torch_xla.core.xla_model as xm
-from common import args, model, run
+from common import args, model, run, token_share
 from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as XFSDP
 
 
@@ -19,7 +19,7 @@ def build(a, rank: int, world: int):
 
     def step(ids):
         ids = ids.to(device)
-        loss = net(input_ids=ids, labels=ids).loss
+        loss = token_share(net(input_ids=ids, labels=ids).loss, ids)
         loss.backward()
         if a.clip:
             net.clip_grad_norm_(a.clip)

@@ -93,12 +93,13 @@ class Objective:
         return cls(None if has_loss_fn else label_count(model), data_parallel)
 
     def counts(self, micro_batches: list) -> torch.Tensor | None:
-        """Items per micro-batch as one float tensor on the batch's device (no host read), or None."""
+        """Items per micro-batch as one int64 tensor on the batch's device (no host read; exact at
+        any batch, where float32 stops counting exactly at 2**24 tokens), or None."""
         if self.count is None or not isinstance(micro_batches[0], dict) or (
                 self.count in (count_shifted, count_labels) and "labels" not in micro_batches[0]):
             return None
         device = next(iter(micro_batches[0].values())).device
-        return torch.stack([torch.as_tensor(self.count(m), device=device).float()
+        return torch.stack([torch.as_tensor(self.count(m), device=device).long()
                             for m in micro_batches])
 
     def share(self, loss: torch.Tensor, i: int, counts: torch.Tensor | None, total,
@@ -110,4 +111,4 @@ class Objective:
             return loss / parts
         n = counts[i]
         kept = torch.where(n > 0, loss, torch.zeros_like(loss))
-        return kept * n * (self.data_parallel / total())
+        return kept * (n * self.data_parallel / total())
