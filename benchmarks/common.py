@@ -48,7 +48,7 @@ def config(name: str):
     from transformers import AutoConfig, LlamaConfig
 
     if not name.startswith("toy:"):
-        return AutoConfig.from_pretrained(name)
+        return AutoConfig.from_pretrained(name, local_files_only=True, trust_remote_code=False)
     with open(SIZES) as f:
         sizes = json.load(f)
     return LlamaConfig(**sizes["common"], **sizes[name.removeprefix("toy:")])

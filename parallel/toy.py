@@ -49,11 +49,64 @@ def build_llama(config):
     return LlamaForCausalLM(config).float()
 
 
+# What a --model config may ask for: above the largest public models (Llama 3.1 405B: 126 layers,
+# hidden 16384, MLP 53248, vocabulary 128256; DeepSeek-V3: 256 experts), below what exhausts memory
+# while the model is merely built on the meta device (measured: 1e8 layers ran until memory ran out).
+MODEL_LIMITS = {"num_hidden_layers": 1024, "n_layer": 1024, "num_layers": 1024,
+                "hidden_size": 1 << 17, "n_embd": 1 << 17, "d_model": 1 << 17,
+                "intermediate_size": 1 << 20, "moe_intermediate_size": 1 << 20, "vocab_size": 1 << 23,
+                "num_attention_heads": 4096, "num_local_experts": 4096, "num_experts": 4096,
+                "n_routed_experts": 4096, "max_position_embeddings": 1 << 24}
+
+
+def model_config(source: str):
+    """A Hugging Face config from a local config.json (a file, or a directory holding one): read as
+    bounded data, never fetched from the Hub, never running a repository's code (`auto_map`)."""
+    from transformers import AutoConfig
+
+    from parallel.files import FileError, load_json
+    from parallel.spec.io import SpecError
+
+    path = Path(source)
+    path = path / "config.json" if path.is_dir() else path
+    if not path.exists():
+        raise SpecError([("--model", f"{source!r} is not a local file or directory: polyshard reads "
+                          "a config.json you have (it never downloads); pass its path, or toy:demo")])
+    try:
+        data = load_json(path, "a model config")
+    except FileError as err:
+        raise SpecError([("--model", str(err))]) from None
+    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
+        raise SpecError([("--model", f"{path}: a Hugging Face config.json has a model_type")])
+    if "auto_map" in data:
+        raise SpecError([("--model", f"{path}: needs its repository's own code (auto_map "
+                          f"{sorted(data['auto_map'])}), which polyshard never runs")])
+    too_big = [f"{k} {v}" for k, v in _sizes(data) if k in MODEL_LIMITS and v > MODEL_LIMITS[k]]
+    if too_big:
+        raise SpecError([("--model", f"{path}: {', '.join(too_big)} exceed what any model has "
+                          f"({', '.join(f'{k} <= {MODEL_LIMITS[k]:,}' for k in sorted({t.split()[0] for t in too_big}))})")])
+    fields = {k: v for k, v in data.items() if k != "model_type"}
+    try:
+        return AutoConfig.for_model(data["model_type"], **fields)
+    except (ValueError, KeyError, TypeError) as err:
+        raise SpecError([("--model", f"{path}: transformers cannot build this config ({err})")]) \
+            from None
+
+
+def _sizes(data: dict):
+    """Every int in the config and its sub-configs (text_config, vision_config, ...)."""
+    for key, value in data.items():
+        if isinstance(value, dict):
+            yield from _sizes(value)
+        elif isinstance(value, int) and not isinstance(value, bool):
+            yield key, value
+
+
 def build_model(source: str):
     """toy:demo / toy:tiny, or a Hugging Face config.json (random weights from the current seed)."""
     if source.startswith("toy:"):
         return build_llama(llama_config(source[4:]))
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source),
-                                            torch_dtype=torch.float32)
+    return AutoModelForCausalLM.from_config(model_config(source), torch_dtype=torch.float32,
+                                            trust_remote_code=False)

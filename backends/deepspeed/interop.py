@@ -25,17 +25,28 @@ LOGGING = {"steps_per_print", "wall_clock_breakdown", "comms_logger", "tensorboa
 def read_config(path: Path) -> Any:
     """A DeepSpeed config file read as DeepSpeed 0.19.8 reads it: hjson (so `//` comments and
     unquoted keys are allowed), duplicate keys refused. Without hjson (it comes with deepspeed), JSON."""
+    from parallel.files import FileError, check_depth, read_text
     from parallel.spec.io import SpecError
 
-    text = path.read_text()
+    try:  # a regular file within the size cap: a FIFO or /dev/zero would hang or fill memory
+        text = read_text(path, "a DeepSpeed config")
+    except FileError as err:
+        raise SpecError([(str(path), str(err).partition(": ")[2])]) from None
     try:
         import hjson
     except ImportError:
         hjson = None
     try:
         if hjson is None:
-            return json.loads(text, object_pairs_hook=_no_duplicates)
-        return hjson.loads(text, object_pairs_hook=_no_duplicates)
+            data = json.loads(text, object_pairs_hook=_no_duplicates)
+        else:
+            data = hjson.loads(text, object_pairs_hook=_no_duplicates)
+        check_depth(data, path, "a DeepSpeed config")
+        return data
+    except RecursionError:
+        raise SpecError([(str(path), "is nested too deeply to parse")]) from None
+    except FileError as err:
+        raise SpecError([(str(path), str(err).partition(": ")[2])]) from None
     except ValueError as err:  # hjson.HjsonDecodeError and json.JSONDecodeError are ValueErrors
         raise SpecError([(str(path), f"is not a DeepSpeed config DeepSpeed could read: {err}")]) \
             from None

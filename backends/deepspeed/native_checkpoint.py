@@ -1,5 +1,7 @@
 """DeepSpeed ZeRO checkpoints in (`polyshard ckpt import deepspeed`): plain DeepSpeed, Accelerate and
-Lightning write them."""
+Lightning write them. Every file is read as data (parallel/checkpoint/safe.py): torch's weights_only
+unpickler plus the DeepSpeed classes these files hold (found with torch's
+get_unsafe_globals_in_checkpoint on ZeRO-2 and universal checkpoints DeepSpeed 0.19.8 wrote)."""
 
 from __future__ import annotations
 
@@ -11,20 +13,45 @@ import torch
 
 from parallel.checkpoint.importers import CheckpointImportError, named_groups
 from parallel.checkpoint.portable import clean_name, shared_step
+from parallel.checkpoint.safe import child_name, read_text, torch_load
 
 
-def read_deepspeed(src: Path):
+def deepspeed_classes() -> tuple:
+    """The non-tensor classes DeepSpeed's checkpoint files hold: the loss scaler (fp16 or not), the
+    ZeRO stage enum, and ZeRO-1/2's fragment addresses."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return (LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address)
+
+
+def _load(path: Path, what: str, trust: bool):
+    return torch_load(path, what, deepspeed_classes(), trust)
+
+
+def _tag_dir(src: Path, pointer: str) -> Path:
+    """The checkpoint a `latest` file names (a plain name inside src), else src itself."""
+    if not (src / pointer).is_file():
+        return src
+    return src / child_name(read_text(src / pointer, f"DeepSpeed's {pointer} pointer", 4096).strip(),
+                            f"its {pointer} file", src)
+
+
+def read_deepspeed(src: Path, trust: bool = False):
     """A ZeRO-1/2/3 checkpoint: DeepSpeed's own zero_to_fp32 merge, applied to the fp32 partitions
     and then to each optimizer entry partitioned the same way (exp_avg, momentum_buffer...)."""
     from deepspeed.utils import zero_to_fp32 as z
 
-    tag_dir = src / (src / "latest").read_text().strip() if (src / "latest").is_file() else src
+    tag_dir = _tag_dir(src, "latest")
     with contextlib.redirect_stdout(io.StringIO()):  # zero_to_fp32 prints progress
         model_files = z.get_model_state_files(str(tag_dir))
+        for f in model_files:  # zero_to_fp32 unpickles them fully: each is checked as data first
+            _load(Path(f), "a DeepSpeed model-states file", trust)
         models = z.parse_model_states(model_files)
         # each optimizer file loaded once: fp32 partitions and the base optimizer's state dict
         # ("base_optimizer_state" at ZeRO-1/2, "optimizer_state_dict" at ZeRO-3)
-        saved = [torch.load(f, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+        saved = [_load(Path(f), "a DeepSpeed optimizer-states file", trust)["optimizer_state_dict"]
                  for f in z.get_optim_files(str(tag_dir))]
         stage = saved[0]["zero_stage"]
         world = max(saved[0]["partition_count"]) if isinstance(saved[0]["partition_count"], list) \
@@ -59,36 +86,35 @@ def read_deepspeed(src: Path):
     # ZeRO-1/2 keep one flat group per optimizer param group; ZeRO-3 splits them into sub-groups.
     per_group = ([[clean_name(n) for n in g] for g in raw_names] if stage <= 2
                  else [[clean_name(n) for g in raw_names for n in g]])
-    steps = torch.load(model_files[0], map_location="cpu", weights_only=False).get("global_steps")
+    steps = _load(Path(model_files[0]), "a DeepSpeed model-states file", trust).get("global_steps")
     return ({"model": {clean_name(k): v for k, v in model.items()},
              "optim": {"state": state, "param_groups": named_groups(raw[0]["param_groups"],
                                                                      per_group)}}, steps, world)
 
 
-def read_deepspeed_universal(src: Path):
+def read_deepspeed_universal(src: Path, trust: bool = False):
     """A DeepSpeed universal checkpoint (what `ds_to_universal` writes and `load_universal_checkpoint`
     reads): `zero/<name>/fp32.pt`, one file per optimizer entry (`exp_avg.pt`, ...) and `step.pt` per
     parameter, the param groups in `zero/optimizer_state.pt`, and the model-states file for group
     membership, buffers, frozen and tied parameters."""
-    tag_dir = (src / (src / "latest_universal").read_text().strip()
-               if (src / "latest_universal").is_file() else src)
+    tag_dir = _tag_dir(src, "latest_universal")
     zero, model_file = tag_dir / "zero", tag_dir / "mp_rank_00_model_states.pt"
     if not zero.is_dir() or not model_file.is_file():
         raise CheckpointImportError(f"{tag_dir}: not a DeepSpeed universal checkpoint (needs zero/ "
                                     "and mp_rank_00_model_states.pt, as ds_to_universal writes)")
-    states = torch.load(model_file, map_location="cpu", weights_only=False)
-    groups = torch.load(zero / "optimizer_state.pt", map_location="cpu", weights_only=False)
+    states = _load(model_file, "a DeepSpeed model-states file", trust)
+    groups = _load(zero / "optimizer_state.pt", "DeepSpeed's universal optimizer state", trust)
     names = [[clean_name(n) for n in shapes] for shapes in states["param_shapes"]]
     model, optim, steps = {}, {}, []
     for raw in (n for shapes in states["param_shapes"] for n in shapes):
-        folder, name = zero / raw, clean_name(raw)
+        folder, name = zero / child_name(raw, "a parameter name", model_file), clean_name(raw)
         if not (folder / "fp32.pt").is_file():
             raise CheckpointImportError(f"{folder / 'fp32.pt'}: missing (parameter {raw})")
-        model[name] = torch.load(folder / "fp32.pt", map_location="cpu", weights_only=False)["param"]
-        entry = {f.stem: torch.load(f, map_location="cpu", weights_only=False)["param"]
+        model[name] = _load(folder / "fp32.pt", "a universal fp32 file", trust)["param"]
+        entry = {f.stem: _load(f, "a universal optimizer file", trust)["param"]
                  for f in sorted(folder.glob("*.pt")) if f.stem not in ("fp32", "step")}
         if (folder / "step.pt").is_file():
-            step = torch.load(folder / "step.pt", map_location="cpu", weights_only=False)
+            step = _load(folder / "step.pt", "a universal step file", trust)
             entry["step"] = torch.as_tensor(step, dtype=torch.float32).clone()
             steps.append(entry)
         optim[name] = entry

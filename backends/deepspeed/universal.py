@@ -26,9 +26,10 @@ import torch
 
 from parallel.checkpoint.directory import resolve, verify_checkpoint
 from parallel.checkpoint.importers import CheckpointImportError
+from parallel.checkpoint.safe import child_name
 from parallel.checkpoint.portable import (
     STATE_DIR,
-    IndexOnceReader,
+    SafeReader,
     read_groups,
     read_tensors,
     tensor_shapes,
@@ -42,7 +43,7 @@ def write_universal(src: str | Path, out: str | Path) -> Path:
     path, out = resolve(src), Path(out)
     manifest = verify_checkpoint(path)
     shapes, groups = tensor_shapes(path), read_groups(path)
-    reader = IndexOnceReader(str(path / STATE_DIR))
+    reader = SafeReader(str(path / STATE_DIR))
     trained = [name for group in groups for name in group["params"]]
     missing = [n for n in trained if f"model.{n}" not in shapes]
     if missing:
@@ -57,11 +58,12 @@ def write_universal(src: str | Path, out: str | Path) -> Path:
     for name in trained:
         keys = [f"model.{name}", *(f"{OPTIM_STATE}{name}.{e}" for e in entries[name])]
         got = read_tensors(path, {k: shapes[k] for k in keys}, reader)
-        folder = tag_dir / "zero" / name
+        # names come from the checkpoint: each must be one plain path component inside zero/
+        folder = tag_dir / "zero" / child_name(name, "a parameter name", path)
         folder.mkdir(parents=True, exist_ok=True)
         torch.save({"param": got.pop(f"model.{name}").float()}, folder / "fp32.pt")
         for key, value in got.items():
-            entry = key.rpartition(".")[2]
+            entry = child_name(key.rpartition(".")[2], "an optimizer entry", path)
             torch.save(value if entry == "step" else {"param": value}, folder / f"{entry}.pt")
     _write_states(path, manifest, tag_dir, groups, shapes, set(trained), reader)
     (out / "latest_universal").write_text(tag_dir.name)

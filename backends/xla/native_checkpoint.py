@@ -8,15 +8,15 @@ import io
 import re
 from pathlib import Path
 
-import torch
 
 from parallel.checkpoint.importers import CheckpointImportError, named_groups
 from parallel.checkpoint.portable import clean_name, shared_step
+from parallel.checkpoint.safe import torch_load
 
 RANK_FILE = re.compile(r"rank[-_]?(\d+)(?:-of-(\d+))?")
 
 
-def read_xla(src: Path):
+def read_xla(src: Path, trust: bool = False):
     """XLA FSDP v1 shards: consolidated by torch_xla's own consolidate_sharded_state_dicts, applied to
     the weights and to each optimizer entry (which is sharded exactly like its parameter)."""
     from torch_xla.distributed.fsdp import consolidate_sharded_state_dicts
@@ -25,7 +25,7 @@ def read_xla(src: Path):
                    key=lambda f: int(RANK_FILE.search(f.name).group(1)))
     if not files:
         raise CheckpointImportError(f"{src}: no files named like *rank-R-of-N* (XLA FSDP shard files)")
-    shards = [torch.load(f, map_location="cpu", weights_only=False) for f in files]
+    shards = [torch_load(f, "an XLA FSDP shard file", trust=trust) for f in files]  # data only
     meta = shards[0]["shard_metadata"]
     with contextlib.redirect_stdout(io.StringIO()):
         model = consolidate_sharded_state_dicts([s["model"] for s in shards], meta)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -22,8 +23,20 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from parallel.checkpoint.safe import (  # noqa: F401 - CheckpointError is imported from here too
+    TABLE_LIMIT,
+    CheckpointError,
+    UnsafeFileError,
+    child_name,
+    load_json,
+    read_text,
+    relative_inside,
+)
+
 FORMAT_VERSION = 2
-READS = (1, 2)  # format versions this polyshard loads (tests/unit/test_format_versions.py)
+READS = (1, 2)
+MAX_WRITERS = 1 << 20  # ranks that may have written one checkpoint
+STEP_NAME = re.compile(r"step-\d+")  # the checkpoints maybe_save writes, and keep_last may remove  # format versions this polyshard loads (tests/unit/test_format_versions.py)
 MANIFEST = "manifest.json"
 HASHES = "hashes"
 WRITTEN: list[Path] = []  # files this process wrote into the checkpoint being written
@@ -32,10 +45,6 @@ WRITTEN: list[Path] = []  # files this process wrote into the checkpoint being w
 def record_written(*files) -> None:
     """Every writer of a checkpoint file calls this: the file is hashed by the rank that wrote it."""
     WRITTEN.extend(Path(f) for f in files)
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that is missing, incomplete or corrupted; the message names the file."""
 
 
 def _barrier(group=None) -> None:
@@ -56,13 +65,48 @@ def write_checkpoint(path: str | Path, rank: int, write: Callable[[Path], None],
 
 
 def begin_checkpoint(path: str | Path, rank: int, group=None) -> Path:
-    """Rank 0 makes the temporary directory every rank then writes into (collective)."""
-    tmp = Path(path).with_name(f".{Path(path).name}.partial")
+    """Rank 0 makes the temporary directory every rank then writes into (collective). Every rank
+    first checks that `path` is free or a polyshard checkpoint (it is replaced only then), so all
+    refuse alike, before the barrier."""
+    path = Path(path)
+    ensure_replaceable(path)
+    tmp = path.with_name(f".{path.name}.partial")
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_ours(tmp)  # a previous crash's leftover; a planted link is removed, not followed
+        _restore_after_crash(path)
         (tmp / HASHES).mkdir(parents=True)
     _barrier(group)  # the directory must exist before any rank writes into it
     return tmp
+
+
+def ensure_replaceable(path: Path) -> None:
+    """`path` may be written only when it does not exist or is a checkpoint polyshard wrote."""
+    if not (path.exists() or path.is_symlink()):
+        return
+    if path.is_symlink() or not path.is_dir() or not is_ours(path):
+        raise CheckpointError(f"{path}: exists and is not a polyshard checkpoint; polyshard replaces "
+                              "only checkpoints it wrote. Save to another path, or move it away")
+
+
+def is_ours(path: Path) -> bool:
+    """A directory (not a link) whose manifest polyshard wrote: a format it reads, with the step and
+    world size every polyshard manifest carries."""
+    if path.is_symlink() or not path.is_dir():
+        return False
+    try:
+        manifest = read_manifest(path)
+    except CheckpointError:
+        return False
+    return isinstance(manifest.get("step"), int) and isinstance(manifest.get("world_size"), int)
+
+
+def _remove_ours(tmp: Path) -> None:
+    """Remove a temporary path polyshard names (.NAME.partial / .NAME.old): a link is unlinked,
+    never followed into what it points at."""
+    if tmp.is_symlink() or tmp.is_file():
+        tmp.unlink()
+    elif tmp.is_dir():
+        shutil.rmtree(tmp)
 
 
 def finish_checkpoint(path: str | Path, tmp: Path, rank: int, meta: dict, writers: int | None = None,
@@ -79,7 +123,8 @@ def finish_checkpoint(path: str | Path, tmp: Path, rank: int, meta: dict, writer
     WRITTEN.clear()
     _barrier(group)  # every rank's files are durable and hashed before the manifest says complete
     if rank == 0:
-        manifest = {"format_version": FORMAT_VERSION, **meta, "writers": writers}
+        manifest = {"format_version": FORMAT_VERSION, "writer": "polyshard", **meta,
+                    "writers": writers}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, default=str))
         _fsync_files([tmp / MANIFEST])
         _fsync_dirs(tmp)
@@ -94,10 +139,10 @@ def read_manifest(path: str | Path) -> dict:
     if not manifest_file.is_file():
         raise CheckpointError(f"{manifest_file}: manifest missing; {path} is not a complete "
                               "polyshard checkpoint")
-    try:
-        manifest = json.loads(manifest_file.read_text())
-    except json.JSONDecodeError as err:
-        raise CheckpointError(f"{manifest_file}: unreadable manifest ({err})") from None
+    manifest = load_json(manifest_file, "a checkpoint manifest", TABLE_LIMIT, follow=False)
+    if not isinstance(manifest, dict):
+        raise UnsafeFileError(f"{manifest_file}: a manifest is a JSON object, not "
+                              f"{type(manifest).__name__}")
     version = manifest.get("format_version")
     if version not in READS:
         newer = isinstance(version, int) and version > FORMAT_VERSION
@@ -106,6 +151,14 @@ def read_manifest(path: str | Path) -> dict:
             f"{', '.join(map(str, READS))} and writes {FORMAT_VERSION}. " + (
                 "It was written by a newer polyshard: upgrade this one (pip install -U polyshard) "
                 "to load it." if newer else "It is not a polyshard checkpoint format."))
+    kinds = {"world_size": int, "step": int, "writers": int, "backend": str}
+    wrong = [k for k, kind in kinds.items() if k in manifest and (
+        not isinstance(manifest[k], kind) or isinstance(manifest[k], bool))]
+    if wrong or (version == 1 and not isinstance(manifest.get("files"), dict)):
+        raise UnsafeFileError(f"{manifest_file}: {wrong or ['files']} of the wrong type; not a "
+                              "manifest polyshard wrote")
+    if not 0 < manifest.get("writers", 1) <= MAX_WRITERS:
+        raise UnsafeFileError(f"{manifest_file}: writers {manifest['writers']} out of range")
     return manifest
 
 
@@ -113,22 +166,34 @@ def _tables(path: Path, manifest: dict, rank: int = 0, world: int = 1) -> dict[s
     """{file: {size, sha256}} of this rank's share: the tables of writers rank, rank + world, ...
     (version 1: the manifest's one table, split the same way by position)."""
     if manifest["format_version"] == 1:
-        return dict(list(manifest["files"].items())[rank::world])
+        return _typed(dict(list(manifest["files"].items())[rank::world]), path / MANIFEST)
     out = {}
     for writer in range(rank, manifest["writers"], world):
         table = path / HASHES / f"rank{writer}.json"
         if not table.is_file():
             raise CheckpointError(f"{table}: missing (rank {writer}'s file hashes)")
-        try:
-            out.update(json.loads(table.read_text()))
-        except json.JSONDecodeError as err:
-            raise CheckpointError(f"{table}: unreadable ({err})") from None
+        out.update(_typed(load_json(table, "a hash table", TABLE_LIMIT, follow=False), table))
     return out
+
+
+def _typed(table, source: Path) -> dict[str, dict]:
+    """A hash table as {relative file: {size: int, sha256: hex}}, every file inside the checkpoint."""
+    if not isinstance(table, dict):
+        raise UnsafeFileError(f"{source}: a hash table is a JSON object of files")
+    root = source.parent.parent if source.parent.name == HASHES else source.parent
+    for name, entry in table.items():
+        relative_inside(name, root, f"{source.name}'s entry")
+        if not (isinstance(entry, dict) and isinstance(entry.get("size"), int)
+                and isinstance(entry.get("sha256"), str)):
+            raise UnsafeFileError(f"{source}: the entry of {name!r} is not {{size, sha256}}")
+    return table
 
 
 def _check(path: Path, table: dict[str, dict], workers: int = 1) -> None:
     def one(item):
         name, expected = item
+        if (path / name).is_symlink():  # its size and hash would be another file's
+            return f"{path / name}: a symbolic link inside a checkpoint (refused)"
         if not (path / name).is_file():
             return f"{path / name}: listed in the checkpoint's hashes but missing"
         actual = _describe(path / name)
@@ -193,37 +258,45 @@ LATEST = "latest"
 
 
 def resolve(path: str | Path) -> Path:
-    """A checkpoint directory, or a directory of checkpoints whose `latest` file names one."""
+    """A checkpoint directory, or a directory of checkpoints whose `latest` file names one (a plain
+    name inside it). A checkpoint being replaced when a crash came between the two renames is found
+    under its previous copy (_replace)."""
     path = Path(path)
     pointer = path / LATEST
-    if not (path / MANIFEST).exists() and pointer.is_file():
-        return path / pointer.read_text().strip()
+    if not (path / MANIFEST).exists() and (pointer.exists() or pointer.is_symlink()):
+        name = read_text(pointer, "a `latest` pointer", 4096, follow=False).strip()
+        path = path / child_name(name, "its `latest` file names", path)
+        if path.is_symlink():
+            raise UnsafeFileError(f"{path}: `latest` names a symbolic link, not a checkpoint")
+    previous = path.with_name(f".{path.name}.old")
+    if not (path / MANIFEST).exists() and (previous / MANIFEST).is_file():
+        return previous
     return path
 
 
-def publish(path: Path, keep_last: int | None) -> None:
-    """Rank 0, after `path` is complete: point `latest` at it (write, fsync, rename), then delete
-    all but the newest `keep_last` checkpoints beside it. A crash before the rename leaves `latest`
-    on the previous complete checkpoint; retention runs only once the pointer has moved."""
+def publish(path: Path, keep_last: int | None, managed: Path | None = None) -> None:
+    """Rank 0, after `path` is complete: point `latest` at it (write, fsync, rename), then, when
+    `path` lies in the directory polyshard manages (`checkpoint.dir`), delete all but the newest
+    `keep_last` checkpoints there. A crash before the rename leaves `latest` on the previous complete
+    checkpoint; retention runs only once the pointer has moved. Deleted are only directories named
+    step-N whose manifest polyshard wrote: a sibling with a manifest of its own (a web app's, a
+    dataset's, an imported checkpoint under another name) is never touched."""
     tmp = path.parent / f".{LATEST}.partial"
-    tmp.write_text(path.name + "\n")
-    fd = os.open(tmp, os.O_RDONLY)
-    os.fsync(fd)
-    os.close(fd)
-    tmp.rename(path.parent / LATEST)
-    if keep_last is None:
-        return
-    siblings = [d for d in path.parent.iterdir() if (d / MANIFEST).is_file() and d != path]
-    siblings.sort(key=lambda d: (_step(d), d.stat().st_mtime))
-    for old in siblings[:max(0, len(siblings) + 1 - keep_last)]:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def _step(path: Path) -> int:
+    _remove_ours(tmp)  # a planted link is removed, never written through
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     try:
-        return int(json.loads((path / MANIFEST).read_text()).get("step", -1))
-    except (OSError, ValueError):
-        return -1
+        os.write(fd, (path.name + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    tmp.rename(path.parent / LATEST)
+    if keep_last is None or managed is None or path.parent.resolve() != Path(managed).resolve():
+        return
+    ours = [(read_manifest(d)["step"], d) for d in path.parent.iterdir()
+            if d != path and STEP_NAME.fullmatch(d.name) and is_ours(d)]
+    ours.sort()
+    for _, old in ours[:max(0, len(ours) + 1 - keep_last)]:
+        shutil.rmtree(old)
 
 
 def save_rank_file(obj, tmp: Path, subdir: str, rank: int) -> None:
@@ -255,15 +328,24 @@ def _fsync_dirs(root: Path) -> None:
 
 
 def _replace(tmp: Path, path: Path) -> None:
+    """`tmp` becomes `path`; a previous checkpoint there is kept as .NAME.old until the new one is in
+    place, so a crash at any point leaves one complete copy: `path`, or .NAME.old, which resolve()
+    reads and the next save of that name restores first (_restore_after_crash)."""
     old = path.with_name(f".{path.name}.old")
-    shutil.rmtree(old, ignore_errors=True)
+    _restore_after_crash(path)
+    _remove_ours(old)
     if path.exists():
         path.rename(old)  # keep the previous checkpoint until the new one is in place
     tmp.rename(path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    os.fsync(fd)
-    os.close(fd)
-    shutil.rmtree(old, ignore_errors=True)
+    _fsync_files([path.parent])
+    _remove_ours(old)
+
+
+def _restore_after_crash(path: Path) -> None:
+    """A crash between _replace's two renames left .NAME.old and no NAME: put it back."""
+    old = path.with_name(f".{path.name}.old")
+    if not path.exists() and not old.is_symlink() and (old / MANIFEST).is_file():
+        old.rename(path)
 
 
 def library_versions() -> dict:

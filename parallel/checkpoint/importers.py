@@ -25,8 +25,11 @@ class CheckpointImportError(RuntimeError):
     """A source directory that is not the kind of checkpoint named."""
 
 
-def import_checkpoint(kind: str, src: str | Path, out: str | Path, step: int | None = None) -> Path:
-    state, found_step, world = reader(kind)(Path(src))
+def import_checkpoint(kind: str, src: str | Path, out: str | Path, step: int | None = None,
+                      trust: bool = False) -> Path:
+    """`trust`: unpickle the source's files fully (they may run code); by default they are read as
+    data (parallel/checkpoint/safe.py)."""
+    state, found_step, world = reader(kind)(Path(src), trust=trust)
     step = found_step if step is None else step
     if step is None:
         raise CheckpointImportError(f"{src}: a {kind} checkpoint records no step count; pass --step N (the "
@@ -46,18 +49,26 @@ def named_groups(groups: list[dict], names_per_group: list[list[str]]) -> list[d
     return [{**hyperparams(g), "params": names} for g, names in zip(groups, names_per_group)]
 
 
-def read_dcp(src: Path):
+def read_dcp(src: Path, trust: bool = False):  # noqa: ARG001 - DCP's files are data only
     """torch DCP written from get_state_dict: {"model": ..., "optim"/"optimizer": ...} or bare
     model keys. Loaded whole in this process, without a template."""
-    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from parallel.checkpoint.portable import SafeReader, raise_refusal
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     if not (src / ".metadata").is_file():
         raise CheckpointImportError(f"{src}: no .metadata file; not a torch.distributed.checkpoint directory")
     sd: dict = {}
-    _load_state_dict(sd, storage_reader=FileSystemReader(str(src)),
-                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    reader = SafeReader(str(src))
+    reader.read_metadata()  # checked before DCP, which swallows a failing read
+    try:
+        _load_state_dict(sd, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(),
+                         no_dist=True)
+    except CheckpointException as err:
+        raise_refusal(err)
+        raise
     model = sd.get("model", {k: v for k, v in sd.items() if torch.is_tensor(v)})
     model = {clean_name(k): v for k, v in model.items()}
     optim = sd.get("optim", sd.get("optimizer"))

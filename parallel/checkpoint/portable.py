@@ -31,9 +31,46 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from parallel.checkpoint import background
 from parallel.checkpoint.chunks import RangeLoadPlanner, RangeSavePlanner
 from parallel.checkpoint.directory import record_written
+from parallel.checkpoint.safe import safe_reader_class
+from parallel.files import FileError
 from parallel.engine.params import clean_name  # noqa: F401 - state code names things by it
 
 STATE_DIR = "state"
+
+
+class SafeReader(safe_reader_class(dcp.FileSystemReader)):
+    """DCP's reader with its index and byte entries read as data (parallel/checkpoint/safe.py): DCP
+    itself unpickles both with full pickle. The index (O(keys x writers)) is parsed once per reader:
+    a converter that reads a few keys per call would otherwise parse all of it on every call."""
+
+    _index = None
+
+    def read_metadata(self, *args, **kwargs):
+        if self._index is None:
+            self._index = super().read_metadata(*args, **kwargs)
+        return self._index
+
+
+def _dcp_load(template: dict, reader: SafeReader, planner=None, no_dist: bool = True) -> None:
+    """dcp.load, with the index checked before DCP sees it (DCP swallows a failing index read and
+    then asserts) and a refused entry raised as itself, not inside DCP's CheckpointException."""
+    reader.read_metadata()
+    try:
+        with _quiet_dcp():
+            dcp.load(template, storage_reader=reader, planner=planner, no_dist=no_dist)
+    except CheckpointException as err:
+        raise_refusal(err)
+        raise
+
+
+def raise_refusal(err: CheckpointException) -> None:
+    """The first file refusal (FileError) inside a DCP failure, raised as itself."""
+    from parallel.files import FileError
+
+    for failure in err.failures.values():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, FileError):
+            raise inner from None
 
 
 @contextlib.contextmanager
@@ -107,9 +144,10 @@ def load_state(template: dict, path: Path, planner=None, collective: bool = True
             f"{path / STATE_DIR}: holds {len(unread)} entries this run has no place for (e.g. "
             f"{sorted(unread)[:3]}); it was written for another model or optimizer")
     try:
-        with _quiet_dcp():
-            dcp.load(template, storage_reader=dcp.FileSystemReader(str(path / STATE_DIR)),
-                     planner=planner or RangeLoadPlanner(), no_dist=not (collective and dist.is_initialized()))
+        _dcp_load(template, SafeReader(str(path / STATE_DIR)), planner or RangeLoadPlanner(),
+                  no_dist=not (collective and dist.is_initialized()))
+    except FileError:
+        raise
     except (Exception, CheckpointException) as err:  # DCP's is a BaseException; name the cause
         raise PortableStateError(_explain_load_failure(path, template, err)) from err
     if isinstance(template.get("optim"), dict):
@@ -145,8 +183,7 @@ def read_groups(path: Path) -> list[dict]:
     """The stored param_groups alone (a small object; every rank reads it, no collective)."""
     groups_template(path)
     template = {"optim": {"param_groups": None}}
-    with _quiet_dcp():
-        dcp.load(template, storage_reader=dcp.FileSystemReader(str(path / STATE_DIR)), no_dist=True)
+    _dcp_load(template, SafeReader(str(path / STATE_DIR)))
     return list(template["optim"]["param_groups"])
 
 
@@ -172,7 +209,7 @@ def merge_groups(live: list[dict], stored: list[dict], names: list[list[str]]) -
 
 
 def metadata(path: Path):
-    return dcp.FileSystemReader(str(path / STATE_DIR)).read_metadata()
+    return SafeReader(str(path / STATE_DIR)).read_metadata()
 
 
 def stored_keys(path: Path) -> set[str]:
@@ -194,31 +231,16 @@ def read_model(path: Path) -> dict[str, torch.Tensor]:
     return load_state(template, path, collective=False)["model"]
 
 
-class IndexOnceReader(dcp.FileSystemReader):
-    """A DCP reader that unpickles the checkpoint's index (.metadata) once. The index lists every
-    chunk of every tensor (O(keys x writers)); a converter that reads a few keys per call would
-    otherwise parse all of it again on every call."""
-
-    _index = None
-
-    def read_metadata(self, *args, **kwargs):
-        if self._index is None:
-            self._index = super().read_metadata(*args, **kwargs)
-        return self._index
-
-
 def read_tensors(path: Path, wanted: dict[str, tuple], reader=None) -> dict[str, torch.Tensor]:
     """Stored tensors by flat key ("model.lm_head.weight", "optim.state.<name>.exp_avg") ->
     (shape, dtype), read alone in this process: DCP reads only the chunks a partial template asks
-    for, so a converter holds what it asked for, never the model. Pass one IndexOnceReader for a
+    for, so a converter holds what it asked for, never the model. Pass one SafeReader for a
     sequence of calls."""
     template: dict[str, dict] = {}
     for key, (shape, dtype) in wanted.items():
         head, _, rest = key.partition(".")
         template.setdefault(head, {})[rest] = torch.empty(shape, dtype=dtype)
-    with _quiet_dcp():
-        dcp.load(template, storage_reader=reader or dcp.FileSystemReader(str(path / STATE_DIR)),
-                 no_dist=True)
+    _dcp_load(template, reader or SafeReader(str(path / STATE_DIR)))
     return {key: template[key.partition(".")[0]][key.partition(".")[2]] for key in wanted}
 
 

@@ -33,6 +33,9 @@ def add_parser(sub) -> None:
     a.add_argument("src")
     a.add_argument("out")
     a.add_argument("--step", type=int, help="optimizer steps taken (when the source has no record)")
+    a.add_argument("--trust-checkpoint", action="store_true",
+                   help="unpickle the source's files fully: they may run any code they hold; only "
+                   "for files whose origin you trust (by default they are read as data)")
     a = actions.add_parser("export", help="write weights for another tool",
                            description="write weights for another tool")
     from parallel.registry import checkpoint_writer_kinds
@@ -57,10 +60,13 @@ def run(args) -> int:
     from parallel.checkpoint.hf import ExportError, export_hf, export_peft
     from parallel.checkpoint.importers import CheckpointImportError, import_checkpoint
     from parallel.checkpoint.portable import PortableStateError
+    from parallel.files import FileError
+    from parallel.spec.io import SpecError
 
     try:
         if args.action == "import":
-            out = import_checkpoint(args.kind, args.src, args.out, args.step)
+            out = import_checkpoint(args.kind, args.src, args.out, args.step,
+                                    trust=args.trust_checkpoint)
             print(f"imported {args.kind} checkpoint {args.src} -> {out}")
             return 0
         if args.action == "export":
@@ -75,10 +81,14 @@ def run(args) -> int:
             return 0
         path = resolve(args.path)
         manifest = verify_checkpoint(path)  # sizes and sha256 of every file
+    except (FileError, SpecError) as err:  # a file that is not what it claims: unsafe, malformed
+        print(f"ckpt {args.action}: {err}", file=sys.stderr)
+        return 2
     except (CheckpointError, CheckpointImportError, ExportError, PortableStateError,
             OSError) as err:
         print(f"ckpt {args.action}: {err}", file=sys.stderr)
-        return 1
+        # verify / inspect: a well-formed checkpoint found damaged is their answer (exit 1)
+        return 1 if args.action in ("verify", "inspect") else 2
     if args.action == "inspect":
         _inspect(path, manifest)
     total = sum(f["size"] for f in manifest["files"].values())

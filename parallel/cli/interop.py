@@ -36,15 +36,15 @@ def add_parsers(sub, command, add_spec_args) -> None:
 
 
 def _read_yaml(path: Path):
+    """An accelerate config, read as data: a regular file, bounded, without YAML aliases."""
+    from parallel.files import FileError, load_yaml
     from parallel.spec.io import SpecError
 
     try:
-        return yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        raise SpecError([(str(path), f"is not valid YAML{where}: {getattr(err, 'problem', err)}; "
-                          "YAML indents with spaces, never tabs")]) from None
+        return load_yaml(path, "an accelerate config")
+    except FileError as err:
+        raise SpecError([(str(path), str(err).partition(": ")[2] + (
+            "; YAML indents with spaces, never tabs" if "YAML" in str(err) else ""))]) from None
 
 
 def run_import(args) -> int:

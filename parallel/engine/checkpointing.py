@@ -25,6 +25,7 @@ from parallel.checkpoint.directory import (
 )
 from parallel.checkpoint.hf import hf_config_json, peft_config_json
 from parallel.checkpoint.portable import save_state
+from parallel.checkpoint.safe import NUMPY_ARRAY, torch_load
 
 
 class CheckpointMixin:
@@ -73,7 +74,8 @@ class CheckpointMixin:
         def publish_all() -> None:
             finish_checkpoint(path, tmp, self.rank, meta, group=group)
             if self.is_main:
-                publish(path, self.spec.checkpoint.keep_last)
+                publish(path, self.spec.checkpoint.keep_last, self.spec.checkpoint.dir and
+                        Path(self.spec.checkpoint.dir))
 
         if not background_write:
             WRITTEN.clear()
@@ -100,18 +102,23 @@ class CheckpointMixin:
         """Block until an async save in flight is published (its error, if any, is raised here)."""
         self._saver.wait()
 
-    def load(self, path) -> dict:
+    def load(self, path, trust: bool = False) -> dict:
         """Verify `path` (manifest, sizes, sha256), then restore everything `save` wrote, whichever
-        backend and world size wrote it. `path` may be a directory of checkpoints: its `latest`."""
+        backend and world size wrote it. `path` may be a directory of checkpoints: its `latest`.
+        Every file is read as data: a crafted pickle is refused naming the file and what it asked
+        for (docs/security.md); `trust=True` unpickles fully, for files whose origin you trust."""
         self._saver.wait()  # a checkpoint still being written is published before anything is read
         path = resolve(path)
         manifest = verify_parallel(path)  # each rank its share of the files, before any read
-        self._load_model_optim(path, manifest)
-        self.load_trainer_state(torch.load(path / "trainer.pt", weights_only=False))
+        trainer = torch_load(path / "trainer.pt", "the trainer state", trust=trust)
         rng_file = path / "rng" / f"rank{self.rank}.pt"
-        if manifest["world_size"] == self.world_size and rng_file.is_file():
-            # Another world size has other ranks: each keeps its seeded generator instead.
-            pdist.set_rng_state(torch.load(rng_file, weights_only=False))
+        same_world = manifest["world_size"] == self.world_size and rng_file.is_file()
+        # format <= 2 kept numpy's RNG keys as an ndarray: those few numpy classes are allowed
+        rng = torch_load(rng_file, "an RNG state", NUMPY_ARRAY, trust) if same_world else None
+        self._load_model_optim(path, manifest)
+        self.load_trainer_state(trainer)
+        if rng is not None:  # another world size has other ranks: each keeps its seeded generator
+            pdist.set_rng_state(rng)
         return manifest
 
     @abstractmethod

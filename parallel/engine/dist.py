@@ -60,14 +60,17 @@ def init_distributed(timeout_s: float) -> DistContext:
     else:
         device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
-        if "MASTER_ADDR" not in os.environ:  # one process started by hand: a private rendezvous
-            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         # Joining waits for every rank to start (imports, a restart's re-launch: tens of seconds);
         # only then do collectives get the spec's timeout_s (measured: timeout_s 5 made restarted
         # workers fail in gloo's connectFullMesh).
         join = timedelta(seconds=max(timeout_s, JOIN_TIMEOUT_S))
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=join,
-                                store=_attempt_store(rank, world, join))
+        if "MASTER_ADDR" not in os.environ and world == 1:
+            # one process started by hand: an in-process store, so nothing listens on the network
+            # (a TCPStore server listens on every interface, unauthenticated: docs/security.md)
+            store = dist.HashStore()
+        else:
+            store = _attempt_store(rank, world, join)
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=join, store=store)
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))
     apply_group_timeout(timeout_s)
     return DistContext(rank, world, local_rank, device)
@@ -109,7 +112,11 @@ def seed_everything(seed: int) -> None:
 
 
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+    """Every generator's state in types torch's weights_only unpickler reads (numpy's key array as
+    a tensor), so a checkpoint's RNG files load as data (parallel/checkpoint/safe.py)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(),
+             "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
              "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -118,7 +125,9 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, keys, *rest = state["numpy"]
+    keys = keys.numpy() if isinstance(keys, torch.Tensor) else keys  # format <= 2: an ndarray
+    np.random.set_state((kind, keys.astype(np.uint32), *rest))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

@@ -113,11 +113,44 @@ def install_forwarding() -> None:
         signal.signal(getattr(signal, name), _forward)
 
 
+LOOPBACK = "127.0.0.1"
+
+
+def listen_on_loopback() -> None:
+    """One host (`--standalone`): the stores torchrun's agent serves (the rendezvous store and the
+    store it shares with the workers) listen on 127.0.0.1 only. torch's TCPStore server listens on
+    every interface (measured: two ports on *:N per launch, unauthenticated, and hang reports travel
+    through them); here each server gets a socket already bound to the loopback interface
+    (TCPStore's master_listen_fd). Multi-node launches keep torch's behaviour: the other nodes must
+    reach the rendezvous (docs/security.md)."""
+    import socket
+
+    import torch.distributed as dist
+    import torch.distributed.elastic.rendezvous.c10d_rendezvous_backend as c10d_backend
+
+    original = dist.TCPStore
+
+    def loopback_store(host_name, port, *args, is_master=False, **kwargs):
+        if is_master and kwargs.get("master_listen_fd") is None:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((LOOPBACK, port))
+            sock.listen(4096)
+            port = sock.getsockname()[1]
+            kwargs.update(master_listen_fd=sock.detach(), use_libuv=False)  # the store owns it now
+        return original(host_name, port, *args, is_master=is_master, **kwargs)
+
+    dist.TCPStore = c10d_backend.TCPStore = loopback_store
+
+
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
     args = get_args_parser().parse_args(argv)
+    if args.standalone:  # workers reach the stores on the loopback interface, where they listen
+        args.local_addr = LOOPBACK
+        listen_on_loopback()
     install_forwarding()
     try:
         run(args)

@@ -44,12 +44,17 @@ def load_spec(source: str | Path | dict | Spec | None = None, overrides: list[st
 
 
 def read_document(path: Path) -> dict:
-    if not path.is_file():
+    """A spec file: YAML (a superset of JSON: one parser for both), bounded and without aliases
+    (parallel/files.py)."""
+    from parallel.files import FileError, load_yaml
+
+    if not path.exists():
         raise SpecError([(str(path), "no such file; pass the path of a YAML or JSON spec")])
     try:
-        data = yaml.safe_load(path.read_text())  # YAML is a superset of JSON: one parser for both
-    except yaml.YAMLError as err:
-        raise SpecError([(str(path), f"is not valid YAML/JSON: {err}")]) from None
+        data = load_yaml(path, "a spec")
+    except FileError as err:
+        file, _, problem = str(err).partition(": ")
+        raise SpecError([(file, problem)]) from None
     if data is None:
         return {}
     if not isinstance(data, dict):

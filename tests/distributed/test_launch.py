@@ -73,3 +73,32 @@ def test_a_failing_job_reports_the_first_error_once(tmp_path):
     assert "SpecError: wrap.policy: 'auto' reads `_no_split_modules`" in summary, text[-3000:]
     assert "traceback: " in summary and "error.json" in summary
     assert "Traceback (most recent call last)" not in text and "ChildFailedError" not in text, text
+
+
+LISTENING = """
+import json, os, sys
+import psutil
+from parallel import create_engine
+from parallel.launch import current_spec
+engine = create_engine(current_spec())
+agent = psutil.Process(os.getppid())  # torchrun's agent, which serves the rendezvous stores
+mine = [c.laddr.ip for p in (agent, psutil.Process()) for c in p.net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN]
+json.dump(mine, open(sys.argv[1] + f".{engine.rank}", "w"))
+engine.close()
+"""
+
+
+@pytest.mark.timeout(200)
+def test_one_host_listens_on_loopback_only(tmp_path):
+    """The stores torchrun's agent serves listen on every interface by default (unauthenticated, hang
+    reports travel through them); on one host polyshard binds them to 127.0.0.1 (docs/security.md)."""
+    (tmp_path / "listen.py").write_text(LISTENING)
+    out = subprocess.run([*POLYSHARD, "launch", "--nproc", "2", "configs/demo.yaml",
+                          str(tmp_path / "listen.py"), str(tmp_path / "addr")],
+                         capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
+    import json
+
+    seen = [ip for rank in (0, 1) for ip in json.loads((tmp_path / f"addr.{rank}").read_text())]
+    assert seen and set(seen) == {"127.0.0.1"}, seen

@@ -110,7 +110,7 @@ def test_latest_points_at_the_newest_and_keep_last_prunes_by_step(tmp_path):
     for step in (1, 2, 3):
         path = write_checkpoint(tmp_path / f"step-{step}", 0, lambda t: None,
                                 {"step": step, "world_size": 1})
-        publish(path, keep_last=2)
+        publish(path, keep_last=2, managed=tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-2", "step-3"]
     assert resolve(tmp_path) == tmp_path / "step-3"
     assert json.loads((resolve(tmp_path) / "manifest.json").read_text())["step"] == 3

@@ -1,0 +1,166 @@
+"""Files from elsewhere are read as data, never as code (docs/security.md).
+
+- Pickles: torch's `weights_only` unpickler for every `.pt` file, ours and foreign (DeepSpeed, XLA),
+  with the few classes those formats really hold allowed by name; DCP's `.metadata` index through an
+  unpickler that builds DCP's own metadata classes and nothing else; DCP's byte entries checked by
+  `weights_only` before DCP reads them. A crafted file is refused naming the file and the global it
+  asked for; `--trust-checkpoint` (API: `trust=True`) lifts it for a file whose origin you trust.
+- Sizes and kinds: tables and indexes are read through parallel/files.py (regular files only, size
+  caps, bounded nesting).
+- Names: a name taken from a file (a parameter name, `latest`, a hash table entry) becomes a path only
+  if it stays inside its directory.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+
+import torch
+
+from parallel.files import FileError, load_json, read_bytes, read_text, regular_file  # noqa: F401
+
+
+TABLE_LIMIT = 256 << 20  # a manifest or hash table (grows with the files a checkpoint has)
+INDEX_LIMIT = 1 << 30  # DCP's .metadata (grows with keys x writers)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, incomplete or corrupted; the message names the file."""
+
+
+class UnsafeFileError(CheckpointError, FileError):
+    """A checkpoint file that asks for code to run, points outside its directory, or is not the
+    data it claims to be; the message names the file and what it asked for."""
+
+
+def _unsupported(err: Exception) -> str:
+    text = str(err)
+    for marker in ("Unsupported global: GLOBAL ", "GLOBAL "):
+        if marker in text:
+            return text.split(marker, 1)[1].split()[0]
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def torch_load(path: Path | io.BytesIO, what: str, allow: tuple = (), trust: bool = False,
+               limit: int | None = None):
+    """torch.load of a file from elsewhere: torch's weights_only unpickler (tensors, containers,
+    numbers, strings), plus the classes in `allow`. `trust`: full pickle, for a file whose origin you
+    trust (it can run any code)."""
+    name = getattr(path, "name", None) or str(path)
+    if isinstance(path, (str, Path)):
+        regular_file(Path(path), what, limit or (1 << 62), follow=True)
+    if trust:
+        return torch.load(path, map_location="cpu", weights_only=False)  # the caller's decision
+    try:
+        with torch.serialization.safe_globals(list(allow)):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise UnsafeFileError(
+            f"{name}: refused ({what}): it asks to load {_unsupported(err)}, which is code, not "
+            "data. If you trust where this file comes from, pass --trust-checkpoint (API: "
+            "trust=True), which lets it run whatever it holds") from None
+
+
+def _numpy_array() -> tuple:
+    """What a pickled numpy array needs (torch's documented allow-list for numpy under
+    weights_only): the array's reconstructor, ndarray and its dtype classes."""
+    import numpy as np
+
+    core = getattr(np, "_core", None) or np.core
+    return (core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32)))
+
+
+NUMPY_ARRAY = _numpy_array()
+
+# DCP's index (.metadata) holds its own dataclasses, torch sizes, dtypes and layouts, and a path.
+DCP_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
+        "ChunkStorageMetadata", "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING")
+} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+     ("pathlib", "WindowsPath"), ("collections", "OrderedDict")}
+DTYPES = {name for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype)}
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module, name) in DCP_CLASSES or (module == "torch" and name in DTYPES):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"GLOBAL {module}.{name}")
+
+
+def load_index(path: Path):
+    """DCP's .metadata, built from DCP's own classes only."""
+    data = read_bytes(path, "a DCP index (.metadata)", INDEX_LIMIT, follow=False)
+    try:
+        index = _IndexUnpickler(io.BytesIO(data)).load()
+        files = {info.relative_path for info in (index.storage_data or {}).values()}
+    except pickle.UnpicklingError as err:
+        raise UnsafeFileError(f"{path}: refused: it asks to load {_unsupported(err)}, which no DCP "
+                              "index holds; the checkpoint was crafted or is damaged") from None
+    except Exception as err:  # noqa: BLE001 - any other malformed pickle: name the file
+        raise UnsafeFileError(f"{path}: not a readable DCP index ({type(err).__name__}: "
+                              f"{err})") from None
+    for name in files:  # DCP opens these relative to the directory: they must stay in it
+        child_name(name, "its index names the data file", path.parent)
+    return index
+
+
+def safe_reader_class(base):
+    """A DCP reader class (FileSystemReader or a subclass) that reads the index with load_index and
+    checks each byte entry with weights_only before DCP unpickles it (DCP's load_bytes uses full
+    pickle: a crafted entry would run code)."""
+
+    class Safe(base):
+        def read_metadata(self, *args, **kwargs):
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            rank = kwargs.get("rank", None)
+            metadata = load_index(Path(self._get_metadata_path(rank)))
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+        def read_data(self, plan, planner):
+            unchecked = planner.load_bytes
+
+            def checked(read_item, value: io.BytesIO):
+                raw = value.getvalue()
+                torch_load(io.BytesIO(raw), f"entry {read_item.dest_index.fqn} of {self.path}")
+                return unchecked(read_item, io.BytesIO(raw))
+
+            planner.load_bytes = checked
+            try:
+                return super().read_data(plan, planner)
+            finally:
+                del planner.load_bytes  # the instance attribute: the class's method again
+
+    Safe.__name__ = f"Safe{base.__name__}"
+    return Safe
+
+
+def child_name(name: str, what: str, where: Path) -> str:
+    """`name` as one path component inside `where`: no separators, no '..', not hidden or empty."""
+    if (not isinstance(name, str) or not name or name in (".", "..") or "/" in name
+            or "\\" in name or "\x00" in name or len(name) > 255):
+        raise UnsafeFileError(f"{where}: {what} {name!r} is not a plain name inside {where}")
+    return name
+
+
+def relative_inside(name: str, root: Path, what: str) -> Path:
+    """A relative path from a file (a hash table entry) as a path inside `root`, refused when it is
+    absolute, climbs with '..', or passes through a symbolic link."""
+    parts = Path(name).parts if isinstance(name, str) else ()
+    if not parts or Path(name).is_absolute() or any(p in ("..", "") for p in parts):
+        raise UnsafeFileError(f"{root}: {what} names {name!r}, which is not inside the checkpoint")
+    here = root
+    for part in parts[:-1]:
+        here = here / part
+        if here.is_symlink():
+            raise UnsafeFileError(f"{root}: {what} names {name!r}, which passes through the "
+                                  f"symbolic link {here}")
+    return root.joinpath(*parts)
