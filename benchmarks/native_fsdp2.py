@@ -11,9 +11,14 @@ def build(a, rank: int, world: int):
     if a.stage not in (2, 3):
         raise SystemExit("native_fsdp2 runs FULL_SHARD (stage 3) and SHARD_GRAD_OP (stage 2) only")
     net = model(a.model, a.seed)
+    # torchtitan's apply_fsdp_to_decoder: the embedding, [norm, lm_head] kept gathered after
+    # forward (backward needs them first), each block, then the root with torch's default
+    reshard = a.stage == 3
+    fully_shard(net.model.embed_tokens, reshard_after_forward=reshard)
+    fully_shard([net.model.norm, net.lm_head], reshard_after_forward=False)
     for layer in net.model.layers:
-        fully_shard(layer, reshard_after_forward=a.stage == 3)
-    fully_shard(net, reshard_after_forward=a.stage == 3)
+        fully_shard(layer, reshard_after_forward=reshard)
+    fully_shard(net)
     for module in net.modules():  # torchtitan: the loss is normalised by the global token count
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

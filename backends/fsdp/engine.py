@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from backends.fsdp.layout import edge_units
 from backends.fsdp.translate import translate
 from parallel.checkpoint.dcp_state import read_model_optim, write_model_optim
 from parallel.engine.base import Engine
@@ -154,6 +155,13 @@ class FSDP2Engine(_TorchFSDP):
             self._apply_compile(model, self.units)
         for _, unit in self.units:  # children first: each unit owns only what no inner unit owns
             fully_shard(unit, mesh=mesh, **kwargs)
+        # the edges as torchtitan shards them (layout.py), then the root without an explicit
+        # reshard_after_forward: torch keeps it unsharded, so nothing is gathered twice per step
+        blocks_reshard = kwargs.pop("reshard_after_forward")
+        for modules, like_blocks in edge_units(model, self.units):
+            keep = blocks_reshard if like_blocks else self.spec.fsdp.reshard_output
+            fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh,
+                        reshard_after_forward=keep, **kwargs)
         fully_shard(model, mesh=mesh, **kwargs)
         if self.spec.compile.scope == "model":
             self._apply_compile(model, [])
