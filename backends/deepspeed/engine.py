@@ -245,6 +245,11 @@ class DeepSpeedEngine(Engine):
                  if isinstance(v, torch.Tensor) and v.dim() > 0]
         return {"params": held, "grads": grads, "optimizer": state + masters}
 
+    def native_checkpoint(self):
+        """(save, load) as DeepSpeed's docs do it: engine.save_checkpoint / load_checkpoint."""
+        return (lambda path: self.ds.save_checkpoint(str(path)),
+                lambda path: self.ds.load_checkpoint(str(path)))
+
     def gather_model(self) -> dict:
         if is_zero(self.optimizer):
             return zero_state(self.ds, lambda i: True, with_optimizer=False)["model"]

@@ -92,7 +92,7 @@ def load_sharded(ds, path: Path) -> None:
     _init_zero_state(zero)  # a fresh optimizer has no state for the ranges to point at
     relink(zero)
     names = {id(p): ps.clean_name(n) for n, p in ds.module.named_parameters()}
-    model, state, members = {}, {}, []
+    model, state, members, reader = {}, {}, [], ps.open_state(path)
     for group, lps, flat in partitions(zero):
         keys = _flat_keys(base, flat)
         members.append((group, flat, [names[id(p)] for p in lps]))
@@ -107,13 +107,13 @@ def load_sharded(ds, path: Path) -> None:
     buffers = ps.buffers(ds.module)
     model.update({k: torch.empty_like(v) for k, v in buffers.items()})
     template = {"model": _with_aliases(ds, model),
-                "optim": {"state": state, "param_groups": ps.groups_template(path)}}
+                "optim": {"state": state, "param_groups": ps.groups_template(path, reader)}}
     live = [[] for _ in base.param_groups]  # ZeRO-3's sub-groups collapse into their group
     for group, _, group_names in members:
         live[group] += group_names
     # before anything is read in place: the same groups, or an error naming the parameters that moved
-    merged = ps.merge_groups(base.param_groups, ps.read_groups(path), live)
-    ps.load_state(template, path)
+    merged = ps.merge_groups(base.param_groups, ps.read_groups(path, reader), live)
+    ps.load_state(template, path, reader=reader)
     ds.module.load_state_dict({k: model[k] for k in buffers}, strict=False)
     for _, flat, group_names in members:
         step = ps.single_step(state, group_names)

@@ -62,7 +62,7 @@ def unfused_state(ds) -> dict:
 
 
 def load_unfused(ds, path: Path) -> None:
-    names, base = master_names(ds), ds.optimizer.optimizer
+    names, base, reader = master_names(ds), ds.optimizer.optimizer, ps.open_state(path)
     ps.init_optimizer_state(base)
     masters = [m for group in ds.optimizer.fp32_groups for m in group]
     frozen = _frozen(ds, set(names.values()))
@@ -71,8 +71,8 @@ def load_unfused(ds, path: Path) -> None:
                     **{n: torch.empty(p.shape) for n, p in frozen.items()},
                     **{k: torch.empty_like(v) for k, v in ps.buffers(ds.module).items()}}),
                 "optim": {"state": ps.optim_by_name(base, names)["state"],
-                          "param_groups": ps.groups_template(path)}}
-    ps.load_state(template, path)
+                          "param_groups": ps.groups_template(path, reader)}}
+    ps.load_state(template, path, reader=reader)
     for m in masters:
         m.data.copy_(template["model"][names[id(m)]])
     for n, p in frozen.items():

@@ -28,8 +28,7 @@ from parallel.checkpoint.directory import resolve, verify_checkpoint
 from parallel.checkpoint.importers import CheckpointImportError
 from parallel.checkpoint.safe import child_name
 from parallel.checkpoint.portable import (
-    STATE_DIR,
-    SafeReader,
+    open_state,
     read_groups,
     read_tensors,
     tensor_shapes,
@@ -42,8 +41,8 @@ def write_universal(src: str | Path, out: str | Path) -> Path:
     """Export `src` (a checkpoint, or a directory with `latest`) into `out`; returns the tag dir."""
     path, out = resolve(src), Path(out)
     manifest = verify_checkpoint(path)
-    shapes, groups = tensor_shapes(path), read_groups(path)
-    reader = SafeReader(str(path / STATE_DIR))
+    reader = open_state(path)
+    shapes, groups = tensor_shapes(path, reader=reader), read_groups(path, reader)
     trained = [name for group in groups for name in group["params"]]
     missing = [n for n in trained if f"model.{n}" not in shapes]
     if missing:

@@ -95,6 +95,25 @@ class _TorchFSDP(ModuleStateTensors, Engine):
     def _load_model_optim(self, path: Path, manifest: dict) -> None:
         read_model_optim(path, self.model, self.optimizer)
 
+    def native_checkpoint(self):
+        """(save, load) as torchtitan's checkpointer does it: torch DCP of get_state_dict's model
+        and optimizer state, no manifest, no digests (what `polyshard bench --save` compares with)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        def save(path: Path) -> None:
+            msd, osd = get_state_dict(self.model, self.optimizer)
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path))
+
+        def load(path: Path) -> None:
+            msd, osd = get_state_dict(self.model, self.optimizer)
+            state = {"model": msd, "optim": osd}
+            dcp.load(state, checkpoint_id=str(path))
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"])
+
+        return save, load
+
     def gather_model(self) -> dict:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,

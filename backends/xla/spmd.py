@@ -12,6 +12,7 @@ from parallel.checkpoint.portable import (
     clean_name,
     groups_template,
     load_state,
+    open_state,
     optim_by_name,
     optim_for_torch,
     save_state,
@@ -120,11 +121,11 @@ class XlaSpmdEngine(_Xla):
         # DCP loads into existing tensors: a fresh optimizer has no state yet (measured: "Missing
         # key in checkpoint state_dict: optim."), so create it with a zero-lr step first.
         _init_optim_state(self.optimizer)
-        names, own = self._names(), self.model.state_dict()
+        names, own, reader = self._names(), self.model.state_dict(), open_state(path)
         osd = optim_by_name(self.optimizer, names)
         template = {"model": {clean_name(k): v for k, v in own.items()},
-                    "optim": {"state": osd["state"], "param_groups": groups_template(path)}}
-        load_state(template, path, planner=SPMDLoadPlanner())
+                    "optim": {"state": osd["state"], "param_groups": groups_template(path, reader)}}
+        load_state(template, path, planner=SPMDLoadPlanner(), reader=reader)
         self.model.load_state_dict({k: template["model"][clean_name(k)] for k in own})
         self.optimizer.load_state_dict(optim_for_torch(
             self.optimizer, template["optim"]["state"], template["optim"]["param_groups"], names))

@@ -15,6 +15,7 @@ from parallel.checkpoint.portable import (
     hyperparams,
     init_optimizer_state,
     load_state,
+    open_state,
     merge_groups,
     read_groups,
     save_state,
@@ -123,7 +124,8 @@ class XlaFsdpEngine(_Xla):
         layout = v1_layout(self.model)
         init_optimizer_state(self.optimizer)  # entries to fill; lr 0 leaves the weights as they are
         xm.mark_step()
-        merged = merge_groups(self.optimizer.param_groups, read_groups(path),
+        reader = open_state(path)
+        merged = merge_groups(self.optimizer.param_groups, read_groups(path, reader),
                               self._group_names(layout))  # before anything is read
         model, state, hosts = {}, {}, []
         for p, members in layout:
@@ -141,8 +143,8 @@ class XlaFsdpEngine(_Xla):
             hosts.append((p, members, host, entries))
         template = {"model": self._aliased({**model, **{
                         k: torch.empty_like(v) for k, v in buffers(self.model).items()}}),
-                    "optim": {"state": state, "param_groups": groups_template(path)}}
-        loaded = load_state(template, path)["model"]
+                    "optim": {"state": state, "param_groups": groups_template(path, reader)}}
+        loaded = load_state(template, path, reader=reader)["model"]
         order = {id(q): i for i, q in enumerate(q for g in self.optimizer.param_groups
                                                 for q in g["params"])}
         per_shard = {}

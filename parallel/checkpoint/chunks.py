@@ -5,7 +5,10 @@ chunks of the full tensor: no rank ever holds the whole tensor (docs/checkpoint-
 A range [start, start + n) of a row-major tensor is a union of at most 2(d-1)+1 rectangular blocks
 (for a matrix: a partial first row, whole rows, a partial last row). `FlatRange` presents those
 blocks to DCP through DCP's `_Checkpointable` hooks (the ones DTensor implements), each block a view
-of the rank's own storage: DCP copies one block at a time on save, and reads into the views on load.
+of the rank's own storage with a storage of its own size (exact_view): DCP writes it as it is, and
+reads into it on load. A plain view would be cloned by DCP's writer, and the clones of a whole save
+stayed alive until it ended (measured: views of a 200 MB flat tensor cost 200 MB during dcp.save,
+plain tensors nothing; a ZeRO-2 rank's save held 0.45 of the whole model + optimizer state).
 """
 
 from __future__ import annotations
@@ -45,6 +48,19 @@ def blocks(shape: tuple[int, ...], start: int, numel: int) -> list[tuple[tuple, 
     return out
 
 
+def exact_view(view: torch.Tensor) -> torch.Tensor:
+    """The same memory as the contiguous `view`, as a tensor whose storage is exactly its own
+    elements (a slice of the storage shares it): DCP's writer clones any tensor whose storage is
+    larger than itself, this one it writes in place."""
+    if not view.is_contiguous() or view.untyped_storage().nbytes() == view.numel() * view.element_size():
+        return view
+    size = view.element_size()
+    start = view.storage_offset() * size
+    storage = view.untyped_storage()[start:start + view.numel() * size]
+    return torch.empty(0, dtype=view.dtype, device=view.device).set_(storage, 0, view.shape,
+                                                                      view.stride())
+
+
 class FlatRange:
     """`data` (1-D, this rank's storage) holds elements [start, start + data.numel()) of the
     flattened tensor of full `shape`. Save and load it with DCP like a DTensor shard."""
@@ -52,7 +68,7 @@ class FlatRange:
     def __init__(self, data: torch.Tensor, start: int, shape):
         self.data, self.start, self.shape = data, start, torch.Size(shape)
         self._blocks = blocks(tuple(self.shape), start, data.numel())
-        self._views = {off: data[at:at + math.prod(size)].view(size)
+        self._views = {off: exact_view(data[at:at + math.prod(size)].view(size))
                        for off, size, at in self._blocks}
 
     def size(self) -> torch.Size:  # DCP's load planner compares it with the stored global shape

@@ -12,7 +12,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from parallel.checkpoint.portable import groups_template, load_state, merge_groups, save_state
+from parallel.checkpoint.portable import (
+    groups_template,
+    load_state,
+    merge_groups,
+    open_state,
+    save_state,
+)
 
 
 def write_model_optim(tmp: Path, model, optimizer, sharded: bool, rank: int,
@@ -34,8 +40,10 @@ def read_model_optim(path: Path, model, optimizer) -> None:
     # The templates come from this run's own sharding: DCP reshards into them, whatever world size
     # or backend wrote the files. get_state_dict also creates optimizer state that does not exist yet.
     msd, osd = get_state_dict(model, optimizer)
-    template = {"model": msd, "optim": {"state": osd["state"], "param_groups": groups_template(path)}}
-    load_state(template, path)
+    reader = open_state(path)
+    template = {"model": msd, "optim": {"state": osd["state"],
+                                        "param_groups": groups_template(path, reader)}}
+    load_state(template, path, reader=reader)
     groups = merge_groups(osd["param_groups"], template["optim"]["param_groups"],
                           [g["params"] for g in osd["param_groups"]])
     set_state_dict(model, optimizer, model_state_dict=template["model"],

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from parallel.checkpoint.directory import resolve, verify_checkpoint
-from parallel.checkpoint.portable import SafeReader, read_tensors, tensor_shapes
+from parallel.checkpoint.portable import open_state, read_tensors, tensor_shapes
 
 MAX_SHARD_BYTES = 5_000_000_000  # save_pretrained's default max_shard_size, "5GB"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -99,7 +99,7 @@ def export_peft(path: str | Path, out: str | Path, adapter: str | None = None) -
     picked = get_peft_model_state_dict(model, state_dict=full, adapter_name=name)
     source = {id(t): n for n, t in full.items()}
     wanted = {f"model.{source[id(t)]}": (tuple(t.shape), t.dtype) for t in picked.values()}
-    read = read_tensors(path, wanted, SafeReader(str(path / "state")))
+    read = read_tensors(path, wanted, open_state(path))
     tensors = {key: read[f"model.{source[id(t)]}"].contiguous() for key, t in picked.items()}
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
@@ -111,7 +111,8 @@ Weights = list[tuple[str, tuple[int, ...], Callable[[], torch.Tensor]]]  # HF na
 
 
 def _plain_weights(path: Path, cfg: dict) -> Weights:
-    shapes, reader = tensor_shapes(path, "model."), SafeReader(str(path / "state"))
+    reader = open_state(path)
+    shapes = tensor_shapes(path, "model.", reader)
     tied = cfg.get("tie_word_embeddings") and "lm_head.weight" in shapes
     return [(name, tuple(shape), _reading(path, f"model.{name}", shape, dt, reader))
             for name, (shape, dt) in shapes.items() if not (tied and name == "lm_head.weight")]
@@ -124,7 +125,8 @@ def _reading(path: Path, key: str, shape, dtype, reader) -> Callable[[], torch.T
 def _merged_weights(path: Path, cfg: dict, peft_cfg: dict) -> Weights:
     """The base model's weights with each LoRA layer merged (peft's merge, one layer at a time)."""
     model, _ = _meta_peft_model(cfg, peft_cfg, peft_cfg["active"])
-    shapes, reader = tensor_shapes(path, "model."), SafeReader(str(path / "state"))
+    reader = open_state(path)
+    shapes = tensor_shapes(path, "model.", reader)
     out: Weights = []
     tied = cfg.get("tie_word_embeddings")
     for name, (shape, dt) in shapes.items():

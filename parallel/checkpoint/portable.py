@@ -131,20 +131,28 @@ class RecordingWriter(dcp.FileSystemWriter):
         record_written(Path(self.path) / ".metadata")  # the coordinator's, once per save
 
 
-def load_state(template: dict, path: Path, planner=None, collective: bool = True) -> dict:
+def open_state(path: Path) -> SafeReader:
+    """One reader of path/state for a whole load: DCP's index (O(keys x writers): hundreds of MB
+    for a 70B model written by a thousand ranks) is parsed once, however many reads use it."""
+    return SafeReader(str(path / STATE_DIR))
+
+
+def load_state(template: dict, path: Path, planner=None, collective: bool = True,
+               reader: SafeReader | None = None) -> dict:
     """Fill `template` (this run's layout: DTensors, shards or whole tensors) from path/state.
     Strict both ways within the sections asked for ("model", "optim"): DCP itself refuses a template
     key the checkpoint lacks; a stored entry the template does not ask for would be silently
     dropped, so it is refused here."""
+    reader = reader or open_state(path)
     sections = tuple(f"{name}." if name == "model" else "optim.state." for name in template)
-    unread = {k for k in stored_keys(path) if k.startswith(sections)}
+    unread = {k for k in stored_keys(path, reader) if k.startswith(sections)}
     unread -= set(flatten_state_dict(template)[0])
     if unread:
         raise PortableStateError(
             f"{path / STATE_DIR}: holds {len(unread)} entries this run has no place for (e.g. "
             f"{sorted(unread)[:3]}); it was written for another model or optimizer")
     try:
-        _dcp_load(template, SafeReader(str(path / STATE_DIR)), planner or RangeLoadPlanner(),
+        _dcp_load(template, reader, planner or RangeLoadPlanner(),
                   no_dist=not (collective and dist.is_initialized()))
     except FileError:
         raise
@@ -170,20 +178,21 @@ def _explain_load_failure(path: Path, template: dict, err: Exception) -> str:
     return f"{path / STATE_DIR}: {type(err).__name__}: {err}"
 
 
-def groups_template(path: Path) -> None:
+def groups_template(path: Path, reader: SafeReader | None = None) -> None:
     """Placeholder for the stored param_groups, read whole: which hyper-parameters a group holds
     depends on the optimizer that wrote it, not on this run's."""
-    if "optim.param_groups" not in stored_keys(path):
+    if "optim.param_groups" not in stored_keys(path, reader):
         raise PortableStateError(f"{path / STATE_DIR}: no optimizer state (optim.param_groups); "
                                  "load it with weights only, or resume from a training checkpoint")
     return None
 
 
-def read_groups(path: Path) -> list[dict]:
+def read_groups(path: Path, reader: SafeReader | None = None) -> list[dict]:
     """The stored param_groups alone (a small object; every rank reads it, no collective)."""
-    groups_template(path)
+    reader = reader or open_state(path)
+    groups_template(path, reader)
     template = {"optim": {"param_groups": None}}
-    _dcp_load(template, SafeReader(str(path / STATE_DIR)))
+    _dcp_load(template, reader)
     return list(template["optim"]["param_groups"])
 
 
@@ -208,17 +217,18 @@ def merge_groups(live: list[dict], stored: list[dict], names: list[list[str]]) -
             for group, saved in zip(live, stored)]
 
 
-def metadata(path: Path):
-    return SafeReader(str(path / STATE_DIR)).read_metadata()
+def metadata(path: Path, reader: SafeReader | None = None):
+    return (reader or open_state(path)).read_metadata()
 
 
-def stored_keys(path: Path) -> set[str]:
-    return set(metadata(path).state_dict_metadata)
+def stored_keys(path: Path, reader: SafeReader | None = None) -> set[str]:
+    return set(metadata(path, reader).state_dict_metadata)
 
 
-def tensor_shapes(path: Path, prefix: str = "") -> dict[str, tuple[list[int], torch.dtype]]:
+def tensor_shapes(path: Path, prefix: str = "", reader: SafeReader | None = None
+                  ) -> dict[str, tuple[list[int], torch.dtype]]:
     """Global shape and dtype of every stored tensor whose key starts with `prefix`."""
-    md = metadata(path).state_dict_metadata
+    md = metadata(path, reader).state_dict_metadata
     return {k[len(prefix):]: (list(v.size), v.properties.dtype) for k, v in md.items()
             if isinstance(v, TensorStorageMetadata) and k.startswith(prefix)}
 
@@ -226,9 +236,10 @@ def tensor_shapes(path: Path, prefix: str = "") -> dict[str, tuple[list[int], to
 def read_model(path: Path) -> dict[str, torch.Tensor]:
     """The whole model state as plain CPU tensors, in this process only (no collectives): for
     export, inspection and tests."""
-    template = {"model": {name: torch.empty(shape, dtype=dtype)
-                          for name, (shape, dtype) in tensor_shapes(path, "model.").items()}}
-    return load_state(template, path, collective=False)["model"]
+    reader = open_state(path)
+    template = {"model": {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype)
+                          in tensor_shapes(path, "model.", reader).items()}}
+    return load_state(template, path, collective=False, reader=reader)["model"]
 
 
 def read_tensors(path: Path, wanted: dict[str, tuple], reader=None) -> dict[str, torch.Tensor]:
@@ -240,7 +251,7 @@ def read_tensors(path: Path, wanted: dict[str, tuple], reader=None) -> dict[str,
     for key, (shape, dtype) in wanted.items():
         head, _, rest = key.partition(".")
         template.setdefault(head, {})[rest] = torch.empty(shape, dtype=dtype)
-    _dcp_load(template, reader or SafeReader(str(path / STATE_DIR)))
+    _dcp_load(template, reader or open_state(path))
     return {key: template[key.partition(".")[0]][key.partition(".")[2]] for key in wanted}
 
 

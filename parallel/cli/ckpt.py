@@ -20,7 +20,7 @@ def add_parser(sub) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     actions = p.add_subparsers(dest="action", required=True)
     for name, text in (("inspect", "summary of a checkpoint (verified first)"),
-                       ("verify", "check every file's size and sha256; exit 1 on corruption")):
+                       ("verify", "check every file's size and digest; exit 1 on corruption")):
         a = actions.add_parser(name, help=text, description=text)
         a.add_argument("path", help="checkpoint directory, or a directory holding `latest`")
     a = actions.add_parser("import", help="convert a native checkpoint into polyshard's format",
@@ -80,7 +80,7 @@ def run(args) -> int:
                 print(f"exported {checkpoint_writer(args.to)(args.path, args.out)}")
             return 0
         path = resolve(args.path)
-        manifest = verify_checkpoint(path)  # sizes and sha256 of every file
+        manifest = verify_checkpoint(path)  # sizes and digests of every file
     except (FileError, SpecError) as err:  # a file that is not what it claims: unsafe, malformed
         print(f"ckpt {args.action}: {err}", file=sys.stderr)
         return 2
@@ -119,10 +119,11 @@ def _inspect(path, manifest) -> None:
         table.add_row(name, str(tuple(shape)), str(dtype).replace("torch.", ""), ", ".join(entries))
     console.print(table)
     files = Table(title="files")
-    for column in ("file", "bytes", "sha256"):
+    for column in ("file", "bytes", "digest"):
         files.add_column(column)
     for name, info in manifest["files"].items():
-        files.add_row(name, f"{info['size']:,}", info["sha256"][:16])
+        kind = "xxh3_128" if "xxh3_128" in info else "sha256"
+        files.add_row(name, f"{info['size']:,}", f"{kind} {info[kind][:16]}")
     console.print(files)
 
 

@@ -385,6 +385,11 @@ class Engine(CheckpointMixin, PreemptionMixin, CompileMixin, ABC):
         if self._agreed is not None:
             self._agreed.at(self.step)
 
+    def native_checkpoint(self):
+        """(save(path), load(path)) of this backend's own checkpointing, as its docs write it, for
+        `polyshard bench --save` to compare with; None where there is none to compare."""
+        return None
+
     def close(self) -> None:
         self._check_finite(wait=True)  # a deferred non-finite loss is never silently dropped
         self._saver.wait()  # an async save in flight is published (or its error raised) first

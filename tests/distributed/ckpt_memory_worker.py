@@ -15,14 +15,19 @@ import torch.distributed as dist
 from parallel import create_engine, load_spec
 from parallel.toy import build_llama, llama_config
 
-PAGE = os.sysconf("SC_PAGE_SIZE")
 SIZE = {"hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 8,
         "num_attention_heads": 4, "num_key_value_heads": 2}
 
 
 def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * PAGE
+    """Resident anonymous memory (RssAnon): what a save or load holds. Pages of a checkpoint file
+    mapped to hash it (parallel/checkpoint/directory.py) are page cache, counted as RssFile and
+    evictable at any time; the whole resident set would count them."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no RssAnon in /proc/self/status")
 
 
 class Peak:
@@ -67,9 +72,11 @@ def main():
     dist.barrier()
     with Peak() as load:
         engine.load(Path(a.dir))
-    after = engine.train_step({"input_ids": mine, "labels": mine}).loss
+    with Peak() as step:  # what a training step itself needs beyond the state (DeepSpeed's gathers)
+        after = engine.train_step({"input_ids": mine, "labels": mine}).loss
     figures = [None] * engine.world_size
-    dist.all_gather_object(figures, {"rank": engine.rank, "save": save.extra, "load": load.extra})
+    dist.all_gather_object(figures, {"rank": engine.rank, "save": save.extra, "load": load.extra,
+                                     "step": step.extra})
     if engine.is_main:
         Path(a.out).write_text(json.dumps({"params": params, "ranks": figures,
                                            "losses": [before, after], "world": engine.world_size}))

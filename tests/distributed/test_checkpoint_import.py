@@ -148,7 +148,7 @@ def test_truncated_and_flipped_files_are_refused_by_verify_and_load(imported):
     rows = [{"fault": "manifest deleted", "backend": "ckpt verify / load",
              "outcome": out.stderr.strip().splitlines()[-1][:120]}]
     for name, file, check in (("truncated", "state/__0_0.distcp", "size"),
-                              ("flipped", "trainer.pt", "sha256 mismatch")):
+                              ("flipped", "trainer.pt", "xxh3_128 mismatch")):
         out = polyshard("ckpt", "verify", tmp / "bad" / f"{name}-adamw")
         assert out.returncode == 1 and file.split("/")[-1] in out.stderr and check in out.stderr, (
             out.stderr)

@@ -1,8 +1,9 @@
-"""A rank's extra host memory while saving and loading is a fraction of the model + optimizer state
-that falls with the world size (issue #16): ZeRO-1/2/3 write and read, in place, only the ranges of
-each parameter their partition holds (backends/deepspeed/fragments.py). Measured by sampling each
-rank's resident set every millisecond around `save` and `load` of a ~24M-parameter Llama with AdamW
-(model + optimizer state: 12 bytes per parameter, 282 MB)."""
+"""A rank's extra host memory while saving and loading is a small fraction of the model + optimizer
+state (issues #16, #27): ZeRO-1/2/3 write and read, in place, only the ranges of each parameter their
+partition holds (backends/deepspeed/fragments.py), handed to DCP as tensors it writes without a copy
+(parallel/checkpoint/chunks.py exact_view). Measured by sampling each rank's resident anonymous
+memory every millisecond around `save` and `load` of a ~24M-parameter Llama with AdamW (model +
+optimizer state: 12 bytes per parameter, 282 MB)."""
 
 import json
 
@@ -14,7 +15,12 @@ pytestmark = pytest.mark.distributed
 
 WORKER = ROOT / "tests" / "distributed" / "ckpt_memory_worker.py"
 STAGES = {"zero1": "optimizer", "zero2": "grad_op", "zero3": "full"}
-BOUND = 0.5  # of the whole model + optimizer state; gathering whole tensors needs >= 1
+BOUND = 0.15  # of the whole model + optimizer state; gathering whole tensors needs >= 1
+# ZeRO-1/2 load ends with DeepSpeed's all-gather of the fp32 masters into the (replicated) model
+# weights, the one every optimizer step runs: gloo's all_gather_into_tensor allocates a temporary the
+# size of its output (measured: 200 MB extra for a 200 MB output; NCCL gathers in place), here the
+# fp32 model, 4 of the 12 bytes per parameter
+GLOO_GATHER = 4 / 12
 
 
 def measure(tmp, shard: str, world: int) -> dict:
@@ -36,14 +42,15 @@ def test_zero_checkpoints_hold_a_fraction_of_the_state_that_falls_with_n(tmp_pat
             whole = 12 * got["params"]
             worst = {k: max(r[k] for r in got["ranks"]) / whole for k in ("save", "load")}
             fractions[name, world] = worst
+            step = max(r["step"] for r in got["ranks"]) / whole
             rows.append({"backend": name, "ranks": world, "whole model + AdamW MB": round(whole / 1e6),
-                         "save: peak extra per rank": f"{worst['save']:.2f}",
-                         "load: peak extra per rank": f"{worst['load']:.2f}"})
+                         "save: peak extra per rank": f"{worst['save']:.3f}",
+                         "load: peak extra per rank": f"{worst['load']:.3f}",
+                         "a training step's own peak": f"{step:.2f}"})
     record("checkpoint-memory", {"summary": "peak extra host memory of the worst rank during save "
                                  "and load, as a fraction of the whole model + optimizer state",
                                  "rows": rows})
     for (name, world), worst in fractions.items():
-        assert max(worst.values()) <= BOUND, (name, world, worst)
-    for name in STAGES:  # O(model / N): four ranks need less than two
-        assert fractions[name, 4]["save"] < fractions[name, 2]["save"] or \
-            fractions[name, 4]["save"] < 0.1, (name, fractions)
+        assert worst["save"] <= BOUND, (name, world, worst)
+        gathered = GLOO_GATHER if name in ("zero1", "zero2") else 0.0
+        assert worst["load"] <= BOUND + gathered, (name, world, worst)

@@ -78,7 +78,7 @@ def test_ckpt_verify_and_inspect(tmp_path, capsys):
     assert "a.bin" in out and "step 3" in out and "ok: 1 files, 3 bytes verified" in out
     (ckpt / "a.bin").write_bytes(b"abd")  # one flipped byte
     assert main(["ckpt", "verify", str(ckpt)]) == 1
-    assert "a.bin: sha256 mismatch" in capsys.readouterr().err
+    assert "a.bin: xxh3_128 mismatch" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", ["validate", "explain", "launch", "schema", "ckpt", "parity",

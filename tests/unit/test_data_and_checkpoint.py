@@ -80,7 +80,7 @@ def test_checkpoint_is_verified_and_corruption_is_named(tmp_path):
     with pytest.raises(CheckpointError, match=r"data.bin: size 999 bytes, the checkpoint says 1000"):
         verify_checkpoint(ckpt)
     data.write_bytes(b"x" * 999 + b"y")
-    with pytest.raises(CheckpointError, match=r"data.bin: sha256 mismatch"):
+    with pytest.raises(CheckpointError, match=r"data.bin: xxh3_128 mismatch"):
         verify_checkpoint(ckpt)
     data.unlink()
     with pytest.raises(CheckpointError, match="listed in the checkpoint's hashes but missing"):

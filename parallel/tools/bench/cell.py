@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -140,28 +141,51 @@ def main() -> None:
 
 
 def save_times(engine, root: Path) -> dict:
-    """Seconds `save` blocks the training loop: synchronous, and with checkpoint.async_save (then
-    also until published). Best of two each, after one untimed save of each kind. Each checkpoint
-    is removed once timed: six copies of a large model's state would fill the disk."""
-    def timed(i: int, background: bool) -> tuple[float, float]:
-        path = root / f"{'async' if background else 'sync'}-{i}"
+    """Seconds `save` blocks the training loop (synchronous, and with checkpoint.async_save), and
+    seconds `load` takes, verification included; beside them the backend's own checkpointing as its
+    docs write it (engine.native_checkpoint: DCP of get_state_dict, DeepSpeed's save_checkpoint) on
+    the same state in the same processes, alternating with polyshard's. Medians of five after one
+    untimed round of each; each checkpoint is removed once timed."""
+    native = engine.native_checkpoint()
+
+    def timed(action) -> float:
         dist.barrier()
         start = time.perf_counter()
-        engine.save(path, async_save=background)
-        blocking = time.perf_counter() - start
+        action()
         engine.wait_for_save()
-        total = time.perf_counter() - start
-        dist.barrier()  # every rank's files are written before one rank removes them
+        dist.barrier()
+        return time.perf_counter() - start
+
+    def drop(path: Path) -> None:
+        dist.barrier()  # every rank is done with the files before one rank removes them
         if engine.is_main:
             shutil.rmtree(path, ignore_errors=True)
-        return blocking, total
 
-    timed(0, False)  # warm: the first save builds DCP's plans and caches
-    out = {"sync_s": min(timed(i, False)[0] for i in (1, 2))}
-    if engine.background_save:
-        timed(0, True)  # warm: the first async save also creates its process group
-        runs = [timed(i, True) for i in (1, 2)]
-        out.update(async_blocking_s=min(r[0] for r in runs), async_total_s=min(r[1] for r in runs))
+    from parallel.engine.checkpointing import paused_gc
+
+    rounds: dict[str, list[float]] = {}
+    for i in range(6):  # round 0 warms DCP's plans and caches, and async save's process group
+        ours, theirs = root / f"ours-{i}", root / f"native-{i}"
+        times = {"sync_s": timed(lambda: engine.save(ours, async_save=False)),
+                 "load_s": timed(lambda: engine.load(ours))}
+        if native:  # with the collector paused as polyshard's save and load pause it (torchtitan
+            with paused_gc():  # runs with it off): a collection landing inside would time Python
+                times["native_save_s"] = timed(lambda: native[0](theirs))
+                times["native_load_s"] = timed(lambda: native[1](theirs))
+        drop(ours)
+        drop(theirs)
+        if engine.background_save:
+            start = time.perf_counter()
+            engine.save(root / f"async-{i}", async_save=True)
+            times["async_blocking_s"] = time.perf_counter() - start
+            times["async_total_s"] = timed(lambda: None) + times["async_blocking_s"]
+            drop(root / f"async-{i}")
+        for key, value in times.items():
+            rounds.setdefault(key, []).append(value)
+    out = {key: statistics.median(values[1:]) for key, values in rounds.items()}
+    if native:
+        out["save_vs_native"] = out["sync_s"] / out["native_save_s"]
+        out["load_vs_native"] = out["load_s"] / out["native_load_s"]
     return out
 
 

@@ -156,11 +156,15 @@ def done_line(r: dict) -> str:
 
 
 def save_text(saves: dict) -> str:
-    """'0.30 s sync / 0.03 s async (10.6x)' from cell.save_times."""
-    text = f"{saves['sync_s']:.2f} s sync"
+    """'save 0.30 s (1.02x native) / load 0.21 s (1.05x) / async 0.03 s' from cell.save_times."""
+    text = f"save {saves['sync_s']:.2f} s"
+    if "save_vs_native" in saves:
+        text += f" ({saves['save_vs_native']:.2f}x native)"
+    if "load_s" in saves:
+        text += f" / load {saves['load_s']:.2f} s" + (
+            f" ({saves['load_vs_native']:.2f}x)" if "load_vs_native" in saves else "")
     if "async_blocking_s" in saves:
-        text += (f" / {saves['async_blocking_s']:.2f} s async "
-                 f"({saves['sync_s'] / max(saves['async_blocking_s'], 1e-9):.1f}x)")
+        text += f" / async {saves['async_blocking_s']:.2f} s"
     return text
 
 
@@ -198,11 +202,12 @@ def write_csv(results: dict, path: Path) -> None:
         w = csv.writer(f)
         w.writerow(["cell", *CSV_KEYS, "all_gather_B", "reduce_scatter_B", "all_reduce_B",
                     "native_median_s", "x_native", "x_native_p5", "x_native_p95", "native_loss_gap",
-                    "save_sync_s", "save_async_blocking_s", "save_async_total_s", "first_step_s",
+                    "save_sync_s", "save_async_blocking_s", "save_async_total_s", "load_s",
+                    "native_save_s", "native_load_s", "first_step_s",
                     "compile_s", "compiled_units", "graphs", "graph_breaks", "recompiles", "note"])
         for label, r in results.items():
             if "median_s" not in r:
-                w.writerow([label, *[""] * (len(CSV_KEYS) + 17), r.get("skipped") or "error"])
+                w.writerow([label, *[""] * (len(CSV_KEYS) + 20), r.get("skipped") or "error"])
                 continue
             c, native = r["comm_bytes_per_step"], r.get("native") or {}
             saves = (r.get("ranks") or [{}])[0].get("saves") or {}
@@ -210,7 +215,8 @@ def write_csv(results: dict, path: Path) -> None:
                         c["all_reduce"], native.get("median_s", ""),
                         *(native.get("paired") or ["", "", ""]),
                         "" if loss_gap(r) is None else loss_gap(r),
-                        *[saves.get(k, "") for k in ("sync_s", "async_blocking_s", "async_total_s")],
+                        *[saves.get(k, "") for k in ("sync_s", "async_blocking_s", "async_total_s",
+                                                     "load_s", "native_save_s", "native_load_s")],
                         r.get("first_step_s", ""),
                         *[(r.get("compile") or {}).get(k, "") for k in
                           ("compile_s", "compiled", "graphs", "breaks", "recompiles")],
