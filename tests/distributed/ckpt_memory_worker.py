@@ -4,7 +4,6 @@ every millisecond. Rank 0 writes every rank's figures to --out."""
 
 import argparse
 import json
-import os
 import threading
 import time
 from pathlib import Path
