@@ -30,6 +30,8 @@ def args(argv=None):
     p.add_argument("--flatten", action="store_true", help="XLA FSDP v1: flatten_parameters")
     p.add_argument("--count", action="store_true", help="count collectives, host reads and store "
                    "calls of every step after the warm-up (not timed)")
+    p.add_argument("--startup", action="store_true", help="stop after the first step and write the "
+                   "wall-clock time it ended at (start-up to the first step: bench --startup)")
     p.add_argument("--out", required=True)
     return p.parse_args(argv)
 
@@ -106,6 +108,11 @@ def run(a, step, rank: int, world: int):
         mine = ids[rank * rows:(rank + 1) * rows]
         with counting.step() if counting and i >= a.warmup else nullcontext():
             elapsed, value = timed(step, mine, world)
+        if a.startup:  # the first step has ended (its loss read back): that is start-up's end
+            if rank == 0:
+                with open(a.out, "w") as f:
+                    json.dump({"first_step_end": time.time()}, f)
+            return
         if i >= a.warmup:
             times.append(elapsed)
         losses.append(value)

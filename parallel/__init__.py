@@ -1,18 +1,28 @@
 """polyshard: one training-strategy spec for torch FSDP, DeepSpeed ZeRO and PyTorch/XLA FSDP.
 
 Importing this package needs neither deepspeed nor torch_xla: backends load lazily through the registry.
-"""
+Its names load on first use, so a process that imports only `parallel.launch.agent` (torchrun's agent
+under `polyshard launch`) does not pay for pydantic and the spec (about 0.1 s of every launch)."""
 
-__version__ = "0.1.0"  # before the imports below: parallel.engine.base reads it
-
-from parallel.spec.model import Spec
-from parallel.spec.io import SpecError, dump_spec, load_spec
+__version__ = "0.1.0"
 
 __all__ = ["Spec", "SpecError", "dump_spec", "load_spec", "create_engine"]
 
 
-def create_engine(spec, **kwargs):
+def create_engine(spec):
     """Build the Engine for `spec.backend` (see parallel.registry)."""
     from parallel.registry import create_engine as _create
 
-    return _create(spec, **kwargs)
+    return _create(spec)
+
+
+def __getattr__(name: str):
+    if name == "Spec":
+        from parallel.spec.model import Spec
+
+        return Spec
+    if name in ("SpecError", "dump_spec", "load_spec"):
+        from parallel.spec import io
+
+        return getattr(io, name)
+    raise AttributeError(f"module 'parallel' has no attribute {name!r}")

@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "loop (benchmarks/) and report polyshard's step time over it")
     p.add_argument("--wide", action="store_true", help="every column (default: a table that fits "
                    "80 columns; bench.csv always has every column)")
+    p.add_argument("--startup", type=int, default=0, metavar="PAIRS", help="also time start-up to the "
+                   "first step: `polyshard launch` of the spec's job against torchrun of the "
+                   "backend's hand-written loop, PAIRS alternating runs (median)")
     p.add_argument("--save", action="store_true", help="also time how long a sync and an async "
                    "save (checkpoint.async_save) of the trained state block training")
     p.add_argument("--profile", type=int, default=0, metavar="STEPS", help="with --vs-native: "
@@ -245,6 +248,15 @@ def _bench(args) -> int:
                     say=lambda line: console.print(line, highlight=False), vs_native=args.vs_native,
                     profile=args.profile, save=args.save)
     render(results, Path(args.out), wide=args.wide)
+    if args.startup:
+        from parallel.tools.bench.startup import measure_startup
+
+        got = measure_startup(spec, args.model, args.seq, pairs=args.startup)
+        (Path(args.out) / "startup.json").write_text(json.dumps(got, indent=1))
+        console.print(got.get("skipped") or (
+            f"start-up to the first step ({spec.backend}, {spec.world_size} rank(s), median of "
+            f"{got['pairs']} pairs): polyshard launch {got['polyshard_s']:.2f} s, torchrun "
+            f"{got['native']} {got['native_s']:.2f} s, {got['ratio']:.3f}x"), highlight=False)
     return 0 if all("error" not in r for r in results.values()) else 1
 
 
