@@ -257,8 +257,12 @@ class DeepSpeedEngine(Engine):
             return unfused_state(self.ds)["model"]
         return {ps.clean_name(k): v.detach().cpu() for k, v in self.ds.module.state_dict().items()}
 
-
     def close(self) -> None:
+        # ZeRO-3 prefetches the next parameters after each forward (generate's last one included):
+        # those all-gathers are waited on and released here, while the process group lives, not
+        # left to interpreter teardown (gloo work freed there aborts the process: seen once in CI)
+        if getattr(self, "ds", None) is not None and self.spec.shard == "full":
+            self.ds.empty_partition_cache()
         super().close()
         if self._hf_zero3 is not None:  # transformers no longer sees ZeRO-3 once the job is done
             from transformers.integrations.deepspeed import unset_hf_deepspeed_config

@@ -22,7 +22,7 @@ def model_states(spec, shapes, n: int, low: int, opt: int) -> tuple[float, float
     return low * (part if stage == 3 else psi), low * part, (4 + opt) * part
 
 
-def comm(spec, psi: float) -> float:
+def comm(spec, psi: float, output_share: float = 0.0) -> float:
     stage = STAGES[spec.shard]
     zero = translate(spec)["config"]["zero_optimization"]
     if stage in (1, 2):

@@ -38,12 +38,25 @@ def edge_units(model: nn.Module, units: list[tuple[str, nn.Module]]) -> list[tup
     tied = head is not None and getattr(head, "weight", None) is getattr(embed, "weight", 0)
     if tied:
         group = [m for m in (embed, norm, head) if free(m)]
-        return [(group, False)] if embed in group and head in group else []
-    out = [([embed], True)] if free(embed) else []
+        ok = embed in group and head in group and not _aliased_outside(model, group)
+        return [(group, False)] if ok else []
+    out = [([embed], True)] if free(embed) and not _aliased_outside(model, [embed]) else []
     tail = [m for m in (norm, head) if free(m)]
-    if head is not None and head in tail:
+    if head is not None and head in tail and not _aliased_outside(model, tail):
         out.append((tail, False))
     return out
+
+
+def _aliased_outside(model: nn.Module, group: list[nn.Module]) -> bool:
+    """Does a module outside `group` hold one of its parameters under another name? fully_shard
+    replaces a parameter only on the modules below the one it shards, so such an alias would be left
+    pointing at the old tensor: the tie broken, a stale copy checkpointed under the other name (BERT's
+    `cls.predictions.bias` is `cls.predictions.decoder.bias`; T5's stacks hold `shared`). Such a
+    group is left to the root, which holds both names."""
+    inside = {id(m) for g in group for m in g.modules()}
+    mine = {id(p) for g in group for p in g.parameters()}
+    return any(id(p) in mine for m in model.modules() if id(m) not in inside
+               for p in m.parameters(recurse=False))
 
 
 def _final_norm(model: nn.Module) -> nn.Module | None:

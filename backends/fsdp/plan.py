@@ -18,7 +18,12 @@ def model_states(spec, shapes, n: int, low: int, opt: int) -> tuple[float, float
     return 4.0 * part, 4.0 * part, float(opt * part)
 
 
-def comm(spec, psi: float) -> float:
+def comm(spec, psi: float, output_share: float = 0.0) -> float:
     """NO_SHARD all-reduces (2 Psi), SHARD_GRAD_OP gathers once and reduce-scatters (2 Psi),
-    FULL_SHARD gathers again in backward (3 Psi); measured in tests/distributed/test_bench_plan.py."""
-    return 2.0 if spec.shard in ("none", "grad_op") else 3.0
+    FULL_SHARD gathers again in backward (3 Psi) -- except FSDP2's output unit (final norm and
+    output layer, backends/fsdp/layout.py), kept gathered from forward into backward unless
+    fsdp.reshard_output: 3 Psi less its share. Measured in tests/distributed/test_bench_plan.py."""
+    if spec.shard in ("none", "grad_op"):
+        return 2.0
+    kept = spec.fsdp.version == 2 and not spec.fsdp.reshard_output
+    return 3.0 - (output_share if kept else 0.0)

@@ -13,6 +13,6 @@ def model_states(spec, shapes, n: int, low: int, opt: int) -> tuple[float, float
     return 4.0 * part, 4.0 * part, float(opt * part)
 
 
-def comm(spec, psi: float) -> float:
+def comm(spec, psi: float, output_share: float = 0.0) -> float:
     """Predicted like torch FSDP; the collectives are compiled into the graph and not counted."""
     return 2.0 if spec.shard in ("none", "grad_op") else 3.0

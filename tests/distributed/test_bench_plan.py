@@ -85,14 +85,21 @@ def test_plan_predicts_the_measured_model_state_bytes(results):
 def test_counted_collective_bytes_match_the_formulas(results):
     from parallel.tools.plan import comm_volume
 
+    from parallel.toy import build_llama, llama_config
+
+    # FSDP2 keeps the output unit (final norm + lm_head) gathered from forward into backward
+    # (backends/fsdp/layout.py): FULL_SHARD is 3 Psi less that unit's share.
+    model = build_llama(llama_config("tiny"))
+    share = sum(p.numel() for p in (*model.model.norm.parameters(), *model.lm_head.parameters()))
+    share /= sum(p.numel() for p in model.parameters())
     default, textbook, _ = results
-    expected = {"fsdp/none/w2": 2, "fsdp/grad_op/w2": 2, "fsdp/full/w2": 3,
+    expected = {"fsdp/none/w2": 2, "fsdp/grad_op/w2": 2, "fsdp/full/w2": 3 - share,
                 "deepspeed/none/w2": 2}
     for label, value in expected.items():
-        assert math.isclose(volume(default[label]), value, rel_tol=0.03), (label, volume(default[label]))
+        assert math.isclose(volume(default[label]), value, rel_tol=0.01), (label, volume(default[label]))
         backend, shard, _ = label.split("/")
         assert comm_volume(load_spec({"backend": backend, "shard": shard,
-                                      "topology": {"procs_per_node": 2}})) == value
+                                      "topology": {"procs_per_node": 2}}), output_share=share) == value
     # The paper's ZeRO-1/2, asked for explicitly (use_multi_rank_bucket_allreduce: false): 2 Psi.
     assert math.isclose(volume(textbook["deepspeed/optimizer/w2"]), 2, rel_tol=0.03)
     # ZeRO-3 gathers each parameter once per step on this model even with stage3_max_reuse_distance

@@ -47,3 +47,17 @@ def test_a_plain_module_and_a_wrapped_embedding_add_no_unit():
     inside = [("model.embed_tokens", model.model.embed_tokens)]
     assert [m for group, _ in edge_units(model, inside) for m in group] == [model.model.norm,
                                                                           model.lm_head]
+
+
+def test_a_parameter_also_held_outside_the_unit_leaves_that_edge_to_the_root():
+    # BERT's cls.predictions.bias is cls.predictions.decoder.bias: sharding the decoder alone would
+    # leave the parent's name on the old tensor (a stale copy in every checkpoint and export).
+    with torch.device("meta"):
+        model = transformers.BertForMaskedLM(transformers.BertConfig(**SMALL))
+    assert model.cls.predictions.bias is model.cls.predictions.decoder.bias
+    bert = Wrap(policy="layer_classes", layer_classes=["BertLayer"])
+    assert edge_units(model, plan_wrap(model, bert)) == []
+    with torch.device("meta"):
+        untied = transformers.BertForMaskedLM(transformers.BertConfig(**SMALL, tie_word_embeddings=False))
+    groups = edge_units(untied, plan_wrap(untied, bert))
+    assert [m for group, _ in groups for m in group] == [untied.bert.embeddings.word_embeddings]
