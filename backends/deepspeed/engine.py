@@ -20,6 +20,7 @@ from backends.deepspeed.state import (
     zero_state,
 )
 from backends.deepspeed.translate import STAGES, fill_model_autos, translate
+from parallel.checkpoint.sink import Sink
 from parallel.checkpoint import portable as ps
 from parallel.checkpoint.dcp_state import read_model_optim, write_model_optim
 from parallel.engine.base import Engine
@@ -211,16 +212,16 @@ class DeepSpeedEngine(Engine):
     # Three layouts of fp32 master weights: flat partitions linked to each parameter (ZeRO-1/2/3,
     # the bf16 optimizer), one fp32 copy per parameter (FP16_UnfusedOptimizer, ZeRO-0 with bf16 or
     # fp16), or the parameters themselves (ZeRO-0 fp32, the client optimizer): one path each.
-    def _save_model_optim(self, tmp: Path) -> None:
+    def _save_model_optim(self, sink: Sink) -> None:
         if is_zero(self.optimizer) and self.spec.state_dict == "sharded":
             # each rank writes the ranges its partition holds, in place: O(model / N) per rank
-            ps.save_state(sharded_state(self.ds), tmp)
+            ps.save_state(sharded_state(self.ds), sink)
         elif is_zero(self.optimizer):  # full: rank 0 writes everything, gathered one at a time
-            ps.save_state(zero_state(self.ds, lambda i: self.is_main), tmp)
+            ps.save_state(zero_state(self.ds, lambda i: self.is_main), sink)
         elif master_names(self.ds):
-            ps.save_state(unfused_state(self.ds), tmp)  # replicated: DCP writes each entry once
+            ps.save_state(unfused_state(self.ds), sink)  # replicated: DCP writes each entry once
         else:
-            write_model_optim(tmp, self.ds.module, self.optimizer, self.spec.state_dict == "sharded",
+            write_model_optim(sink, self.ds.module, self.optimizer, self.spec.state_dict == "sharded",
                               self.rank, on_cpu=self.device.type == "cpu")
 
     def _load_model_optim(self, path: Path, manifest: dict) -> None:

@@ -14,6 +14,7 @@ from torch import nn
 
 from backends.fsdp.layout import edge_units
 from backends.fsdp.translate import translate
+from parallel.checkpoint.sink import Sink
 from parallel.checkpoint.dcp_state import read_model_optim, write_model_optim
 from parallel.engine.base import Engine
 from parallel.engine.step import OptimizerArg, clip_grad_norm, require_fp32
@@ -88,8 +89,8 @@ class _TorchFSDP(ModuleStateTensors, Engine):
     def _backward(self, share):
         (self.scaler.scale(share) if self.scaler is not None else share).backward()
 
-    def _save_model_optim(self, tmp: Path) -> None:
-        write_model_optim(tmp, self.model, self.optimizer, self.spec.state_dict == "sharded",
+    def _save_model_optim(self, sink: Sink) -> None:
+        write_model_optim(sink, self.model, self.optimizer, self.spec.state_dict == "sharded",
                           self.rank, on_cpu=self.device.type == "cpu")
 
     def _load_model_optim(self, path: Path, manifest: dict) -> None:

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from backends.xla.common import _Xla
+from parallel.checkpoint.sink import Sink
 from parallel.checkpoint.portable import (
     clean_name,
     groups_template,
@@ -102,17 +103,17 @@ class XlaSpmdEngine(_Xla):
     def _names(self) -> dict[int, str]:
         return {id(p): clean_name(n) for n, p in self.model.named_parameters()}
 
-    def _save_model_optim(self, tmp: Path) -> None:
+    def _save_model_optim(self, sink: Sink) -> None:
         from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner
 
         state = {"model": {clean_name(k): v for k, v in self.model.state_dict().items()},
                  "optim": optim_by_name(self.optimizer, self._names())}
         if self.spec.state_dict == "sharded":  # the SPMD planner writes each device's shards
-            save_state(state, tmp, planner=SPMDSavePlanner())
+            save_state(state, sink, planner=SPMDSavePlanner())
             return
         whole = _to_cpu(state)  # full: whole tensors (every process takes part), the first writes
         if self.is_main:
-            save_state(whole, tmp, collective=False)
+            save_state(whole, sink, collective=False)
 
     def _load_model_optim(self, path: Path, manifest: dict) -> None:
         from torch.distributed.checkpoint.state_dict import _init_optim_state

@@ -8,6 +8,7 @@ import torch
 
 from backends.xla.common import _Xla
 from backends.xla.layout import member_ranges, split_members, v1_layout
+from parallel.checkpoint.sink import Sink
 from parallel.checkpoint.portable import (
     buffers,
     clean_name,
@@ -53,11 +54,11 @@ class XlaFsdpEngine(_Xla):
         # XLA FSDP reduces the norm over the flat shards; inf means "report only".
         return self._finish_step(self.model.clip_grad_norm_(self.spec.grad_clip or float("inf")))
 
-    def _save_model_optim(self, tmp: Path) -> None:
+    def _save_model_optim(self, sink: Sink) -> None:
         import torch_xla.core.xla_model as xm
 
         if self.spec.state_dict == "full":  # rank 0 writes everything, gathered one at a time
-            return self._save_gathered(tmp)
+            return self._save_gathered(sink)
         # sharded: each rank writes the ranges of the original parameters its flat shards hold,
         # from host copies of its own shards (its part of the state: O(model / N)), no gather
         layout, model, state = v1_layout(self.model), {}, {}
@@ -77,13 +78,13 @@ class XlaFsdpEngine(_Xla):
         if self.is_main:
             model.update(buffers(self.model))
         save_state({"model": self._aliased(model), "optim": {
-            "state": state, "param_groups": self._groups(layout)}}, tmp)
+            "state": state, "param_groups": self._groups(layout)}}, sink)
 
     def _groups(self, layout) -> list[dict]:
         return [{**hyperparams(g), "params": names}
                 for g, names in zip(self.optimizer.param_groups, self._group_names(layout))]
 
-    def _save_gathered(self, tmp: Path) -> None:
+    def _save_gathered(self, sink: Sink) -> None:
         import torch_xla.core.xla_model as xm
 
         layout, model, state = v1_layout(self.model), {}, {}
@@ -101,7 +102,7 @@ class XlaFsdpEngine(_Xla):
         if self.is_main:
             model = self._aliased({**model, **buffers(self.model)})
         save_state({"model": model, "optim": {"state": state, "param_groups": self._groups(layout)}},
-                   tmp)
+                   sink)
 
     def gather_model(self) -> dict:
         import torch_xla.core.xla_model as xm

@@ -1,9 +1,9 @@
 """`checkpoint.async_save`: `save` returns once this rank's state is copied into host memory; a
 background thread writes, hashes and publishes it (docs/checkpoint-format.md, "Async save").
 
-Every write path goes through `portable.save_state`; inside `staging()` that call copies the state it
-is given (DTensor shards, ZeRO ranges, whole tensors: only what this rank holds, O(model / N)) and
-queues the write instead of doing it. The background thread runs the queued DCP writes and the
+Every write path goes through `portable.save_state` with the save's `Sink` (sink.py); a staged sink
+copies the state it is given (DTensor shards, ZeRO ranges, whole tensors: only what this rank holds,
+O(model / N)) and queues the write instead of doing it. The background thread runs the queued DCP writes and the
 checkpoint's collective steps (hash, barrier, manifest, rename, `latest`) over a process group of its
 own (gloo), so they never interleave with the training loop's collectives. `latest` moves only after
 every rank's files are durable: a crash while writing leaves it on the previous complete checkpoint.
@@ -14,20 +14,11 @@ from __future__ import annotations
 
 import copy
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
 from parallel.checkpoint.chunks import FlatRange
-
-_QUEUE: list | None = None  # while staging: (staged state, tmp, planner, collective) per save_state
-_POOL: PinnedPool | None = None  # while staging: where CUDA tensors are copied to
-
-
-def queue():
-    return _QUEUE
-
 
 class PinnedPool:
     """Page-locked host buffers for staging CUDA tensors, reused from one async save to the next.
@@ -66,34 +57,21 @@ class PinnedPool:
         self.buffers.clear()
 
 
-@contextmanager
-def staging(pool: PinnedPool | None = None):
-    """Within: `save_state` stages and queues instead of writing (CUDA tensors into `pool`'s pinned
-    buffers). Yields the queue; on exit every device-to-host copy has finished."""
-    global _QUEUE, _POOL
-    _QUEUE, _POOL = [], pool
-    try:
-        yield _QUEUE
-    finally:
-        if pool is not None:
-            pool.finish()
-        _QUEUE, _POOL = None, None
-
-
-def stage(obj):
+def stage(obj, pool: PinnedPool | None = None):
     """A copy of a state in host memory that no later training step can change: each rank's own
-    shards and ranges only, so the copy is as large as what the rank holds."""
+    shards and ranges only, so the copy is as large as what the rank holds. CUDA tensors go into
+    `pool`'s pinned buffers when one is given."""
     from torch.distributed._shard.sharded_tensor import ShardedTensor
     from torch.distributed.tensor import DTensor
 
     if isinstance(obj, dict):
-        return {k: stage(v) for k, v in obj.items()}
+        return {k: stage(v, pool) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(stage(v) for v in obj)
+        return type(obj)(stage(v, pool) for v in obj)
     if isinstance(obj, FlatRange):
-        return FlatRange(_host_copy(obj.data), obj.start, obj.shape)
+        return FlatRange(_host_copy(obj.data, pool), obj.start, obj.shape)
     if isinstance(obj, DTensor):
-        return DTensor.from_local(_host_copy(obj.to_local()), obj.device_mesh, obj.placements,
+        return DTensor.from_local(_host_copy(obj.to_local(), pool), obj.device_mesh, obj.placements,
                                   run_check=False, shape=obj.shape, stride=obj.stride())
     if isinstance(obj, ShardedTensor):
         from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
@@ -101,13 +79,13 @@ def stage(obj):
         target = _create_cpu_state_dict({"t": obj})
         return _copy_state_dict({"t": obj}, target)["t"]
     if isinstance(obj, torch.Tensor):
-        return _host_copy(obj)
+        return _host_copy(obj, pool)
     return copy.deepcopy(obj)
 
 
-def _host_copy(t: torch.Tensor) -> torch.Tensor:
-    if t.is_cuda and _POOL is not None:
-        return _POOL.copy(t)
+def _host_copy(t: torch.Tensor, pool: PinnedPool | None) -> torch.Tensor:
+    if t.is_cuda and pool is not None:
+        return pool.copy(t)
     return t.detach().to("cpu", copy=True)
 
 
@@ -136,7 +114,3 @@ class BackgroundSaver:
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.result()
-
-    @property
-    def busy(self) -> bool:
-        return self._pending is not None and not self._pending.done()

@@ -19,13 +19,14 @@ from parallel.checkpoint.portable import (
     open_state,
     save_state,
 )
+from parallel.checkpoint.sink import Sink
 
 
-def write_model_optim(tmp: Path, model, optimizer, sharded: bool, rank: int,
+def write_model_optim(sink: Sink, model, optimizer, sharded: bool, rank: int,
                       on_cpu: bool = False) -> None:
     if sharded:  # every rank writes its own shards (DTensor / ShardedTensor chunks)
         msd, osd = get_state_dict(model, optimizer)
-        save_state({"model": msd, "optim": osd}, tmp)
+        save_state({"model": msd, "optim": osd}, sink)
         return
     # Full: the state is gathered and rank 0 writes whole tensors. On accelerators it is gathered
     # onto rank 0's CPU only (cpu_offload). On a CPU device torch 2.9's FSDP1 segfaults in that path
@@ -33,7 +34,7 @@ def write_model_optim(tmp: Path, model, optimizer, sharded: bool, rank: int,
     options = StateDictOptions(full_state_dict=True, cpu_offload=not on_cpu)
     msd, osd = get_state_dict(model, optimizer, options=options)
     if rank == 0:
-        save_state({"model": msd, "optim": osd}, tmp, collective=False)
+        save_state({"model": msd, "optim": osd}, sink, collective=False)
 
 
 def read_model_optim(path: Path, model, optimizer) -> None:

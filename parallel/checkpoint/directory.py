@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 
+from parallel.checkpoint.sink import Sink
 from parallel.checkpoint.safe import (  # noqa: F401 - CheckpointError is imported from here too
     TABLE_LIMIT,
     CheckpointError,
@@ -41,29 +42,22 @@ MAX_WRITERS = 1 << 20  # ranks that may have written one checkpoint
 STEP_NAME = re.compile(r"step-\d+")  # the checkpoints maybe_save writes, and keep_last may remove  # format versions this polyshard loads (tests/unit/test_format_versions.py)
 MANIFEST = "manifest.json"
 HASHES = "hashes"
-WRITTEN: list[Path] = []  # files this process wrote into the checkpoint being written
-
-
-def record_written(*files) -> None:
-    """Every writer of a checkpoint file calls this: the file is hashed by the rank that wrote it."""
-    WRITTEN.extend(Path(f) for f in files)
-
 
 def _barrier(group=None) -> None:
     if dist.is_initialized():
         dist.barrier(group=group)
 
 
-def write_checkpoint(path: str | Path, rank: int, write: Callable[[Path], None], meta: dict,
+def write_checkpoint(path: str | Path, rank: int, write: Callable[[Sink], None], meta: dict,
                      writers: int | None = None) -> Path:
-    """Every rank calls this. `write(tmp)` writes the rank's files into a temporary directory; each
-    rank hashes and fsyncs what it wrote (in parallel: O(its files)); rank 0 then writes the manifest
-    and renames the directory into place, so `path` is either the old complete checkpoint or the new
-    complete one, never a mix. `writers`: the processes calling it (default: the process group)."""
-    tmp = begin_checkpoint(path, rank)
-    WRITTEN.clear()
-    write(tmp)
-    return finish_checkpoint(path, tmp, rank, meta, writers)
+    """Every rank calls this. `write(sink)` writes the rank's files into the sink's temporary
+    directory (`sink.tmp`), recording each; each rank hashes and fsyncs what it wrote (in parallel:
+    O(its files)); rank 0 then writes the manifest and renames the directory into place, so `path`
+    is either the old complete checkpoint or the new complete one, never a mix. `writers`: the
+    processes calling it (default: the process group)."""
+    sink = Sink(begin_checkpoint(path, rank))
+    write(sink)
+    return finish_checkpoint(path, sink, rank, meta, writers)
 
 
 def begin_checkpoint(path: str | Path, rank: int, group=None) -> Path:
@@ -111,18 +105,17 @@ def _remove_ours(tmp: Path) -> None:
         shutil.rmtree(tmp)
 
 
-def finish_checkpoint(path: str | Path, tmp: Path, rank: int, meta: dict, writers: int | None = None,
-                      group=None) -> Path:
-    """After this rank's files are written (and listed in WRITTEN): hash and fsync them, then rank 0
-    publishes the directory once every rank has (collective over `group`)."""
-    path = Path(path)
+def finish_checkpoint(path: str | Path, sink: Sink, rank: int, meta: dict,
+                      writers: int | None = None) -> Path:
+    """After this rank's files are written (and recorded in `sink`): hash and fsync them, then rank
+    0 publishes the directory once every rank has (collective over the sink's group)."""
+    path, tmp, group = Path(path), sink.tmp, sink.group
     if writers is None:
         writers = dist.get_world_size(group) if dist.is_initialized() else 1
-    own = {str(f.relative_to(tmp)): _describe(f) for f in sorted(set(WRITTEN))}
+    own = {str(f.relative_to(tmp)): _describe(f) for f in sorted(set(sink.written))}
     table = tmp / HASHES / f"rank{rank}.json"
     table.write_text(json.dumps(own, indent=0))
-    _fsync_files([*WRITTEN, table])
-    WRITTEN.clear()
+    _fsync_files([*sink.written, table])
     _barrier(group)  # every rank's files are durable and hashed before the manifest says complete
     if rank == 0:
         manifest = {"format_version": FORMAT_VERSION, "writer": "polyshard", **meta,
@@ -317,12 +310,6 @@ def publish(path: Path, keep_last: int | None, managed: Path | None = None) -> N
     ours.sort()
     for _, old in ours[:max(0, len(ours) + 1 - keep_last)]:
         shutil.rmtree(old)
-
-
-def save_rank_file(obj, tmp: Path, subdir: str, rank: int) -> None:
-    (tmp / subdir).mkdir(exist_ok=True)
-    torch.save(obj, tmp / subdir / f"rank{rank}.pt")
-    record_written(tmp / subdir / f"rank{rank}.pt")
 
 
 # What a hash table records of each file. xxh3-128 (xxhash, the non-cryptographic digest datasets and

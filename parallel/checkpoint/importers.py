@@ -13,11 +13,7 @@ from pathlib import Path
 
 import torch
 
-from parallel.checkpoint.directory import (
-    library_versions,
-    record_written,
-    write_checkpoint,
-)
+from parallel.checkpoint.directory import library_versions, write_checkpoint
 from parallel.checkpoint.portable import clean_name, hyperparams, save_state
 
 
@@ -35,10 +31,9 @@ def import_checkpoint(kind: str, src: str | Path, out: str | Path, step: int | N
         raise CheckpointImportError(f"{src}: a {kind} checkpoint records no step count; pass --step N (the "
                            "number of optimizer steps it was trained for)")
 
-    def write(tmp: Path) -> None:
-        save_state(state, tmp, collective=False)
-        torch.save({"step": step, "scheduler": None, "loaders": []}, tmp / "trainer.pt")
-        record_written(tmp / "trainer.pt")
+    def write(sink) -> None:
+        save_state(state, sink, collective=False)
+        sink.save_file("trainer.pt", {"step": step, "scheduler": None, "loaders": []})
 
     meta = {"backend": f"import:{kind}", "world_size": world, "step": step, "spec": None,
             "source": str(Path(src).resolve()), "versions": library_versions()}

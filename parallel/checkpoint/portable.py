@@ -28,9 +28,8 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from parallel.checkpoint import background
 from parallel.checkpoint.chunks import RangeLoadPlanner, RangeSavePlanner
-from parallel.checkpoint.directory import record_written
+from parallel.checkpoint.sink import Sink
 from parallel.checkpoint.safe import safe_reader_class
 from parallel.files import FileError
 from parallel.engine.params import clean_name  # noqa: F401 - state code names things by it
@@ -99,36 +98,40 @@ def hyperparams(group: dict) -> dict:
     return {k: v for k, v in group.items() if k != "params"}
 
 
-def save_state(state: dict, tmp: Path, planner=None, collective: bool = True,
-               process_group=None) -> None:
-    """Write `state` under tmp/state. Collective: every rank calls it with its part (a rank may hold
-    a subset of the keys; whole tensors held by several ranks are written once). Inside
-    `background.staging()` (checkpoint.async_save) the state is copied to host memory and queued."""
-    pending = background.queue()
-    if pending is not None:
-        pending.append((background.stage(state), tmp, planner, collective))
+def save_state(state: dict, into: Sink | Path, planner=None, collective: bool = True) -> None:
+    """Write `state` under the save's directory/state (`into`: the save's Sink, or a directory for a
+    one-off write). Collective: every rank calls it with its part (a rank may hold a subset of the
+    keys; whole tensors held by several ranks are written once). A staged sink
+    (checkpoint.async_save) copies the state to host memory and queues the write."""
+    sink = into if isinstance(into, Sink) else Sink(into)
+    if sink.staged:
+        sink.queue(state, planner, collective)
         return
     optim = state.get("optim")
     if optim is not None:  # one object: DCP's and XLA's SPMD planners would flatten a list apart
         state = {**state, "optim": {**optim, "param_groups": tuple(optim["param_groups"])}}
     with _quiet_dcp():
-        dcp.save(state, storage_writer=RecordingWriter(str(tmp / STATE_DIR)),
-                 planner=planner or RangeSavePlanner(), process_group=process_group,
+        dcp.save(state, storage_writer=RecordingWriter(sink),
+                 planner=planner or RangeSavePlanner(), process_group=sink.group,
                  no_dist=not (collective and dist.is_initialized()))
 
 
 class RecordingWriter(dcp.FileSystemWriter):
-    """DCP's file writer, telling the checkpoint directory which files this rank wrote (each rank
-    hashes its own: parallel/checkpoint/directory.py)."""
+    """DCP's file writer, telling the save's sink which files this rank wrote (each rank hashes its
+    own: parallel/checkpoint/directory.py)."""
+
+    def __init__(self, sink: Sink):
+        super().__init__(str(sink.tmp / STATE_DIR))
+        self.sink = sink
 
     def write_data(self, plan, planner):
         future = super().write_data(plan, planner)
-        record_written(*{Path(self.path) / r.storage_data.relative_path for r in future.wait()})
+        self.sink.record(*{Path(self.path) / r.storage_data.relative_path for r in future.wait()})
         return future
 
     def finish(self, metadata, results) -> None:
         super().finish(metadata, results)
-        record_written(Path(self.path) / ".metadata")  # the coordinator's, once per save
+        self.sink.record(Path(self.path) / ".metadata")  # the coordinator's, once per save
 
 
 def open_state(path: Path) -> SafeReader:

@@ -1,8 +1,12 @@
 """The interface every backend implements, and the training loop they share.
 
-`train_step` is a template: split the step's batch into micro-batches, forward/backward each, then one
-optimizer step. Backends fill in only what differs (how to wrap the model, how to run backward, how to
-clip and step), so the loop reads top to bottom in one place.
+`train_step` is a template: split the step's batch into micro-batches, forward/backward each, reduce
+the loss, then one optimizer step. Backends fill in only what differs, through the hooks listed on
+`Engine`, so the loop reads top to bottom in one place. What is not the step is a part the engine
+owns and calls at a named point: `hang` (where this rank is, reported when a collective times out),
+`checkpoints` (save / load / periodic saves / resume), `preemption` (a signal becomes an agreed save
+and a requeue exit), `compile_watch` (compile.enabled: did it run compiled) and `nonfinite`
+(on_nonfinite: raise_deferred). Each is one object, testable alone.
 """
 
 from __future__ import annotations
@@ -12,9 +16,9 @@ import math
 import os
 import sys
 import time
-from abc import ABC, abstractmethod
 from collections.abc import Callable
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -24,8 +28,9 @@ from torch.utils.data import DataLoader
 from parallel.engine import dist as pdist
 from parallel.engine.data import ResumableLoader, ResumableSampler
 from parallel.engine.dims import ParallelDims
-from parallel.engine.checkpointing import CheckpointMixin
-from parallel.engine.compiling import CompileMixin
+from parallel.engine.hooks import BackendHooks
+from parallel.engine.checkpointing import Checkpointer
+from parallel.engine.compiling import CompileStats, CompileWatch, apply_compile
 from parallel.engine.guards import (
     BatchError,
     NonFiniteLossError,
@@ -33,8 +38,8 @@ from parallel.engine.guards import (
     batch_problem,
     nonfinite_ranks,
 )
-from parallel.engine.hang import PROGRESS, CollectiveTimeout, HangWatch, is_timeout, timeout_error
-from parallel.engine.preempt import PreemptionMixin
+from parallel.engine.hang import CollectiveTimeout, HangWatch, is_timeout, timeout_error
+from parallel.engine.preempt import Preemption
 from parallel.engine.experts import Experts
 from parallel.engine.objective import CountFn, Objective
 from parallel.engine.params import ParamGroupsHook, ParamPlan, per_parameter
@@ -44,26 +49,18 @@ from parallel.engine.step import (
     StepResult,
     build_optimizer,
     count_tokens,
-    split_micro_batches,
-    to_device,
 )
 from parallel.spec.model import Spec
 
-class Engine(CheckpointMixin, PreemptionMixin, CompileMixin, ABC):
-    """prepare -> train_step / eval_step -> save / load -> close."""
-
-    name: str = "base"
-    # Devices one process feeds. 1 except under SPMD, where one process drives every local device
-    # and its step batch holds micro_batch_size x grad_accum_steps samples for each of them.
-    devices_per_process: int = 1
-    # The optimizer steps one tensor per parameter, so a parameter's gradient can be dropped (an
-    # expert no rank used: experts.py). False where it steps flat tensors holding many parameters.
-    per_parameter_grads: bool = True
+class Engine(BackendHooks):
+    """prepare -> train_step / eval_step -> save / load -> close. Backends implement the hooks of
+    `BackendHooks` (hooks.py) and nothing else."""
 
     def __init__(self, spec: Spec):
         self.spec = spec
         self.ctx = pdist.init_distributed(spec.timeout_s)
-        HangWatch.start(self.ctx.rank)  # idle until a collective times out; never per step
+        self.hang = HangWatch(self.ctx.rank)  # idle until a collective times out; never per step
+        self.progress = self.hang.progress
         self.dims = ParallelDims.from_spec(spec)  # the data-parallel layout, built once
         self._check_world()
         pdist.seed_everything(spec.seed)
@@ -83,7 +80,10 @@ class Engine(CheckpointMixin, PreemptionMixin, CompileMixin, ABC):
         self._batch_signature: dict | None = None  # the first batch's keys/dtypes, later held to
         self._param_groups_hook: ParamGroupsHook | None = None
         self.params: ParamPlan | None = None  # set by the backend before sharding
-        self._watch: NonfiniteWatch | None = None  # on_nonfinite: raise_deferred, from prepare()
+        self.checkpoints = Checkpointer(self, self.progress)
+        self.preemption = Preemption(spec, self.is_main)
+        self.compile_watch: CompileWatch | None = None  # compile.enabled, from _apply_compile
+        self.nonfinite: NonfiniteWatch | None = None  # on_nonfinite: raise_deferred, from prepare()
 
     # ---- facts ----
     rank = property(lambda self: self.ctx.rank)
@@ -142,14 +142,15 @@ class Engine(CheckpointMixin, PreemptionMixin, CompileMixin, ABC):
         self.model, self.optimizer = self._prepare(model, optimizer)
         self.scheduler = scheduler(self._scheduled_optimizer()) if scheduler else None
         if self.spec.on_nonfinite == "raise_deferred":
-            self._watch = self._nonfinite_watch()
-        self._install_preemption()
+            self.nonfinite = self._nonfinite_watch()
+        self.preemption.install(self._agreed_flag())
         return self.model
 
-    def _nonfinite_watch(self) -> NonfiniteWatch:
-        """Where raise_deferred keeps its record; backends whose device reports differently
-        override it."""
-        return NonfiniteWatch(self.device)
+    def _apply_compile(self, model: nn.Module, units: list[tuple[str, nn.Module]],
+                       compile_model: Callable | None = None) -> None:
+        """Backends call this from `_prepare` where their order needs it (compiling.py)."""
+        self.compile_watch = apply_compile(model, units, self.spec.compile, self.spec.wrap.policy,
+                                           self.is_main, compile_model)
 
     def _check_global_batch(self) -> None:
         """global_batch_size against what this launch feeds (SPMD's devices are known only now)."""
@@ -187,14 +188,6 @@ class Engine(CheckpointMixin, PreemptionMixin, CompileMixin, ABC):
         return self.params.optimizer(lambda groups: build_optimizer(optimizer, groups),
                                      sharded or per_parameter(model))
 
-    def _scheduled_optimizer(self) -> torch.optim.Optimizer:
-        """The torch optimizer whose param_groups' lr a scheduler sets."""
-        return self.optimizer
-
-    @abstractmethod
-    def _prepare(self, model, optimizer: OptimizerArg) -> tuple[nn.Module, torch.optim.Optimizer]:
-        ...
-
     def dataloader(self, dataset, batch_size: int | None = None, shuffle: bool = True,
                    collate_fn=None) -> ResumableLoader:
         """Per-rank loader of step batches (micro_batch_size * grad_accum_steps samples each) whose
@@ -205,10 +198,6 @@ class Engine(CheckpointMixin, PreemptionMixin, CompileMixin, ABC):
                             drop_last=True)
         self.loaders.append(ResumableLoader(self._device_loader(loader), sampler, size))
         return self.loaders[-1]
-
-    def _device_loader(self, loader: DataLoader):
-        """Where batches meet the device; backends with their own input pipeline wrap `loader`."""
-        return loader
 
     @property
     def samples_per_step(self) -> int:
@@ -223,19 +212,22 @@ class Engine(CheckpointMixin, PreemptionMixin, CompileMixin, ABC):
         pays one loss reduction and, with on_nonfinite raise|skip, one host read of it
         (docs/reliability.md, "What a step pays")."""
         start = time.perf_counter()
-        self._check_start()  # first call only: a signal during start-up exits without a save
-        if self._preempted is not None:  # saved at the end of the previous step: exit to requeue
-            raise self._preempted
-        self._check_finite()  # raise_deferred: an earlier step's record, if it has landed
-        PROGRESS.at(self.step + 1, "checking the batch")
+        self.preemption.check_start(self.device)  # first call: a signal during start-up exits
+        if self.preemption.pending is not None:  # saved after the previous step: exit to requeue
+            raise self.preemption.pending
+        self.check_finite()  # raise_deferred: an earlier step's record, if it has landed
+        self.progress.at(self.step + 1, "checking the batch")
         problem, signature = batch_problem(batch, self._batch_signature, self.samples_per_step)
         if problem is not None:
             raise BatchError(f"step {self.step + 1}: rank {self.rank}: {problem}")
         self._batch_signature = self._batch_signature or signature
         with self._guard(f"step {self.step + 1}"):
             result = self._train_step(batch, start)
-            self._maybe_preempt()  # every rank alike: an agreed signal saves here
-        PROGRESS.at(self.step, "done")
+            # every rank alike: an agreed signal saves here, synchronously
+            self.preemption.after_step(self.step, lambda path: self.save(path, async_save=False))
+        if self.compile_watch is not None:  # compile.enabled: host-only checks that it ran compiled
+            self.compile_watch.after_step(self.step)
+        self.progress.at(self.step, "done")
         return result
 
     @contextmanager
@@ -248,7 +240,7 @@ class Engine(CheckpointMixin, PreemptionMixin, CompileMixin, ABC):
             if isinstance(err, CollectiveTimeout) or not is_timeout(err):
                 raise
             raise timeout_error(self.rank, self.world_size, what, self.spec.timeout_s,
-                                self.spec.checkpoint.dir or os.getcwd()) from err
+                                self.progress, self.spec.checkpoint.dir or os.getcwd()) from err
 
     def _train_step(self, batch, start: float) -> StepResult:
         self.model.train()
@@ -259,7 +251,7 @@ class Engine(CheckpointMixin, PreemptionMixin, CompileMixin, ABC):
         counts = self.objective.counts(micro_batches)
         total = pdist.PendingSum(counts.sum()) if counts is not None else None
         local = torch.zeros((), device=self.device)
-        PROGRESS.phase = "forward/backward"
+        self.progress.phase = "forward/backward"
         for i, micro in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
             with self._sync_context(last):  # skip gradient reduction until the last micro-batch
@@ -268,8 +260,8 @@ class Engine(CheckpointMixin, PreemptionMixin, CompileMixin, ABC):
                 self._backward(share)
             local += share.detach().float()
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this update uses (schedule moves after)
-        PROGRESS.phase = "optimizer step"
-        if self._watch is None:  # raise | skip: decided before the update
+        self.progress.phase = "optimizer step"
+        if self.nonfinite is None:  # raise | skip: decided before the update
             # The mean over ranks is non-finite exactly when some rank's loss is: the reduction a
             # logging loop does anyway carries the decision, and one host read makes it.
             mean = self._reduce_loss(local)
@@ -279,39 +271,32 @@ class Engine(CheckpointMixin, PreemptionMixin, CompileMixin, ABC):
         else:  # raise_deferred: nothing waits for the loss; the record is checked later
             grad_norm, stepped = self._update()
             mean, value = self._reduce_loss(local), None
-            self._watch.record(mean, local)
+            self.nonfinite.record(mean, local)
         if self.scheduler is not None and stepped:
             self.scheduler.step()
         self.step += 1
-        self._compile_after_step()  # compile.enabled: host-only checks that it ran compiled
         return StepResult(step=self.step, loss_tensor=mean, grad_norm_tensor=grad_norm, lr=lr,
                           tokens=count_tokens(batch) * self.dp_size,
                           targets_tensor=total() if total is not None else None,
                           step_time=time.perf_counter() - start, stepped=stepped,
                           loss_value=value)
 
+    def _reduce_loss(self, local: torch.Tensor) -> torch.Tensor:
+        """The step's one reduction: the mean loss over ranks and, in the same tensor (no second
+        collective), the fraction of ranks that caught a preemption signal (preempt.py)."""
+        flag = self.preemption.flag(local.device)
+        if flag is None:
+            return pdist.all_mean(local)
+        packed = pdist.all_mean(torch.stack([local.float(), flag]))
+        self.preemption.record(self.step + 1, packed[1])
+        return packed[0]
+
     def _update(self) -> tuple[torch.Tensor | None, bool]:
         if self.experts and self.dp_size > 1 and self.per_parameter_grads:
-            self._drop_unused_experts()
+            self.experts.drop_unused(self._trained_params(), self.device)  # as one process skips them
         for hook in self.on_gradients:  # gradients exist only now
             hook(self)
         return self._optimizer_step()
-
-    def _drop_unused_experts(self) -> None:
-        """Experts no rank used this step got zero gradients (experts.py): drop them, so the
-        optimizer skips them as one process does. One small sum over ranks and one host read, for
-        mixture-of-experts models only (whose blocks read their routing to the host anyway)."""
-        used = torch.tensor(self.experts.step_done(), dtype=torch.float32, device=self.device)
-        unused = [i for i, n in enumerate(pdist.PendingSum(used)().tolist()) if n == 0]
-        if unused:
-            names = set(self.experts.param_names(unused))
-            for p, (name,) in self._trained_params():
-                if name in names:
-                    p.grad = None
-
-    def _trained_params(self):
-        """(trained tensor, [its original name]) of every parameter the optimizer steps."""
-        return per_parameter(self.model)
 
     def _nonfinite(self, local: torch.Tensor) -> tuple[None, bool]:
         """Every rank read the same non-finite mean: name the ranks, then raise or skip."""
@@ -323,14 +308,11 @@ class Engine(CheckpointMixin, PreemptionMixin, CompileMixin, ABC):
                 "was updated. Set on_nonfinite: skip to skip such steps, or check the data and lr")
         return self._skip_step(), False
 
-    def _check_finite(self, wait: bool = False) -> None:
-        if self._watch is not None:
-            self._watch.check(self.step, wait)
-
-    def _skip_step(self) -> None:
-        """Drop this step's gradients without touching parameters or optimizer state."""
-        self.optimizer.zero_grad(set_to_none=True)
-        return None
+    def check_finite(self, wait: bool = False) -> None:
+        """raise_deferred: raise NonFiniteLossError for an earlier step's non-finite loss, once its
+        record has landed (`wait`: read it now)."""
+        if self.nonfinite is not None:
+            self.nonfinite.check(self.step, wait)
 
     @torch.no_grad()
     def eval_step(self, batch) -> float:
@@ -349,51 +331,67 @@ class Engine(CheckpointMixin, PreemptionMixin, CompileMixin, ABC):
                 return self.loss_fn(self.model, batch)
             return self.model(**batch).loss
 
-    def _autocast(self):
-        return nullcontext()  # backends that cast by themselves (FSDP, DeepSpeed) need none
-
-    def _sync_context(self, last: bool):
-        return nullcontext()
-
-    def _backward(self, share: torch.Tensor) -> None:
-        """`share`: this micro-batch's part of the step's loss, already weighed (objective.py)."""
-        share.backward()
-
-    @abstractmethod
-    def _optimizer_step(self) -> tuple[torch.Tensor | None, bool]:
-        """Clip (if the spec says so), step, zero gradients; return (grad norm, whether it stepped)."""
-
-    def _split(self, batch) -> list:
-        return split_micro_batches(batch, self.spec.grad_accum_steps)  # rows checked by the guard
-
-    def _to_device(self, batch):
-        return to_device(batch, self.device)
-
     # ---- collectives and shutdown ----
     def barrier(self) -> None:
         if dist.is_initialized():
-            phase = PROGRESS.phase
-            PROGRESS.phase = f"{phase}, in a barrier"
+            phase = self.progress.phase
+            self.progress.phase = f"{phase}, in a barrier"
             with self._guard("barrier"):
                 dist.barrier()
-            PROGRESS.phase = phase
+            self.progress.phase = phase
+
+    # ---- checkpoints (checkpointing.py) ----
+    def save(self, path, async_save: bool | None = None) -> Path:
+        """Write model, optimizer, scheduler, step, RNG and data position under `path`, atomically;
+        `latest` beside it moves to it and `checkpoint.keep_last` applies. With
+        `checkpoint.async_save` (or `async_save=True`) it returns once this rank's state is in host
+        memory; the files are written and published in the background."""
+        return self.checkpoints.save(path, async_save)
+
+    def load(self, path, trust: bool = False) -> dict:
+        """Verify and restore what `save` wrote, whichever backend and world size wrote it; `path`
+        may be a directory of checkpoints (its `latest`). Returns the manifest."""
+        return self.checkpoints.load(path, trust)
+
+    def maybe_save(self) -> Path | None:
+        """Save into checkpoint.dir/step-NNNNNNNN when checkpoint.every divides the step (not after
+        a preemption save: that one is the step's)."""
+        return None if self.preemption.pending is not None else self.checkpoints.maybe_save()
+
+    def resume(self) -> dict | None:
+        """With `checkpoint.resume: auto`, load checkpoint.dir's latest complete checkpoint if there
+        is one; call it after prepare() and after creating the data loaders."""
+        return self.checkpoints.resume()
+
+    def wait_for_save(self) -> None:
+        """Block until an async save in flight is published (its error, if any, is raised here)."""
+        self.checkpoints.wait()
+
+    def trainer_state(self) -> dict:
+        return {"step": self.step,
+                "scheduler": self.scheduler.state_dict() if self.scheduler else None,
+                "loaders": [loader.state_dict() for loader in self.loaders]}
 
     def load_trainer_state(self, state: dict) -> None:
-        super().load_trainer_state(state)
-        if self._watch is not None:
-            self._watch.at(self.step)
-        if self._agreed is not None:
-            self._agreed.at(self.step)
+        self.step = state["step"]
+        if self.scheduler is not None and state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if state["loaders"] and len(state["loaders"]) != len(self.loaders):
+            raise ValueError(f"checkpoint recorded {len(state['loaders'])} data loaders, this run "
+                             f"created {len(self.loaders)}; create loaders before load()")
+        for loader, loader_state in zip(self.loaders, state["loaders"]):
+            loader.load_state_dict(loader_state)
+        if self.nonfinite is not None:
+            self.nonfinite.at(self.step)
+        self.preemption.at(self.step)
 
-    def native_checkpoint(self):
-        """(save(path), load(path)) of this backend's own checkpointing, as its docs write it, for
-        `polyshard bench --save` to compare with; None where there is none to compare."""
-        return None
+    def compile_stats(self) -> CompileStats | None:
+        """What torch.compile did in this process (None without compile.enabled)."""
+        return None if self.compile_watch is None else self.compile_watch.stats()
 
     def close(self) -> None:
-        self._check_finite(wait=True)  # a deferred non-finite loss is never silently dropped
-        self._saver.wait()  # an async save in flight is published (or its error raised) first
-        self._saver.pinned.release()
+        self.check_finite(wait=True)  # a deferred non-finite loss is never silently dropped
+        self.checkpoints.close()  # an async save in flight is published (or raises) first
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()

@@ -1,9 +1,9 @@
 """torch.compile, applied the same way on every backend that runs it, and verified to have run.
 
-Applied: `CompileMixin._apply_compile` compiles each module in place (`nn.Module.compile`), so it
+Applied: `apply_compile` compiles each module in place (`nn.Module.compile`), so it
 keeps its place, name and parameters in the tree: FSDP and DeepSpeed shard or hook it as before, and
 checkpoints see the same names. Every compile goes through one backend object (`CountingBackend`)
-that wraps each graph it produces so that running it adds one to a Python counter.
+that wraps each graph it produces so that running it adds one to that backend's counter.
 
 Verified: during the first `PROBE_STEPS` steps each compiled module's call is bracketed by a probe that
 sees whether that counter moved. A module whose calls ran no graph ran eagerly (the silent failure of
@@ -31,7 +31,6 @@ from parallel.engine.wrap import at_unit_places, disable_kv_cache
 from parallel.spec.compiling import Compile
 
 PROBE_STEPS = 2  # step 1 compiles; step 2 may compile once more (guards on step-1 state)
-_RUNS = [0]  # compiled graphs run by this process, all modules together
 
 
 @dataclass
@@ -57,6 +56,7 @@ class CountingBackend:
             self.inner = lookup_backend(section.backend)
         self.__name__ = f"polyshard_{section.backend}"
         self.compiles: list[Compiled] = []
+        self.runs = 0  # compiled graphs run, all modules together
 
     def __call__(self, gm, example_inputs):
         from torch._guards import CompileContext
@@ -68,7 +68,7 @@ class CountingBackend:
         self.compiles.append(Compiled(_frame_name(), again, time.perf_counter() - start))
 
         def run(*args):
-            _RUNS[0] += 1
+            self.runs += 1
             return compiled(*args)
 
         # the boxed calling convention travels with the function; nothing else may (dynamo would
@@ -100,13 +100,13 @@ def _frame_name() -> str:
 class _Probe:
     """Wraps one compiled module's call during the first steps: did any compiled graph run inside?"""
 
-    def __init__(self, call, tally: Counter):
-        self.call, self.tally = call, tally
+    def __init__(self, call, tally: Counter, backend: CountingBackend):
+        self.call, self.tally, self.backend = call, tally, backend
 
     def __call__(self, *args, **kwargs):
-        before = _RUNS[0]
+        before = self.backend.runs
         out = self.call(*args, **kwargs)
-        self.tally["compiled" if _RUNS[0] > before else "eager"] += 1
+        self.tally["compiled" if self.backend.runs > before else "eager"] += 1
         return out
 
 
@@ -145,7 +145,8 @@ class CompileWatch:
         self.tallies = {name: Counter() for name, _ in units}
         self.units = units
         for name, module in units:
-            module._compiled_call_impl = _Probe(module._compiled_call_impl, self.tallies[name])
+            module._compiled_call_impl = _Probe(module._compiled_call_impl, self.tallies[name],
+                                                backend)
         self.probing, self.warm_graphs, self.warned = True, None, set()
 
     def after_step(self, step: int) -> None:
@@ -200,44 +201,30 @@ class CompileWatch:
             compile_s=sum(c.seconds for c in compiles), breaks=dict(breaks))
 
 
-class CompileMixin:
-    """The Engine's side: needs spec, is_main and `step`. Backends that compile call
-    `_apply_compile` from their `_prepare` where their order needs it; XLA never does (refused)."""
+def apply_compile(model: nn.Module, units: list[tuple[str, nn.Module]], section: Compile,
+                  policy: str, loud: bool, compile_model: Callable | None = None) -> CompileWatch | None:
+    """compile.enabled: compile each unit in place (scope blocks; whatever sits at the unit's place,
+    so an activation-checkpoint wrapper is compiled with its block) or the whole model (scope model;
+    `compile_model(backend, kwargs)` where the backend has its own call), and return the watch that
+    checks they run compiled. Backends call it where their order needs it; XLA never does (refused).
+    `policy`: the spec's wrap.policy, named when it selects no unit."""
+    if not section.enabled:
+        return None
+    # The KV cache only serves generation; with it on, each Hugging Face decoder layer reads its
+    # own layer_idx, dynamo specialises every layer on it, and past 8 layers (recompile_limit)
+    # the rest run eagerly (docs/compile.md). Activation checkpointing turns it off too.
+    if section.scope == "blocks" and not units:
+        from parallel.spec.io import SpecError
 
-    _compiled: CompileWatch | None = None
-
-    def _apply_compile(self, model: nn.Module, units: list[tuple[str, nn.Module]],
-                       compile_model: Callable | None = None) -> None:
-        """compile.enabled: compile each unit in place (scope blocks; whatever sits at the unit's
-        place, so an activation-checkpoint wrapper is compiled with its block) or the whole model
-        (scope model; `compile_model(backend, kwargs)` where the backend has its own call), and
-        watch that they run compiled. Backends call it where their order needs it."""
-        section = self.spec.compile
-        if not section.enabled:
-            return
-        # The KV cache only serves generation; with it on, each Hugging Face decoder layer reads its
-        # own layer_idx, dynamo specialises every layer on it, and past 8 layers (recompile_limit)
-        # the rest run eagerly (docs/compile.md). Activation checkpointing turns it off too.
-        if section.scope == "blocks" and not units:
-            from parallel.spec.io import SpecError
-
-            raise SpecError([("compile.scope", f"'blocks' compiles the shard units, and wrap.policy "
-                              f"{self.spec.wrap.policy!r} selects none in this model; use scope: "
-                              "model, or a wrap policy that selects its repeated blocks")])
-        disable_kv_cache(model)
-        backend = CountingBackend(section)
-        targets = at_unit_places(model, units) if section.scope == "blocks" else [("<model>", model)]
-        if section.scope == "model" and compile_model is not None:
-            compile_model(backend, section.torch_kwargs())
-        else:
-            for _, module in targets:
-                module.compile(backend=backend, **section.torch_kwargs())
-        self._compiled = CompileWatch(targets, backend, section, loud=self.is_main)
-
-    def compile_stats(self) -> CompileStats | None:
-        """What torch.compile did in this process (None without compile.enabled)."""
-        return None if self._compiled is None else self._compiled.stats()
-
-    def _compile_after_step(self) -> None:
-        if self._compiled is not None:
-            self._compiled.after_step(self.step)
+        raise SpecError([("compile.scope", f"'blocks' compiles the shard units, and wrap.policy "
+                          f"{policy!r} selects none in this model; use scope: model, or a wrap "
+                          "policy that selects its repeated blocks")])
+    disable_kv_cache(model)
+    backend = CountingBackend(section)
+    targets = at_unit_places(model, units) if section.scope == "blocks" else [("<model>", model)]
+    if section.scope == "model" and compile_model is not None:
+        compile_model(backend, section.torch_kwargs())
+    else:
+        for _, module in targets:
+            module.compile(backend=backend, **section.torch_kwargs())
+    return CompileWatch(targets, backend, section, loud=loud)

@@ -73,6 +73,21 @@ class Experts:
             out += [f"{self.names[i]}.{n}" for n, _ in block.experts[int(index)].named_parameters()]
         return out
 
+    def drop_unused(self, trained, device) -> None:
+        """Experts no rank used this step got zero gradients: drop them (`.grad = None`), so the
+        optimizer skips them as one process does. One small sum over ranks and one host read, for
+        mixture-of-experts models only (whose blocks read their routing to the host anyway).
+        `trained`: (tensor, [its original name]) of every parameter the optimizer steps."""
+        from parallel.engine import dist as pdist
+
+        used = torch.tensor(self.step_done(), dtype=torch.float32, device=device)
+        unused = [i for i, n in enumerate(pdist.PendingSum(used)().tolist()) if n == 0]
+        if unused:
+            names = set(self.param_names(unused))
+            for p, (name,) in trained:
+                if name in names:
+                    p.grad = None
+
     def step_done(self) -> list[bool]:
         """This rank's use during the step that just ran; the record starts again."""
         used, self.used = self.used, [False] * len(self.used)

@@ -1,7 +1,7 @@
 """Hang reports that cost nothing while the job is healthy (docs/reliability.md, "Hangs").
 
-A rank records what it is doing in a Python attribute (`PROGRESS`): no store write, no collective.
-Each process runs one daemon thread (`HangWatch`) that sends a single `wait` on the key HANG to the
+A rank records what it is doing in a Python attribute (the engine's `Progress`): no store write, no
+collective. Each engine runs one daemon thread (`HangWatch`, for a process group of 2+ ranks) that sends a single `wait` on the key HANG to the
 job's c10d store and then sleeps inside it: the store holds that one request, so a healthy job sends
 the store nothing per step, at any world size. When a collective times out (or loses its peer), the
 rank it failed on sets HANG; every live rank's watcher wakes, appends its progress and its main
@@ -52,29 +52,23 @@ class Progress:
         return f"step {self.step}: {self.phase}" if self.step else self.phase
 
 
-PROGRESS = Progress()
-
-
 class HangWatch:
-    """The one watcher thread of this process, started for a process group with more than one rank."""
+    """The engine's hang reporter: its `progress` (where training is, set with plain attribute
+    writes) and, for a process group with more than one rank, one watcher thread that reports it
+    when any rank's collective fails."""
 
-    _watched = None  # the process group the running watcher serves
-
-    @classmethod
-    def start(cls, rank: int) -> None:
+    def __init__(self, rank: int):
+        self.rank, self.progress = rank, Progress()
         store = _store()
-        group = dist.group.WORLD if dist.is_initialized() else None
-        if store is None or group is None or dist.get_world_size() == 1 or cls._watched is group:
+        if store is None or dist.get_world_size() == 1:
             return
         # A clone has its own connection: the main thread's store calls never queue behind the wait.
-        thread = threading.Thread(target=_watch, args=(store.clone(), rank, dist.get_world_size(),
-                                                       threading.main_thread()),
-                                  name="polyshard-hang-watch", daemon=True)
-        thread.start()
-        cls._watched = group
+        threading.Thread(target=_watch, args=(store.clone(), rank, dist.get_world_size(),
+                                              threading.main_thread(), self.progress),
+                         name="polyshard-hang-watch", daemon=True).start()
 
 
-def _watch(store, rank: int, world: int, main: threading.Thread) -> None:
+def _watch(store, rank: int, world: int, main: threading.Thread, progress: Progress) -> None:
     while True:
         try:
             store.wait([HANG], timedelta(days=1))
@@ -83,7 +77,7 @@ def _watch(store, rank: int, world: int, main: threading.Thread) -> None:
             if "timeout" not in str(err).lower():
                 return
     try:
-        line = json.dumps({"rank": rank, "progress": PROGRESS.describe(), "frames": _stack(main),
+        line = json.dumps({"rank": rank, "progress": progress.describe(), "frames": _stack(main),
                            "stack": "".join(traceback.format_stack(_frame(main)))})
         store.append(REPORTS, line + "\n")
         if store.add(REPORTED, 1) == world:
@@ -153,12 +147,12 @@ def is_timeout(err: BaseException) -> bool:
                                    "connection reset", "peer"))
 
 
-def timeout_error(rank: int, world: int, what: str, timeout_s: float,
+def timeout_error(rank: int, world: int, what: str, timeout_s: float, progress: Progress,
                   report_dir: str | None = None) -> CollectiveTimeout:
-    """The error a timed-out collective becomes: the ranks that are elsewhere, and where; with
-    `report_dir`, every reporting rank's whole Python stack goes into one file there, named in the
-    error."""
-    mine = PROGRESS.describe()
+    """The error a timed-out collective becomes: the ranks that are elsewhere, and where (`progress`:
+    this rank's); with `report_dir`, every reporting rank's whole Python stack goes into one file
+    there, named in the error."""
+    mine = progress.describe()
     head = (f"rank {rank}: {what}: a collective did not complete (timeout_s {timeout_s:g} s, or a "
             f"peer went away) while this rank was at '{mine}'; ")
     collector = _collector(rank)

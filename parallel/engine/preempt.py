@@ -17,6 +17,7 @@ import signal
 import sys
 import threading
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -102,71 +103,74 @@ class AgreedFlag:
         self.ring.clear()
 
 
-class PreemptionMixin:
-    """The Engine's side: needs spec, step, world_size, device, save() and `_agreed_flag()`."""
+class Preemption:
+    """The engine's preemption part: catches the spec's signals, reads the agreed flag the step's loss
+    reduction carried, saves at the step boundary and holds the `Preempted` the next train_step
+    raises. Called by the engine at named points: `install` (end of prepare), `check_start` (first
+    train_step), `flag`/`record` (inside the step's loss reduction), `after_step`, `at` (after a load)."""
 
-    _signals: SignalFlag | None = None
-    _agreed: AgreedFlag | None = None
-    _preempted: Preempted | None = None  # saved; raised by the next train_step
+    def __init__(self, spec, is_main: bool):
+        self.spec, self.is_main = spec, is_main
+        self.signals: SignalFlag | None = None
+        self.agreed: AgreedFlag | None = None
+        self.pending: Preempted | None = None  # saved; raised by the next train_step
+        self.started = False  # this process has passed its first train_step's start-up check
 
-    def _install_preemption(self) -> None:
+    def install(self, agreed: AgreedFlag) -> None:
         """After prepare: catch the spec's signals when there is a `checkpoint.dir` to save into
-        (without one a preemption could only lose the run: the signals keep their default)."""
+        (without one a preemption could only lose the run: the signals keep their default).
+        `agreed`: the backend's way of reading the flag back (AgreedFlag by default)."""
         names = self.spec.checkpoint.preemption_signals
         if names and self.spec.checkpoint.dir:
-            self._agreed = self._agreed_flag()
+            self.agreed = agreed
             # an agreement that hears the signals itself (torch_xla's sync manager) needs no flag
-            self._signals = SignalFlag(names) if self._agreed.rides_loss else None
+            self.signals = SignalFlag(names) if agreed.rides_loss else None
 
-    _started = False  # this process has passed its first train_step's start-up check
-
-    def _check_start(self) -> None:
+    def check_start(self, device: torch.device) -> None:
         """Once per process, at its first train_step: a signal caught during start-up (building,
         sharding, resuming) means nothing was trained since the last checkpoint, so every rank exits
         to requeue without writing one. One all-reduce of one element, once per process; from then
         on the flag rides each step's loss reduction."""
-        if self._started or self._signals is None:
+        if self.started or self.signals is None:
             return
         from parallel.engine import dist as pdist
 
-        self._started = True
-        caught = pdist.all_mean(torch.full((), self._signals.caught, device=self.device))
+        self.started = True
+        caught = pdist.all_mean(torch.full((), self.signals.caught, device=device))
         if float(caught) > 0:
             message = (f"preempted before the first step of this launch: nothing was trained since "
                        f"it started, so no checkpoint was written; exiting with {REQUEUE_EXIT} so "
                        "the job is requeued (it resumes from the previous checkpoint, if any)")
             if self.is_main:
                 print(message, file=sys.stderr, flush=True)
-            self._preempted = Preempted(message)
+            self.pending = Preempted(message)
 
-    def _agreed_flag(self) -> AgreedFlag:
-        return AgreedFlag(self.device)
+    def flag(self, device: torch.device) -> torch.Tensor | None:
+        """This rank's flag, to travel in the step's loss reduction; None when nothing listens."""
+        return None if self.signals is None else torch.full((), self.signals.caught, device=device)
 
-    def _reduce_loss(self, local: torch.Tensor) -> torch.Tensor:
-        """The step's one reduction: the mean loss over ranks and, in the same tensor, the fraction
-        of ranks that caught a preemption signal (recorded, read `lag` steps later)."""
-        from parallel.engine import dist as pdist
+    def record(self, step: int, reduced: torch.Tensor) -> None:
+        """The reduced flag of `step` (the fraction of ranks signalled), read `lag` steps later."""
+        self.agreed.record(step, reduced)
 
-        if self._signals is None:
-            return pdist.all_mean(local)
-        flag = torch.full((), self._signals.caught, device=local.device)
-        packed = pdist.all_mean(torch.stack([local.float(), flag]))
-        self._agreed.record(self.step + 1, packed[1])
-        return packed[0]
+    def at(self, step: int) -> None:
+        """After a load: records of steps before `step` no longer apply."""
+        if self.agreed is not None:
+            self.agreed.at(step)
 
-    def _maybe_preempt(self) -> None:
-        """At the end of a step, on every rank alike: if the ranks agreed on a signal, save now
+    def after_step(self, step: int, save: Callable[[Path], Path]) -> None:
+        """At the end of a step, on every rank alike: if the ranks agreed on a signal, `save` now
         (before the loop draws the next batch, so the data position is this step's) and make the
         next train_step raise Preempted; this step's result is still returned and logged."""
-        if self._agreed is None or self._preempted or self._agreed.agreed(self.step + 1) <= 0:
+        if self.agreed is None or self.pending or self.agreed.agreed(step + 1) <= 0:
             return
-        path = self.save(Path(self.spec.checkpoint.dir) / f"step-{self.step:08d}", async_save=False)
-        mine = ("torch_xla's preemption sync point was reached" if self._signals is None
-                else f"this rank caught {signal.Signals(self._signals.signum).name}"
-                if self._signals.signum else "another rank caught the signal")
-        message = (f"preempted after step {self.step} ({mine}): checkpoint {path} is complete and "
+        path = save(Path(self.spec.checkpoint.dir) / f"step-{step:08d}")
+        mine = ("torch_xla's preemption sync point was reached" if self.signals is None
+                else f"this rank caught {signal.Signals(self.signals.signum).name}"
+                if self.signals.signum else "another rank caught the signal")
+        message = (f"preempted after step {step} ({mine}): checkpoint {path} is complete and "
                    f"`latest`; exiting with {REQUEUE_EXIT} so the job is requeued and resumes from "
                    "it (checkpoint.resume: auto)")
         if self.is_main:  # a SystemExit prints nothing by itself
             print(message, file=sys.stderr, flush=True)
-        self._preempted = Preempted(message, path)
+        self.pending = Preempted(message, path)

@@ -70,7 +70,7 @@ def poisoned(engine, batches, then=None) -> str:
             engine.train_step(mine(engine, ids, poison=i == 2))
         if then is not None:
             then()
-        engine._check_finite(wait=True)
+        engine.check_finite(wait=True)
         return "no error"
     except Exception as err:  # noqa: BLE001 - the error itself is the result
         return f"{type(err).__name__} at step {engine.step + 1}: {err}"

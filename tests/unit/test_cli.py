@@ -65,11 +65,11 @@ def test_schema_written(tmp_path):
 
 
 def test_ckpt_verify_and_inspect(tmp_path, capsys):
-    from parallel.checkpoint.directory import record_written, write_checkpoint
+    from parallel.checkpoint.directory import write_checkpoint
 
-    def write(tmp):
-        (tmp / "a.bin").write_bytes(b"abc")
-        record_written(tmp / "a.bin")
+    def write(sink):
+        (sink.tmp / "a.bin").write_bytes(b"abc")
+        sink.record(sink.tmp / "a.bin")
 
     meta = {"backend": "fsdp", "step": 3, "world_size": 2, "state_dict": "sharded"}
     ckpt = write_checkpoint(tmp_path / "ck", 0, write, meta)

@@ -8,7 +8,6 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from parallel.checkpoint.directory import (
     CheckpointError,
-    record_written,
     verify_checkpoint,
     write_checkpoint,
 )
@@ -66,9 +65,9 @@ def test_resume_mid_batch_on_another_layout_is_refused():
 
 
 def write(path, payload=b"x" * 1000):
-    def files(tmp):
-        (tmp / "data.bin").write_bytes(payload)
-        record_written(tmp / "data.bin")  # hashed by the rank that wrote it
+    def files(sink):
+        (sink.tmp / "data.bin").write_bytes(payload)
+        sink.record(sink.tmp / "data.bin")  # hashed by the rank that wrote it
     return write_checkpoint(path, 0, files, {"step": 7, "world_size": 1})
 
 

@@ -32,7 +32,7 @@ class SingleProcessEngine(Engine):
         self.optimizer.zero_grad(set_to_none=True)
         return norm, True
 
-    def _save_model_optim(self, tmp):
+    def _save_model_optim(self, sink):
         raise AssertionError("not used here")
 
     def _load_model_optim(self, path, manifest):

@@ -127,13 +127,13 @@ def test_latest_and_tag_pointers_stay_inside(tmp_path, capsys):
 
 def _write(path: Path, names: dict, step=1):
     """A polyshard checkpoint (format 2) holding `names` as parameters with Adam state."""
-    def files(tmp):
+    def files(sink):
         from parallel.checkpoint.portable import save_state
 
         save_state({"model": {n: torch.ones(2) for n in names},
                     "optim": {"state": {n: {"exp_avg": torch.zeros(2), "step": torch.tensor(1.0)}
                                         for n in names},
-                              "param_groups": [{"lr": 0.1, "params": list(names)}]}}, tmp,
+                              "param_groups": [{"lr": 0.1, "params": list(names)}]}}, sink,
                    collective=False)
     return write_checkpoint(path, 0, files, {"step": step, "world_size": 1, "backend": "fsdp"})
 

@@ -1,0 +1,64 @@
+"""Where one save's files go, passed down explicitly from `save` to every writer.
+
+A `Sink` is one checkpoint being written by one rank: its temporary directory, the files this rank
+wrote there (each rank hashes and fsyncs its own: directory.finish_checkpoint), and how state is
+written: at once, or (checkpoint.async_save) copied to host memory now and written later by the
+background thread (background.py). Nothing about a save in flight lives in a module global, so two
+saves in flight, or a save on another thread, each keep their own list and queue.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+class Sink:
+    def __init__(self, tmp: str | Path, staged: bool = False, pool=None, group=None):
+        """`staged`: state writes are copied to host memory (CUDA tensors into `pool`'s pinned
+        buffers) and queued until `write_queued`. `group`: the process group DCP's collective
+        writes run over (the background saver's own, so they never meet the training loop's)."""
+        self.tmp = Path(tmp)
+        self.staged = staged
+        self.pool = pool
+        self.group = group
+        self.written: list[Path] = []  # files this rank wrote under tmp, hashed by this rank
+        self.queued: list[tuple] = []  # while staged: (host copy of a state, planner, collective)
+
+    def record(self, *files) -> None:
+        """Every writer of a checkpoint file calls this: the file is hashed by the rank that wrote it."""
+        self.written.extend(Path(f) for f in files)
+
+    def save_file(self, name: str, obj) -> Path:
+        """torch.save `obj` (plain data: read back with weights_only) as tmp/name."""
+        path = self.tmp / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(obj, path)
+        self.record(path)
+        return path
+
+    def write_text(self, name: str, text: str) -> Path:
+        path = self.tmp / name
+        path.write_text(text)
+        self.record(path)
+        return path
+
+    def queue(self, state: dict, planner, collective: bool) -> None:
+        """A host copy of `state` (this rank's part only: O(model / N)) that no later training step
+        can change, written by `write_queued`."""
+        from parallel.checkpoint.background import stage
+
+        self.queued.append((stage(state, self.pool), planner, collective))
+
+    def copies_landed(self) -> None:
+        """Every device-to-host copy `queue` issued has finished (the writer reads the buffers)."""
+        if self.pool is not None:
+            self.pool.finish()
+
+    def write_queued(self) -> None:
+        from parallel.checkpoint.portable import save_state
+
+        queued, self.queued, self.staged = self.queued, [], False
+        for state, planner, collective in queued:
+            save_state(state, self, planner, collective)

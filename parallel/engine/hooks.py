@@ -1,0 +1,105 @@
+"""The hooks a backend implements: everything the shared loop (base.py) leaves to it, in one place.
+
+A backend subclasses `Engine` and overrides these only. The four abstract ones are required; the rest
+default to plain single-device torch and are overridden where the backend differs. They may read the
+engine's state (`spec`, `device`, `model`, `optimizer`, `rank`, `is_main`) and nothing else of it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from parallel.checkpoint.sink import Sink
+from parallel.engine.guards import NonfiniteWatch
+from parallel.engine.params import per_parameter
+from parallel.engine.preempt import AgreedFlag
+from parallel.engine.step import OptimizerArg, split_micro_batches, to_device
+
+
+class BackendHooks(ABC):
+    name: str = "base"
+    # Devices one process feeds. 1 except under SPMD, where one process drives every local device
+    # and its step batch holds micro_batch_size x grad_accum_steps samples for each of them.
+    devices_per_process: int = 1
+    # The optimizer steps one tensor per parameter, so a parameter's gradient can be dropped (an
+    # expert no rank used: experts.py). False where it steps flat tensors holding many parameters.
+    per_parameter_grads: bool = True
+    background_save: bool = True  # False where the state cannot be staged off the device (XLA)
+
+    # ---- required ----
+    @abstractmethod
+    def _prepare(self, model, optimizer: OptimizerArg) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """Build (from a factory) and shard `model`, calling `_record_params` before sharding and
+        `_optimizer_over` after; return (the wrapped model, the optimizer over its shards)."""
+
+    @abstractmethod
+    def _optimizer_step(self) -> tuple[torch.Tensor | None, bool]:
+        """Clip (if the spec says so), step, zero gradients; return (grad norm, whether it stepped)."""
+
+    @abstractmethod
+    def _save_model_optim(self, sink: Sink) -> None:
+        """Write this rank's part of the model and optimizer state through `sink` (every state
+        write goes through `portable.save_state(state, sink, ...)`)."""
+
+    @abstractmethod
+    def _load_model_optim(self, path: Path, manifest: dict) -> None:
+        """Restore model and optimizer state from a verified checkpoint."""
+
+    # ---- optional: plain torch unless the backend differs ----
+    def _split(self, batch) -> list:
+        """The step batch as grad_accum_steps micro-batches."""
+        return split_micro_batches(batch, self.spec.grad_accum_steps)  # rows checked by the guard
+
+    def _to_device(self, batch):
+        """One micro-batch onto the device (XLA SPMD also shards it)."""
+        return to_device(batch, self.device)
+
+    def _device_loader(self, loader: DataLoader):
+        """Where batches meet the device; backends with their own input pipeline wrap `loader`."""
+        return loader
+
+    def _autocast(self):
+        """Around forward: backends that cast by themselves (FSDP, DeepSpeed) need none."""
+        return nullcontext()
+
+    def _sync_context(self, last: bool):
+        """Around a micro-batch's forward/backward: skip gradient reduction until the `last`."""
+        return nullcontext()
+
+    def _backward(self, share: torch.Tensor) -> None:
+        """`share`: this micro-batch's part of the step's loss, already weighed (objective.py)."""
+        share.backward()
+
+    def _skip_step(self) -> None:
+        """Drop this step's gradients without touching parameters or optimizer state."""
+        self.optimizer.zero_grad(set_to_none=True)
+        return None
+
+    def _scheduled_optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer whose param_groups' lr a scheduler sets."""
+        return self.optimizer
+
+    def _trained_params(self):
+        """(trained tensor, [its original name]) of every parameter the optimizer steps."""
+        return per_parameter(self.model)
+
+    def _nonfinite_watch(self) -> NonfiniteWatch:
+        """Where raise_deferred keeps its record; backends whose device reports differently
+        override it."""
+        return NonfiniteWatch(self.device)
+
+    def _agreed_flag(self) -> AgreedFlag:
+        """How the preemption flag is read back; backends whose device reports differently
+        override it."""
+        return AgreedFlag(self.device)
+
+    def native_checkpoint(self):
+        """(save(path), load(path)) of this backend's own checkpointing, as its docs write it, for
+        `polyshard bench --save` to compare with; None where there is none to compare."""
+        return None
