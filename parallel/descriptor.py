@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -24,23 +24,35 @@ class Unsupported:
 
 @dataclass(frozen=True)
 class Capabilities:
-    # field name -> {value: Unsupported}; a value absent from the map is supported.
-    unsupported: dict[str, dict[str, Unsupported]] = field(default_factory=dict)
+    # spec field (dotted: "checkpoint.async_save") -> {value: Unsupported}; a value absent from the
+    # map is supported. The spec checks every field named here (a name that is no spec field fails
+    # tests/unit/test_registry_matrix.py).
+    unsupported: dict[str, dict[Any, Unsupported]] = field(default_factory=dict)
+    exports: dict[str, Unsupported] = field(default_factory=dict)  # `polyshard export --to` formats
 
     def check(self, field_name: str, value) -> Unsupported | None:
         return self.unsupported.get(field_name, {}).get(value)
 
 
+class ModelStates(Protocol):
+    def __call__(self, spec, shapes: list[tuple[int, ...]], n: int, low: int,
+                 opt: int) -> tuple[float, float, float]:
+        """(params, grads, optimizer) bytes per rank on the device: `n` the shard group size,
+        `low` the compute dtype's bytes, `opt` the optimizer's bytes per element."""
+
+
+class CommVolume(Protocol):
+    def __call__(self, spec, psi: float, output_share: float = 0.0) -> float:
+        """Collective volume per step in units of Psi elements (`psi`: the parameter count, 0
+        when unknown; `output_share`: the fraction of Psi in the final norm and output layer)."""
+
+
 @dataclass(frozen=True)
 class PlanModel:
-    """What `polyshard plan` needs: bytes of model states per rank, and collective volume.
+    """What `polyshard plan` needs: bytes of model states per rank, and collective volume."""
 
-    model_states(spec, shapes, n, low, opt) -> (params, grads, optimizer) bytes on the device, where
-    n is the shard group size, low the compute dtype's bytes, opt the optimizer's bytes per element.
-    comm(spec, native_zero: dict, psi) -> collective volume per step in units of Psi elements."""
-
-    model_states: Callable[..., tuple[float, float, float]]
-    comm: Callable[..., float]
+    model_states: ModelStates
+    comm: CommVolume
 
 
 @dataclass(frozen=True)
@@ -69,6 +81,9 @@ class BackendDescriptor:
     # Short names for common configurations of this backend (name -> spec overrides), which
     # `polyshard bench/parity --backends` accept beside backend names: fsdp1, zero2, xla1, ...
     variants: dict[str, dict] = field(default_factory=dict)
+    # Spec -> does the optimizer step flat tensors holding many parameters? Then a parameter a step
+    # did not use (an expert no rank routed to) is still updated (docs/moe.md); the engine says so.
+    flat_optimizer: Callable[[Any], bool] = lambda spec: False
     plan: PlanModel | None = None
     comm_counted: bool = True  # False: collectives are compiled into a graph, c10d never sees them
     exports: dict[str, Callable] = field(default_factory=dict)  # format -> this backend's spec -> data

@@ -132,7 +132,7 @@ def exporter(fmt: str, backend: str):
     for d in descriptors():
         if fmt in d.formats:
             return d.formats[fmt]
-    why = descriptor.capabilities.check("export", fmt)
+    why = descriptor.capabilities.exports.get(fmt)
     raise SpecError([("backend", f"{backend!r} has no {fmt} export" + (
         f": {why.reason}; use {why.nearest}" if why else f"; it exports to "
         f"{', '.join(sorted(descriptor.exports) + sorted(k for d in descriptors() for k in d.formats))}"))])

@@ -24,6 +24,7 @@ DESCRIPTOR = BackendDescriptor(
     native=lambda spec: ("native_deepspeed.py", [f"--stage={STAGES[spec.shard]}"]),
     variants={f"zero{stage}": {"shard": shard} for shard, stage in STAGES.items()
               if not shard.startswith("hybrid")},
+    flat_optimizer=lambda spec: True,  # ZeRO's flat fp32 partitions (ZeRO-0 too: state.py)
     plan=PlanModel(plan.model_states, plan.comm),
     exports={"accelerate": exports.to_accelerate, "hf-trainer": exports.to_hf_trainer},
     formats={"deepspeed": exports.to_deepspeed},

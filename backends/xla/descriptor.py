@@ -37,9 +37,8 @@ DESCRIPTOR = BackendDescriptor(
             "openxla backend is experimental for training and splits that graph in three "
             "(forward, backward, optimizer), which XLA optimises less well (docs/compile.md)",
             "compile.enabled: false")},
-        "export": {"accelerate": Unsupported("accelerate has no XLA FSDP",
-                                             "--to hf-trainer (TrainingArguments' fsdp_config.xla)")},
-    }),
+    }, exports={"accelerate": Unsupported("accelerate has no XLA FSDP",
+                                          "--to hf-trainer (TrainingArguments' fsdp_config.xla)")}),
     translate=translate,
     engine="backends.xla.engine:make_engine",
     extra="xla",
@@ -53,6 +52,7 @@ DESCRIPTOR = BackendDescriptor(
     variants={"xla1": {"xla": {"fsdp_version": 1}}, "xla2": {"xla": {"fsdp_version": 2}}},
     # SPMD (v2): one process drives every local device; how many is known at run time
     process_devices=lambda spec: None if spec.xla.fsdp_version == 2 else 1,
+    flat_optimizer=lambda spec: spec.xla.fsdp_version == 1,  # flatten_parameters: one per unit
     plan=PlanModel(plan.model_states, plan.comm),
     comm_counted=False,  # compiled into the graph: c10d never sees them
     exports={"hf-trainer": exports.to_hf_trainer},

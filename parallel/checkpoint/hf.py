@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 
@@ -22,8 +23,9 @@ from parallel.checkpoint.directory import resolve, verify_checkpoint
 from parallel.checkpoint.portable import open_state, read_tensors, tensor_shapes
 
 MAX_SHARD_BYTES = 5_000_000_000  # save_pretrained's default max_shard_size, "5GB"
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-HF_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+DTYPES = MappingProxyType({"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16})
+HF_DTYPE = MappingProxyType({torch.float32: "float32", torch.bfloat16: "bfloat16",
+                             torch.float16: "float16"})
 PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the Hugging Face model
 
 

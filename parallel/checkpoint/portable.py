@@ -258,17 +258,6 @@ def read_tensors(path: Path, wanted: dict[str, tuple], reader=None) -> dict[str,
     return {key: template[key.partition(".")[0]][key.partition(".")[2]] for key in wanted}
 
 
-def full_template(names_shapes: dict[str, torch.Size], optim_keys: dict[str, list[str]],
-                  groups: None, dtype=torch.float32) -> dict:
-    """Whole-tensor CPU template for backends that hold no DTensors (DeepSpeed, XLA FSDP v1): every
-    parameter, each optimizer state entry (`step` is a scalar), and the param_groups object."""
-    state = {name: {key: torch.zeros(()) if key == "step" else torch.empty(shape, dtype=dtype)
-                    for key in optim_keys.get(name, [])}
-             for name, shape in names_shapes.items()}
-    return {"model": {name: torch.empty(shape, dtype=dtype) for name, shape in names_shapes.items()},
-            "optim": {"state": state, "param_groups": groups}}
-
-
 def shared_step(entries) -> torch.Tensor | None:
     """The one step count of optimizer entries that share a flat optimizer tensor (or a group)."""
     steps = {float(e["step"]) for e in entries if "step" in e}

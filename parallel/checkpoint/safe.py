@@ -75,14 +75,14 @@ def _numpy_array() -> tuple:
 NUMPY_ARRAY = _numpy_array()
 
 # DCP's index (.metadata) holds its own dataclasses, torch sizes, dtypes and layouts, and a path.
-DCP_CLASSES = {
+DCP_CLASSES = frozenset({
     ("torch.distributed.checkpoint.metadata", name) for name in (
         "Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
         "ChunkStorageMetadata", "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING")
 } | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
      ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-     ("pathlib", "WindowsPath"), ("collections", "OrderedDict")}
-DTYPES = {name for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype)}
+     ("pathlib", "WindowsPath"), ("collections", "OrderedDict")})
+DTYPES = frozenset(name for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype))
 
 
 class _IndexUnpickler(pickle.Unpickler):

@@ -249,7 +249,7 @@ class Spec(Section):
         elif self.world_size % self.topology.tp:
             problems.append(("topology.tp", f"{self.topology.tp} does not divide the world size "
                              f"{self.world_size}"))
-        for name in ("shard", "offload", "precision", "checkpoint.async_save", "compile.enabled"):
+        for name in descriptor.capabilities.unsupported:  # every field the backend names
             value = self
             for part in name.split("."):
                 value = getattr(value, part)

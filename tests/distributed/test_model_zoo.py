@@ -1,7 +1,8 @@
 """Models people actually train (zoo.py: GPT-2 with tied embeddings, T5, BERT masked-LM, a plain
 nn.Module with tuple batches and its own loss, frozen parameters, two param groups built before
 prepare, padded SFT rows with accumulation and a factory grouping by p.dim(), two mixture-of-experts
-families) on FSDP2, FSDP1, ZeRO-1/2/3, XLA v1 (world size 1) and XLA v2 (2 devices): 3 steps match
+families) on every backend variant the registry lists (matrix.py: FSDP2, FSDP1, ZeRO-1/2/3, XLA v1
+(world size 1), XLA v2 (2 devices)): 3 steps match
 one process to 1e-5, then each backend's checkpoint resumes on the next backend of a cycle and
 steps 4-5 match the uninterrupted single-process run. Backends that step flat tensors (ZeRO, XLA v1)
 update experts no rank used: on MoE models they must say so, naming the experts, and stay within the
@@ -9,35 +10,43 @@ difference docs/moe.md records."""
 
 import json
 
+import matrix
 import pytest
 from harness import ROOT, torchrun, needs_both
 from zoo import ZOO
+
+from parallel import registry
 
 ZOO_MOE = {name: bool(entry.get("moe")) for name, entry in ZOO.items()}
 
 pytestmark = pytest.mark.distributed
 
 WORKER = ROOT / "tests" / "distributed" / "zoo_worker.py"
-TWO = {"topology": {"procs_per_node": 2}, "micro_batch_size": 2}
-BACKENDS = {
-    "fsdp2": {"backend": "fsdp", **TWO},
-    "fsdp1": {"backend": "fsdp", "fsdp": {"version": 1}, **TWO},
-    "zero1": {"backend": "deepspeed", "shard": "optimizer", **TWO},
-    "zero2": {"backend": "deepspeed", "shard": "grad_op", **TWO},
-    "zero3": {"backend": "deepspeed", "shard": "full", **TWO},
-    "xla1": {"backend": "xla_fsdp", "micro_batch_size": 4, "xla": {"fsdp_version": 1}},
-    "xla2": {"backend": "xla_fsdp", "micro_batch_size": 2, "xla": {"fsdp_version": 2}},
-}
+# Every backend variant in the registry but ZeRO-0: its load of another backend's checkpoint hangs at
+# 2 gloo ranks (found when the matrix added it, 2026-11-24; open, docs/deepspeed.md "Known problems")
+CASES = matrix.cases(world=2, micro_batch_size=2, skip=("zero0",))
+BACKENDS = {c.name: c.spec for c in CASES}
 CYCLE = list(BACKENDS)
-FLAT = {"zero1", "zero2", "zero3", "xla1"}  # one optimizer tensor per flat partition / unit
+FLAT = {c.name for c in CASES if c.flat}  # one optimizer tensor per flat partition / unit
 MOE_FLAT_BOUND = 5e-3  # docs/moe.md: measured 1.2e-3 on Mixtral with AdamW (weight decay 0.1)
-GLOO = ["fsdp2", "fsdp1", "zero1", "zero2", "zero3"]
 SHARED = [m for m, e in ZOO.items() if e.get("xla", True) is True]  # one XLA process for these
 ALONE = [m for m, e in ZOO.items() if e.get("xla") == "alone"]  # a fresh XLA process each
-LAUNCHES = [(GLOO, list(ZOO), {"nproc": 2}),
-            (["xla1"], SHARED, {"xla_devices": 1}), (["xla2"], SHARED, {"xla_devices": 2}),
-            *[(["xla1"], [m], {"xla_devices": 1}) for m in ALONE],
-            *[(["xla2"], [m], {"xla_devices": 2}) for m in ALONE]]
+
+
+def _launches():
+    """Multi-process groups run every model in one launch; a single-process client (XLA's CPU
+    client) runs the models it shares in one process and the heavy ones each in a fresh one."""
+    out = []
+    for group in matrix.by_launch(CASES):
+        names, how = [c.name for c in group], {"nproc": group[0].nproc, "env": group[0].env}
+        if group[0].nproc > 1:
+            out.append((names, list(ZOO), how))
+        else:
+            out += [(names, SHARED, how), *[(names, [m], how) for m in ALONE]]
+    return out
+
+
+LAUNCHES = _launches()
 CELLS = [(b, m) for names, models, _ in LAUNCHES for b in names for m in models]
 
 
@@ -56,12 +65,9 @@ def launch(tmp, phase, names, models, how):
             "--names", ",".join(names), "--models", ",".join(models),
             "--source-of", str(tmp / "source_of.json"), "--root", str(tmp / "ckpt"),
             "--out", str(out)]
-    if "nproc" in how:
-        torchrun(how["nproc"], args, timeout=500)
-    else:
-        env = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(how["xla_devices"]),
-               "USE_TORCH_XLA": "1"}
-        torchrun(1, args, timeout=500, env=env)
+    names_backends = {BACKENDS[n]["backend"] for n in names}
+    env = {k: v for b in names_backends for k, v in registry.get(b).env().items()}
+    torchrun(how["nproc"], args, timeout=500, env={**env, **how["env"]})
     return json.loads(out.read_text())
 
 

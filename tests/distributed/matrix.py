@@ -1,0 +1,65 @@
+"""The cross-backend case table, built from the registry: every variant of every backend (its
+descriptor's `variants`; the backend itself where it has none), as the spec overrides that run it on
+this host at the global batch of `world` ranks (registry.local_run: XLA's CPU client is one process)
+and how to launch it. A backend or variant added to the registry is in every test that takes its
+cases from here; tests/unit/test_registry_matrix.py checks that nothing is left out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from parallel import registry
+from parallel.spec.io import load_spec
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str  # the variant's name (fsdp2, zero3, xla1, ...): what `--backends` accepts too
+    backend: str
+    spec: dict  # overrides that run it here (backend, variant, topology, micro_batch_size)
+    nproc: int  # processes to launch
+    env: dict = field(default_factory=dict)  # the launch's environment (XLA: its device count)
+    flat: bool = False  # the optimizer steps flat tensors (descriptor.flat_optimizer)
+
+    @property
+    def launch(self) -> tuple:
+        """Cases with the same launch can share one process group."""
+        return self.nproc, tuple(sorted(self.env.items()))
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def cases(world: int = 2, micro_batch_size: int = 2, skip: tuple[str, ...] = ()) -> list[Case]:
+    out = []
+    for d in registry.descriptors():
+        for name, overrides in (d.variants or {d.name: {}}).items():
+            if name in skip:
+                continue
+            asked = _merge({"backend": d.name, "micro_batch_size": micro_batch_size}, overrides)
+            # one process driving `world` devices where the backend says its devices per process
+            # are known only at run time (SPMD: PJRT's CPU client gets that many virtual devices)
+            spmd = d.process_devices(load_spec(asked)) is None
+            asked["topology"] = {"procs_per_node": 1 if spmd else world}
+            spec = load_spec(asked)
+            data, env = registry.local_run(spec)
+            env = {"CPU_NUM_DEVICES": str(world)} if spmd else env
+            here = {k: data[k] for k in ("backend", "micro_batch_size", "topology", *overrides)
+                    if k in data}
+            nproc = load_spec(here).world_size
+            out.append(Case(name, d.name, here, nproc, {k: v for k, v in env.items()
+                                                        if k in ("CPU_NUM_DEVICES",)},
+                            d.flat_optimizer(spec)))
+    return out
+
+
+def by_launch(chosen: list[Case]) -> list[list[Case]]:
+    """Cases grouped by how they launch, in registry order: one process group per group."""
+    groups: dict[tuple, list[Case]] = {}
+    for c in chosen:
+        groups.setdefault(c.launch, []).append(c)
+    return list(groups.values())

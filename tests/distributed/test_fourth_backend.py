@@ -1,0 +1,69 @@
+"""A backend added from outside (fourth_backend.py, registered at run time) trains at 2 ranks to one
+process's losses, resumes its own checkpoints exactly, and moves weights to and from FSDP2 through the
+portable format."""
+
+import json
+
+import pytest
+import torch
+from harness import ROOT, torchrun
+
+from parallel.toy import build_llama, llama_config
+
+pytestmark = pytest.mark.distributed
+WORKER = ROOT / "tests" / "distributed" / "fourth_worker.py"
+
+
+def reference() -> list[float]:
+    torch.manual_seed(0)
+    model = build_llama(llama_config("tiny"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 256, (5, 4, 16), generator=torch.Generator().manual_seed(1))
+    out = []
+    for s in range(5):
+        loss = model(input_ids=ids[s], labels=ids[s]).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(float(loss))
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{(saved by, loaded by): steps 1-3 then 4-5}, each phase a fresh 2-rank launch."""
+    tmp, out = tmp_path_factory.mktemp("fourth"), {}
+    for first, then in (("replica", "replica"), ("replica", "fsdp"), ("fsdp", "replica")):
+        ckpt, got = tmp / f"{first}-ckpt", {}
+        for phase, backend in (("save", first), ("load", then)):
+            if phase == "save" and ckpt.exists():
+                got[phase] = json.loads((tmp / f"save-{backend}.json").read_text())
+                continue
+            result = tmp / f"{phase}-{backend}.json"
+            torchrun(2, [str(WORKER), phase, backend, str(ckpt), str(result)], timeout=240)
+            got[phase] = json.loads(result.read_text())
+        out[first, then] = got["save"] + got["load"]
+    return out, reference()
+
+
+def _diff(a, b):
+    return max(abs(x - y) for x, y in zip(a, b))
+
+
+@pytest.mark.timeout(600)
+def test_a_fourth_backend_trains_resumes_and_moves_weights_both_ways(runs):
+    got, ref = runs
+    assert _diff(got["replica", "replica"], ref) <= 1e-5, (got["replica", "replica"], ref)
+    for pair, losses in got.items():  # step 4's loss: the weights each side loaded are exact
+        assert _diff(losses[:4], ref[:4]) <= 1e-5, (pair, losses, ref)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.xfail(strict=True, reason="open (2026-11-24): after a move between this plain "
+                   "data-parallel engine and FSDP2, step 5 is 2.6e-5 / 5e-5 off (the optimizer "
+                   "state's next update), while each resumes itself exactly and the zoo's real "
+                   "backends move exactly; strict, so a fix shows here")
+def test_a_fourth_backend_moves_optimizer_state_exactly(runs):
+    got, ref = runs
+    for pair in (("replica", "fsdp"), ("fsdp", "replica")):
+        assert _diff(got[pair], ref) <= 1e-5, (pair, got[pair], ref)
