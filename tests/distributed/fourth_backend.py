@@ -1,7 +1,7 @@
 """A fourth backend, defined outside polyshard: plain data parallel (every rank holds the whole model,
 gradients summed over ranks), a descriptor and an engine of ~40 lines, saving and loading through the
 portable format. tests/unit/test_fourth_backend.py registers it and runs validate / explain / plan /
-a step; tests/distributed/test_fourth_backend.py trains it at 2 ranks and resumes its checkpoint on
+a step; tests/distributed/test_added_backend.py trains it at 2 ranks and resumes its checkpoint on
 FSDP2 (and FSDP2's on it), matching one process."""
 
 import torch

@@ -1,6 +1,6 @@
 """Adding a backend is one descriptor and its package: a fourth backend defined outside polyshard
 (tests/distributed/fourth_backend.py: plain data parallel) goes through validate, explain, plan and a
-training step with no change to polyshard itself; tests/distributed/test_fourth_backend.py trains it at
+training step with no change to polyshard itself; tests/distributed/test_added_backend.py trains it at
 2 ranks and moves its checkpoints to and from FSDP2 through the portable format."""
 
 import sys
