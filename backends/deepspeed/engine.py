@@ -262,7 +262,7 @@ class DeepSpeedEngine(Engine):
         # ZeRO-3 prefetches the next parameters after each forward (generate's last one included):
         # those all-gathers are waited on and released here, while the process group lives, not
         # left to interpreter teardown (gloo work freed there aborts the process: seen once in CI)
-        if getattr(self, "ds", None) is not None and self.spec.shard == "full":
+        if self.ds is not None and self.spec.shard == "full":
             self.ds.empty_partition_cache()
         super().close()
         if self._hf_zero3 is not None:  # transformers no longer sees ZeRO-3 once the job is done

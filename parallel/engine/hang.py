@@ -62,10 +62,15 @@ class HangWatch:
         store = _store()
         if store is None or dist.get_world_size() == 1:
             return
+        group = dist.group.WORLD  # one watcher per process group: two would both report for a rank
+        if any(getattr(t, "watched_group", None) is group for t in threading.enumerate()):
+            return
         # A clone has its own connection: the main thread's store calls never queue behind the wait.
-        threading.Thread(target=_watch, args=(store.clone(), rank, dist.get_world_size(),
-                                              threading.main_thread(), self.progress),
-                         name="polyshard-hang-watch", daemon=True).start()
+        thread = threading.Thread(target=_watch, args=(store.clone(), rank, dist.get_world_size(),
+                                                       threading.main_thread(), self.progress),
+                                  name="polyshard-hang-watch", daemon=True)
+        thread.watched_group = group
+        thread.start()
 
 
 def _watch(store, rank: int, world: int, main: threading.Thread, progress: Progress) -> None:
