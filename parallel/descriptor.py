@@ -55,6 +55,104 @@ class PlanModel:
     comm: CommVolume
 
 
+class Translate(Protocol):
+    def __call__(self, spec) -> dict:
+        """The backend's own arguments for `spec`, as plain data (`polyshard explain`); a
+        SpecError raised here is a validation rule of the backend."""
+
+
+class SpecFacts(Protocol):  # process_devices, flat_optimizer
+    def __call__(self, spec) -> Any: ...
+
+
+class LocalRun(Protocol):
+    def __call__(self, spec) -> tuple[dict, dict[str, str]]:
+        """(spec dict, extra env) that run the same job (same global batch) on this one host."""
+
+
+class NativeLoop(Protocol):
+    def __call__(self, spec) -> tuple[str, list[str]] | None:
+        """(benchmarks/ script running the same job without polyshard, its flags), or None."""
+
+
+class Export(Protocol):
+    def __call__(self, spec) -> dict:
+        """The spec as another tool's config (accelerate, hf-trainer, deepspeed)."""
+
+
+class AccelerateClaims(Protocol):
+    def __call__(self, distributed_type: str, config: dict) -> int:
+        """How specifically this backend reads an accelerate config (0: not at all; the highest
+        claim wins)."""
+
+
+class AccelerateSection(Protocol):
+    def __call__(self, imported, config: dict, directory) -> None:
+        """Maps the backend's section of an accelerate config into `imported` (an Import)."""
+
+
+class ConfigImporter(Protocol):
+    def __call__(self, path, lossy: bool, given: set) -> tuple[dict, Any]:
+        """A backend's own config file -> (spec dict, report): `polyshard import KIND FILE`."""
+
+
+def _one_device(spec) -> int:
+    return 1
+
+
+def _no_native(spec) -> None:
+    return None
+
+
+def _not_flat(spec) -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How this backend's processes start."""
+
+    # Environment every process starts with under `polyshard launch` (a value the user set wins).
+    env: Callable[[], dict[str, str]] = dict
+    # Where the runtime lays processes out differently on this host (XLA's single-process CPU
+    # client); None: as written.
+    local_run: LocalRun | None = None
+    accelerator: str = "nvidia.com/gpu"  # what a cluster job requests (Slurm / Kubernetes)
+    # Devices one process feeds (SPMD drives all of a host's): None when known only at run time.
+    process_devices: SpecFacts = _one_device
+
+
+@dataclass(frozen=True)
+class Interop:
+    """Other tools' files in and out."""
+
+    exports: dict[str, Export] = field(default_factory=dict)  # format -> this backend's spec -> data
+    formats: dict[str, Export] = field(default_factory=dict)  # format -> any spec -> data
+    accelerate_claims: AccelerateClaims | None = None
+    accelerate_section: AccelerateSection | None = None
+    # top-level keys of an accelerate file this backend reads beyond accelerate's own
+    accelerate_keys: frozenset[str] = frozenset()
+    config_importers: dict[str, ConfigImporter] = field(default_factory=dict)  # `polyshard import`
+
+
+@dataclass(frozen=True)
+class Checkpoints:
+    """Native checkpoint formats, as "module:callable" references imported on first use."""
+
+    # kind -> reader: src dir -> (portable state, steps, world size)
+    readers: dict[str, str] = field(default_factory=dict)
+    # kind -> writer: (checkpoint path, out dir) -> path written
+    writers: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Bench:
+    """What `polyshard bench` compares against and can count."""
+
+    native: NativeLoop = _no_native  # `polyshard bench --vs-native`
+    comm_counted: bool = True  # False: collectives are compiled into a graph, c10d never sees them
+
+
 @dataclass(frozen=True)
 class BackendDescriptor:
     name: str  # the value of the spec's `backend` field
@@ -62,39 +160,19 @@ class BackendDescriptor:
     capabilities: Capabilities
     # The spec -> the backend's own arguments, as plain data (`polyshard explain`). It is also the
     # backend's validation rule: a SpecError raised here fails spec validation everywhere.
-    translate: Callable[[Any], dict]
+    translate: Translate
     engine: str  # "module:callable" taking the Spec, returning an Engine
     extra: str = ""  # the pip extra that installs its dependency ("" for none)
     packages: tuple[str, ...] = ()  # distributions whose versions a checkpoint records
-    # Environment every process starts with under `polyshard launch` (a value the user set wins).
-    env: Callable[[], dict[str, str]] = dict
-    # Spec -> (spec dict, extra env) that runs the same job on this one host when its runtime lays
-    # processes out differently (XLA's single-process CPU client); None: as written.
-    local_run: Callable | None = None
-    accelerator: str = "nvidia.com/gpu"  # what a cluster job requests (Slurm / Kubernetes)
     tensor_parallel: bool = False  # reads topology.tp > 1 (none does yet)
-    # Devices one process feeds (SPMD drives all of a host's): None when known only at run time.
-    process_devices: Callable[[Any], int | None] = lambda spec: 1
-    # Spec -> (benchmarks/ script running the same job without polyshard, its flags), or None where
-    # the backend has no hand-written loop for that spec (`polyshard bench --vs-native`).
-    native: Callable[[Any], tuple[str, list[str]] | None] = lambda spec: None
     # Short names for common configurations of this backend (name -> spec overrides), which
-    # `polyshard bench/parity --backends` accept beside backend names: fsdp1, zero2, xla1, ...
+    # `polyshard bench/parity --backends` and every cross-backend test take: fsdp1, zero2, xla1...
     variants: dict[str, dict] = field(default_factory=dict)
     # Spec -> does the optimizer step flat tensors holding many parameters? Then a parameter a step
     # did not use (an expert no rank routed to) is still updated (docs/moe.md); the engine says so.
-    flat_optimizer: Callable[[Any], bool] = lambda spec: False
+    flat_optimizer: SpecFacts = _not_flat
     plan: PlanModel | None = None
-    comm_counted: bool = True  # False: collectives are compiled into a graph, c10d never sees them
-    exports: dict[str, Callable] = field(default_factory=dict)  # format -> this backend's spec -> data
-    formats: dict[str, Callable] = field(default_factory=dict)  # format -> any spec -> data
-    # accelerate config: (distributed_type, whole config) -> how specifically this backend reads it
-    # (0: not at all; the highest claim wins), the function that maps its section: (Import, config,
-    # the yaml's directory) -> None, and top-level keys it reads beyond accelerate's own
-    accelerate_claims: Callable[[str, dict], int] | None = None
-    accelerate_section: Callable | None = None
-    accelerate_keys: frozenset[str] = frozenset()
-    # file kind -> (path, lossy, given) -> (spec dict, report): `polyshard import KIND FILE`
-    config_importers: dict[str, Callable] = field(default_factory=dict)
-    checkpoint_readers: dict[str, str] = field(default_factory=dict)  # kind -> "module:reader"
-    checkpoint_writers: dict[str, str] = field(default_factory=dict)  # kind -> "module:writer"
+    launch: Launch = Launch()
+    interop: Interop = Interop()
+    checkpoints: Checkpoints = Checkpoints()
+    bench: Bench = Bench()

@@ -90,36 +90,37 @@ def local_run(spec) -> tuple[dict, dict[str, str]]:
     """The spec (as data) and environment that run `spec`'s job on this host, same global batch."""
     descriptor = get(spec.backend)
     data = spec.model_dump(mode="json", exclude_unset=True)
-    if descriptor.local_run is None:
-        return data, descriptor.env()
-    adapted, env = descriptor.local_run(spec)
-    return adapted, {**descriptor.env(), **env}
+    launch = descriptor.launch
+    if launch.local_run is None:
+        return data, launch.env()
+    adapted, env = launch.local_run(spec)
+    return adapted, {**launch.env(), **env}
 
 
 def accelerate_reader(kind: str, cfg: dict):
     """The section reader of the backend that reads an accelerate file of this kind most
     specifically (claims are priorities), or None when none reads it."""
-    claims = [(d.accelerate_claims(kind, cfg), d.accelerate_section) for d in descriptors()
-              if d.accelerate_claims is not None]
+    claims = [(d.interop.accelerate_claims(kind, cfg), d.interop.accelerate_section)
+              for d in descriptors() if d.interop.accelerate_claims is not None]
     best = max(claims, key=lambda c: c[0], default=(0, None))
     return best[1] if best[0] > 0 else None
 
 
 def accelerate_keys() -> set[str]:
     """Top-level accelerate-file keys some backend reads beyond accelerate's own."""
-    return {k for d in descriptors() for k in d.accelerate_keys}
+    return {k for d in descriptors() for k in d.interop.accelerate_keys}
 
 
 def config_importer(kind: str):
     """(path, lossy, given) -> (spec dict, report) for a config file kind a backend reads."""
     for d in descriptors():
-        if kind in d.config_importers:
-            return d.config_importers[kind]
+        if kind in d.interop.config_importers:
+            return d.interop.config_importers[kind]
     raise KeyError(kind)
 
 
 def config_import_kinds() -> list[str]:
-    return [k for d in descriptors() for k in d.config_importers]
+    return [k for d in descriptors() for k in d.interop.config_importers]
 
 
 def exporter(fmt: str, backend: str):
@@ -127,44 +128,49 @@ def exporter(fmt: str, backend: str):
     from parallel.spec.io import SpecError
 
     descriptor = get(backend)
-    if fmt in descriptor.exports:
-        return descriptor.exports[fmt]
+    if fmt in descriptor.interop.exports:
+        return descriptor.interop.exports[fmt]
     for d in descriptors():
-        if fmt in d.formats:
-            return d.formats[fmt]
+        if fmt in d.interop.formats:
+            return d.interop.formats[fmt]
     why = descriptor.capabilities.exports.get(fmt)
     raise SpecError([("backend", f"{backend!r} has no {fmt} export" + (
         f": {why.reason}; use {why.nearest}" if why else f"; it exports to "
-        f"{', '.join(sorted(descriptor.exports) + sorted(k for d in descriptors() for k in d.formats))}"))])
+        f"{', '.join(sorted(descriptor.interop.exports) + sorted(_formats()))}"))])
 
 
 def export_formats() -> list[str]:
-    return sorted({k for d in descriptors() for k in (*d.exports, *d.formats)})
+    return sorted({k for d in descriptors() for k in d.interop.exports} | set(_formats()))
+
+
+def _formats() -> list[str]:
+    return [k for d in descriptors() for k in d.interop.formats]
 
 
 def _checkpoint_io(kind: str, table: str):
     for d in descriptors():
-        if kind in getattr(d, table):
-            return load(d, getattr(d, table)[kind])
+        refs = getattr(d.checkpoints, table)
+        if kind in refs:
+            return load(d, refs[kind])
     raise KeyError(kind)
 
 
 def checkpoint_reader(kind: str):
     """src dir -> (portable state, steps, world size): a backend's native checkpoint format in."""
-    return _checkpoint_io(kind, "checkpoint_readers")
+    return _checkpoint_io(kind, "readers")
 
 
 def checkpoint_kinds() -> list[str]:
-    return [k for d in descriptors() for k in d.checkpoint_readers]
+    return [k for d in descriptors() for k in d.checkpoints.readers]
 
 
 def checkpoint_writer(kind: str):
     """(checkpoint path, out dir) -> path written: a backend's native checkpoint format out."""
-    return _checkpoint_io(kind, "checkpoint_writers")
+    return _checkpoint_io(kind, "writers")
 
 
 def checkpoint_writer_kinds() -> list[str]:
-    return [k for d in descriptors() for k in d.checkpoint_writers]
+    return [k for d in descriptors() for k in d.checkpoints.writers]
 
 
 def packages() -> list[str]:

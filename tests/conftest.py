@@ -29,3 +29,21 @@ def pytest_sessionfinish(session, exitstatus):
     target = root / ("docs" if os.environ.get("POLYSHARD_UPDATE_DOCS") == "1" else "runs")
     target.mkdir(exist_ok=True)
     reliability.write_doc(target / "reliability.md")
+
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Every file's time (setup + call + teardown, from the run's reports, as --durations reads
+    them), slowest first: the suite's 35-minute budget is kept file by file."""
+    times: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if hasattr(report, "duration") and hasattr(report, "nodeid"):
+                path = report.nodeid.split("::")[0]
+                times[path] = times.get(path, 0.0) + report.duration
+    if not times:
+        return
+    terminalreporter.section("seconds per test file")
+    for path, seconds in sorted(times.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{seconds:8.1f}  {path}")
+    terminalreporter.write_line(f"{sum(times.values()):8.1f}  total")

@@ -6,7 +6,8 @@ from __future__ import annotations
 from backends.deepspeed import accelerate, exports, plan
 from backends.deepspeed.interop import from_deepspeed_file
 from backends.deepspeed.translate import STAGES, translate
-from parallel.descriptor import BackendDescriptor, Capabilities, PlanModel, Unsupported
+from parallel.descriptor import (BackendDescriptor, Bench, Capabilities, Checkpoints, Interop,
+                                 Launch, PlanModel, Unsupported)
 
 DESCRIPTOR = BackendDescriptor(
     name="deepspeed",
@@ -20,19 +21,21 @@ DESCRIPTOR = BackendDescriptor(
     engine="backends.deepspeed.engine:make_engine",
     extra="deepspeed",
     packages=("deepspeed",),
-    env=lambda: {"USE_TORCH_XLA": "0"},
-    native=lambda spec: ("native_deepspeed.py", [f"--stage={STAGES[spec.shard]}"]),
     variants={f"zero{stage}": {"shard": shard} for shard, stage in STAGES.items()
               if not shard.startswith("hybrid")},
     flat_optimizer=lambda spec: True,  # ZeRO's flat fp32 partitions (ZeRO-0 too: state.py)
     plan=PlanModel(plan.model_states, plan.comm),
-    exports={"accelerate": exports.to_accelerate, "hf-trainer": exports.to_hf_trainer},
-    formats={"deepspeed": exports.to_deepspeed},
-    accelerate_claims=accelerate.claims,
-    accelerate_section=accelerate.section,
-    config_importers={"deepspeed": from_deepspeed_file},
-    checkpoint_readers={"deepspeed": "backends.deepspeed.native_checkpoint:read_deepspeed",
-                        "deepspeed-universal":
-                            "backends.deepspeed.native_checkpoint:read_deepspeed_universal"},
-    checkpoint_writers={"deepspeed-universal": "backends.deepspeed.universal:write_universal"},
+    launch=Launch(env=lambda: {"USE_TORCH_XLA": "0"}),
+    interop=Interop(
+        exports={"accelerate": exports.to_accelerate, "hf-trainer": exports.to_hf_trainer},
+        formats={"deepspeed": exports.to_deepspeed},
+        accelerate_claims=accelerate.claims,
+        accelerate_section=accelerate.section,
+        config_importers={"deepspeed": from_deepspeed_file}),
+    checkpoints=Checkpoints(
+        readers={"deepspeed": "backends.deepspeed.native_checkpoint:read_deepspeed",
+                 "deepspeed-universal":
+                     "backends.deepspeed.native_checkpoint:read_deepspeed_universal"},
+        writers={"deepspeed-universal": "backends.deepspeed.universal:write_universal"}),
+    bench=Bench(native=lambda spec: ("native_deepspeed.py", [f"--stage={STAGES[spec.shard]}"])),
 )

@@ -94,7 +94,7 @@ def _config(spec: Spec) -> tuple[dict, dict]:
     config = {
         "train_micro_batch_size_per_gpu": spec.micro_batch_size,
         "gradient_accumulation_steps": spec.grad_accum_steps,
-        "train_batch_size": spec.micro_batch_size * spec.grad_accum_steps * spec.world_size,
+        "train_batch_size": spec.micro_batch_size * spec.grad_accum_steps * spec.dims.dp_size,
         # Written even when off: DeepSpeed's default is 1.0, which changes every update silently.
         "gradient_clipping": spec.grad_clip or 0.0,
         "zero_optimization": zero,

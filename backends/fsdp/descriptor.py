@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from backends.fsdp import accelerate, exports, plan
 from backends.fsdp.translate import translate
-from parallel.descriptor import BackendDescriptor, Capabilities, PlanModel, Unsupported
+from parallel.descriptor import (BackendDescriptor, Bench, Capabilities, Interop, Launch,
+                                 PlanModel, Unsupported)
 
 NATIVE_STAGE = {"full": 3, "grad_op": 2}  # benchmarks/native_fsdp{1,2}.py: reshard after forward or not
 
@@ -21,14 +22,15 @@ DESCRIPTOR = BackendDescriptor(
     }),
     translate=translate,
     engine="backends.fsdp.engine:make_engine",
-    # accelerate and transformers import torch_xla whenever it is installed, and accelerate then
-    # picks XLA even under torchrun unless USE_TORCH_XLA=0
-    env=lambda: {"USE_TORCH_XLA": "0"},
-    native=lambda spec: (f"native_fsdp{spec.fsdp.version}.py",
-                         [f"--stage={NATIVE_STAGE.get(spec.shard, 0)}"]),
     variants={"fsdp2": {"fsdp": {"version": 2}}, "fsdp1": {"fsdp": {"version": 1}}},
     plan=PlanModel(plan.model_states, plan.comm),
-    exports={"accelerate": exports.to_accelerate, "hf-trainer": exports.to_hf_trainer},
-    accelerate_claims=accelerate.claims,
-    accelerate_section=accelerate.section,
+    # accelerate and transformers import torch_xla whenever it is installed, and accelerate then
+    # picks XLA even under torchrun unless USE_TORCH_XLA=0
+    launch=Launch(env=lambda: {"USE_TORCH_XLA": "0"}),
+    interop=Interop(
+        exports={"accelerate": exports.to_accelerate, "hf-trainer": exports.to_hf_trainer},
+        accelerate_claims=accelerate.claims,
+        accelerate_section=accelerate.section),
+    bench=Bench(native=lambda spec: (f"native_fsdp{spec.fsdp.version}.py",
+                                     [f"--stage={NATIVE_STAGE.get(spec.shard, 0)}"])),
 )

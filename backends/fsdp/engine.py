@@ -24,6 +24,7 @@ from parallel.spec.io import SpecError
 from parallel.spec.model import Spec
 from parallel.tools.measurable import ModuleStateTensors
 
+DP = ("dp_replicate", "dp_shard")  # the mesh dims FSDP shards and replicates over (no tp)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # fp32 / None: no cast
 
 
@@ -151,8 +152,8 @@ class FSDP2Engine(_TorchFSDP):
             pin = kwargs["offload_policy"]["pin_memory"] and self.device.type == "cuda"
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=pin)
         _check_kwargs(fully_shard, kwargs)
-        # the engine's data-parallel mesh: 2-D (replicas, shard group), or its shard dim alone
-        mesh = self.device_mesh if len(self.plan["mesh"]) == 2 else self.device_mesh["dp_shard"]
+        # the data-parallel slice of the engine's mesh: 2-D (replicas, shard group), or its shard dim
+        mesh = self.device_mesh[DP if len(self.plan["mesh"]) == 2 else "dp_shard"]
         if lazy:
             full_sd, buffers = {}, None
             if self.is_main:  # copies: fully_shard and to_empty below replace the originals
@@ -262,7 +263,7 @@ class FSDP1Engine(_TorchFSDP):
                 param_dtype=DTYPES.get(mp["param_dtype"]),
                 reduce_dtype=DTYPES.get(mp["reduce_dtype"], torch.float32))
         if self.plan["mesh"]:  # hybrid: the engine's (replicas, shard group) mesh
-            kwargs["device_mesh"] = self.device_mesh
+            kwargs["device_mesh"] = self.device_mesh[DP]
         if self.device.type == "cpu" and kwargs["sync_module_states"]:
             # torch 2.9's FSDP1 rejects sync_module_states for CPU tensors (it broadcasts over the
             # GPU); on CPU the same broadcast from rank 0 happens here, before wrapping.

@@ -4,7 +4,6 @@ validation rules (parallel/descriptor.py): every spec that reaches an engine pas
 
 from __future__ import annotations
 
-from parallel.engine.dims import ParallelDims
 from parallel.spec.io import SpecError, merge_native
 from parallel.spec.model import HYBRID_SHARDS, Spec
 
@@ -14,10 +13,10 @@ FSDP1_STRATEGY = {"full": "FULL_SHARD", "grad_op": "SHARD_GRAD_OP", "none": "NO_
 
 
 def mesh_shape(spec: Spec) -> tuple[int, ...]:
-    """The data-parallel mesh FSDP shards over (parallel/engine/dims.py): (replicas, shard group)
+    """The data-parallel mesh FSDP shards over (parallel/spec/dims.py): (replicas, shard group)
     for hybrid, and for `none`, which on FSDP2 is a hybrid mesh whose shard groups have one rank
     (every rank keeps everything, gradients are all-reduced: DDP); the shard group alone otherwise."""
-    dims = ParallelDims.from_spec(spec)
+    dims = spec.dims
     if spec.shard in HYBRID_SHARDS or spec.shard == "none":
         return (dims.dp_replicate, dims.dp_shard)
     return (dims.dp_shard,)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from backends.xla import accelerate, exports, plan
 from backends.xla.translate import local_run, translate
-from parallel.descriptor import BackendDescriptor, Capabilities, PlanModel, Unsupported
+from parallel.descriptor import (BackendDescriptor, Bench, Capabilities, Checkpoints, Interop,
+                                 Launch, PlanModel, Unsupported)
 from parallel.launch.envinfo import detect_pjrt_device
 
 NO_HYBRID = "XLA FSDP has no hybrid (replicate x shard) mode"
@@ -43,21 +44,24 @@ DESCRIPTOR = BackendDescriptor(
     engine="backends.xla.engine:make_engine",
     extra="xla",
     packages=("torch_xla",),
-    # PJRT_DEVICE set explicitly, so nothing guesses (transformers prints "Defaulting to CPU")
-    env=lambda: {"PJRT_DEVICE": detect_pjrt_device(), "USE_TORCH_XLA": "1"},
-    local_run=local_run,
-    accelerator="",  # TPU VMs: no GPU resource to request
-    native=lambda spec: (("native_xla.py", ["--flatten"] if spec.xla.flatten_parameters else [])
-                         if spec.xla.fsdp_version == 1 else None),
     variants={"xla1": {"xla": {"fsdp_version": 1}}, "xla2": {"xla": {"fsdp_version": 2}}},
-    # SPMD (v2): one process drives every local device; how many is known at run time
-    process_devices=lambda spec: None if spec.xla.fsdp_version == 2 else 1,
     flat_optimizer=lambda spec: spec.xla.fsdp_version == 1,  # flatten_parameters: one per unit
     plan=PlanModel(plan.model_states, plan.comm),
-    comm_counted=False,  # compiled into the graph: c10d never sees them
-    exports={"hf-trainer": exports.to_hf_trainer},
-    accelerate_claims=accelerate.claims,
-    accelerate_section=accelerate.section,
-    accelerate_keys=frozenset({"xla"}),  # transformers' guide also puts it at the top level
-    checkpoint_readers={"xla": "backends.xla.native_checkpoint:read_xla"},
+    launch=Launch(
+        # PJRT_DEVICE set explicitly, so nothing guesses (transformers prints "Defaulting to CPU")
+        env=lambda: {"PJRT_DEVICE": detect_pjrt_device(), "USE_TORCH_XLA": "1"},
+        local_run=local_run,
+        accelerator="",  # TPU VMs: no GPU resource to request
+        # SPMD (v2): one process drives every local device; how many is known at run time
+        process_devices=lambda spec: None if spec.xla.fsdp_version == 2 else 1),
+    interop=Interop(
+        exports={"hf-trainer": exports.to_hf_trainer},
+        accelerate_claims=accelerate.claims,
+        accelerate_section=accelerate.section,
+        accelerate_keys=frozenset({"xla"})),  # transformers' guide also puts it at the top level
+    checkpoints=Checkpoints(readers={"xla": "backends.xla.native_checkpoint:read_xla"}),
+    bench=Bench(
+        native=lambda spec: (("native_xla.py", ["--flatten"] if spec.xla.flatten_parameters
+                              else []) if spec.xla.fsdp_version == 1 else None),
+        comm_counted=False),  # compiled into the graph: c10d never sees them
 )

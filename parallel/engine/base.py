@@ -27,7 +27,6 @@ from torch.utils.data import DataLoader
 
 from parallel.engine import dist as pdist
 from parallel.engine.data import ResumableLoader, ResumableSampler
-from parallel.engine.dims import ParallelDims
 from parallel.engine.hooks import BackendHooks
 from parallel.engine.checkpointing import Checkpointer
 from parallel.engine.compiling import CompileStats, CompileWatch, apply_compile
@@ -61,7 +60,7 @@ class Engine(BackendHooks):
         self.ctx = pdist.init_distributed(spec.timeout_s)
         self.hang = HangWatch(self.ctx.rank)  # idle until a collective times out; never per step
         self.progress = self.hang.progress
-        self.dims = ParallelDims.from_spec(spec)  # the data-parallel layout, built once
+        self.dims = spec.dims  # every parallel dimension, built once
         self._check_world()
         pdist.seed_everything(spec.seed)
         self.step = 0
@@ -101,8 +100,8 @@ class Engine(BackendHooks):
 
     @functools.cached_property
     def device_mesh(self):
-        """The torch DeviceMesh over (dp_replicate, dp_shard), made on first use (backends that
-        shard with torch's DeviceMesh take it or a slice of it)."""
+        """The torch DeviceMesh over (dp_replicate, dp_shard, tp), made on first use (backends that
+        shard with torch's DeviceMesh take the slice they shard over)."""
         return self.dims.device_mesh(self.device.type)
 
     def _say(self, message: str) -> None:

@@ -29,7 +29,7 @@ def slurm_script(spec: Spec, spec_path: str, overrides: list[str], script: str,
     rendezvous lives on the first node of the allocation; --kill-on-bad-exit ends every node when
     one fails, instead of leaving the others waiting in a collective."""
     nodes, procs = spec.topology.nodes, spec.topology.procs_per_node
-    gpus = f"#SBATCH --gpus-per-node={procs}\n" if get(spec.backend).accelerator else ""
+    gpus = f"#SBATCH --gpus-per-node={procs}\n" if get(spec.backend).launch.accelerator else ""
     launch = " ".join(shlex.quote(w) for w in _launch_words(
         spec_path, overrides, script, script_args, "__ENDPOINT__", max_restarts))
     launch = launch.replace("__ENDPOINT__", '"$head:' + str(RDZV_PORT) + '"')
@@ -87,7 +87,7 @@ def k8s_manifest(spec: Spec, spec_path: str, overrides: list[str], script: str,
     nodes, procs = spec.topology.nodes, spec.topology.procs_per_node
     command = _launch_words(spec_path, overrides, script, script_args,
                             "$(PET_MASTER_ADDR):$(PET_MASTER_PORT)", max_restarts)
-    device = get(spec.backend).accelerator  # TPU VMs: the host's chips, nothing to request
+    device = get(spec.backend).launch.accelerator  # TPU VMs: the host's chips, nothing to request
     limits = {device: procs} if device else {}
 
     def replica(count: int) -> dict:

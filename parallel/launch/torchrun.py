@@ -80,7 +80,7 @@ def torchrun_command(spec: Spec, args: LaunchArgs, script: str, script_args: lis
 
 def launch_env(spec: Spec, spec_file: Path) -> dict[str, str]:
     env = dict(os.environ)
-    for key, value in get(spec.backend).env().items():
+    for key, value in get(spec.backend).launch.env().items():
         env.setdefault(key, value)  # a value the user exported wins
     env[SPEC_ENV] = str(spec_file)
     env.setdefault("OMP_NUM_THREADS", "1")  # ranks share the host's cores; torchrun warns otherwise

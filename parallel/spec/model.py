@@ -16,6 +16,7 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator, model_validator
 
 from parallel.spec.compiling import Compile
+from parallel.spec.dims import HYBRID, ParallelDims
 from parallel.spec.sections import (
     Checkpointing,
     DeepSpeedOptions,
@@ -29,7 +30,7 @@ from parallel.spec.sections import (
 )
 
 Shard = Literal["full", "grad_op", "optimizer", "none", "hybrid", "hybrid_grad_op"]
-HYBRID_SHARDS = ("hybrid", "hybrid_grad_op")
+HYBRID_SHARDS = HYBRID
 
 
 def _backend_choices(schema: dict) -> None:
@@ -163,11 +164,16 @@ class Spec(Section):
         return self.topology.world_size
 
     @property
+    def dims(self) -> ParallelDims:
+        """Every parallel dimension (parallel/spec/dims.py): ask it for data-parallel facts."""
+        return ParallelDims.from_spec(self)
+
+    @property
     def shard_group_size(self) -> int:
-        """Ranks that shard one copy of the model (the whole world unless hybrid)."""
+        """Ranks that shard one copy of the model (every data-parallel rank unless hybrid)."""
         if self.shard in HYBRID_SHARDS:
             return self.topology.shard_group_size or self.topology.procs_per_node
-        return self.world_size
+        return self.dims.dp_size
 
     @property
     def grad_reduce_dtype(self) -> str:
@@ -222,15 +228,16 @@ class Spec(Section):
     def _batch_rules(self) -> list[tuple[str, str]]:
         from parallel.registry import get
 
-        devices = get(self.backend).process_devices(self)  # None: known at run time (SPMD)
+        devices = get(self.backend).launch.process_devices(self)  # None: known at run time (SPMD)
         if self.global_batch_size is None or devices is None:
             return []
-        per_step = self.micro_batch_size * self.grad_accum_steps * self.world_size * devices
+        dp = self.dims.dp_size  # tensor-parallel ranks share a batch
+        per_step = self.micro_batch_size * self.grad_accum_steps * dp * devices
         if per_step == self.global_batch_size:
             return []
         return [("global_batch_size", f"{self.global_batch_size} != micro_batch_size "
                  f"{self.micro_batch_size} x grad_accum_steps {self.grad_accum_steps} x "
-                 f"{self.world_size} rank(s) = {per_step}; change one of them (e.g. "
+                 f"{dp} data-parallel rank(s) = {per_step}; change one of them (e.g. "
                  "--set topology.procs_per_node=N) so the product is the global batch")]
 
     @model_validator(mode="after")

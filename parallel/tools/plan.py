@@ -68,9 +68,7 @@ def model_states(spec, shapes, n: int | None = None, optimizer: str = "adamw"
 
     low = 4 if spec.precision == "fp32" else 2
     opt = ADAM if optimizer == "adamw" else SGD
-    from parallel.engine.dims import ParallelDims
-
-    n = n or ParallelDims.from_spec(spec).dp_shard  # ranks one copy of the model is sharded over
+    n = n or spec.dims.dp_shard  # ranks one copy of the model is sharded over
     p, g, o = get(spec.backend).plan.model_states(spec, shapes, n, low, opt)
     if spec.offload in ("optimizer", "params"):
         o = 0.0

@@ -1,11 +1,10 @@
-"""checkpoint.async_save on FSDP2 and ZeRO-3 (2 ranks): steps 1-3, async save, steps 4-5 while it is
-written, a second async save (waits for the first); then a fresh engine loads the step-3 checkpoint and
-takes steps 4-5 again. Also times how long `save` blocks, sync and async, on the same state. Rank 0
-writes everything to --out."""
+"""checkpoint.async_save on every case --cases names (2 ranks): steps 1-3, async save, steps 4-5
+while it is written, a second async save (waits for the first); then a fresh engine loads the step-3
+checkpoint and takes steps 4-5 again. Also times how long `save` blocks, sync and async, on the same
+state. Rank 0 writes everything to --out."""
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 
@@ -16,14 +15,8 @@ from parallel import create_engine, load_spec
 from parallel.checkpoint.directory import verify_checkpoint
 from parallel.toy import build_llama, llama_config
 
-SPECS = {"fsdp2": {"backend": "fsdp"}, "zero3": {"backend": "deepspeed", "shard": "full"}}
-
-
 def engine_for(spec, seed):
-    engine = create_engine(load_spec({**spec, "micro_batch_size": 2,
-                                      # 2 gloo ranks on CPU; one per GPU under NCCL
-                                      "topology": {"procs_per_node": int(os.environ.get(
-                                          "LOCAL_WORLD_SIZE", 2))}}))
+    engine = create_engine(load_spec(spec))
     torch.manual_seed(seed)
     engine.prepare(build_llama(llama_config("demo")), (torch.optim.AdamW, {"lr": 1e-3}))
     return engine
@@ -32,7 +25,7 @@ def engine_for(spec, seed):
 def steps(engine, batches):
     out = []
     for b in batches:
-        mine = b[engine.rank * 2:(engine.rank + 1) * 2]
+        mine = b[engine.dp_rank * 2:(engine.dp_rank + 1) * 2]
         out.append(engine.train_step({"input_ids": mine, "labels": mine}).loss)
     return out
 
@@ -51,11 +44,12 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--root", required=True)
     p.add_argument("--out", required=True)
+    p.add_argument("--cases", required=True, help="JSON file: {name: spec}")
     a = p.parse_args()
     root, out = Path(a.root), {}
     g = torch.Generator().manual_seed(3)
     batches = [torch.randint(0, 256, (4, 32), generator=g) for _ in range(5)]
-    for name, spec in SPECS.items():
+    for name, spec in json.loads(Path(a.cases).read_text()).items():
         a_ = engine_for({**spec, "checkpoint": {"async_save": True}}, 0)
         first = steps(a_, batches[:3])
         a_.save(root / name / "step-3")  # async: returns after staging

@@ -63,7 +63,7 @@ def main():
     engine.prepare(model, (torch.optim.AdamW, {"lr": 1e-3}))
     rows = engine.samples_per_step
     ids = torch.randint(0, 256, (rows * engine.world_size, 16), generator=torch.Generator().manual_seed(1))
-    mine = ids[engine.rank * rows:(engine.rank + 1) * rows]
+    mine = ids[engine.dp_rank * rows:(engine.dp_rank + 1) * rows]
     before = engine.train_step({"input_ids": mine, "labels": mine}).loss
     dist.barrier()
     with Peak() as save:

@@ -14,6 +14,10 @@
 
 The loop is the one a user writes: engine.resume() (checkpoint.resume: auto), train_step,
 engine.maybe_save() every checkpoint.every steps. Rank 0 appends every step's loss to --log.
+
+  --references FILE             no faults: run every spec of FILE ({name: spec}) uninterrupted in
+                                this one launch (the reference losses of many cases for the price
+                                of one start-up); rank 0 writes {name: losses} to --out
 """
 
 import argparse
@@ -24,7 +28,9 @@ import time
 
 import torch
 
-from parallel import create_engine
+from pathlib import Path
+
+from parallel import create_engine, load_spec
 from parallel.launch.torchrun import current_spec
 from parallel.toy import build_llama, llama_config
 
@@ -45,22 +51,49 @@ def die():
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def start(spec):
+    engine = create_engine(spec)
+    torch.manual_seed(spec.seed)
+    engine.prepare(build_llama(llama_config("tiny")), (torch.optim.AdamW, {"lr": 1e-2}))
+    return engine, engine.dataloader(Tokens())
+
+
+def references(path, steps, log):
+    """The uninterrupted losses of every spec in `path`, one engine after another (no close
+    between them: one process group for the launch)."""
+    out = {}
+    for name, data in json.loads(Path(path).read_text()).items():
+        engine, loader = start(load_spec(data))
+        engine.resume()
+        losses = []
+        while engine.step < steps:
+            for batch in loader:
+                losses.append(engine.train_step(batch).loss)
+                engine.maybe_save()
+                if engine.step >= steps:
+                    break
+        out[name] = losses
+    if engine.is_main:
+        Path(log).write_text(json.dumps(out))
+
+
 def main():
     p = argparse.ArgumentParser()
+    p.add_argument("--references")
+    p.add_argument("--out", help="--references: where the losses go")
     p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--log", required=True)
+    p.add_argument("--log")
     p.add_argument("--kill-rank", type=int, default=1)
     p.add_argument("--sleep", type=float, default=0.0, help="seconds after each step (a slow job)")
     for flag in ("--kill-step", "--kill-in-save", "--stall-step", "--bad-batch-step",
                  "--signal-step", "--signal-in-save"):
         p.add_argument(flag, type=int)
     args = p.parse_args()
+    if args.references:
+        return references(args.references, args.steps, args.out)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     spec = current_spec()
-    engine = create_engine(spec)
-    torch.manual_seed(spec.seed)
-    engine.prepare(build_llama(llama_config("tiny")), (torch.optim.AdamW, {"lr": 1e-2}))
-    loader = engine.dataloader(Tokens())
+    engine, loader = start(spec)
     faulty = args.kill_rank in (engine.rank, -1) and attempt == 0
     fresh = not (spec.checkpoint.dir and os.path.exists(os.path.join(spec.checkpoint.dir, "latest")))
     if faulty and args.kill_in_save:

@@ -39,7 +39,7 @@ def engine_for(spec_dict):
 
 def mine(engine, ids, poison=False):
     rows = engine.samples_per_step
-    part = ids[engine.rank * rows:(engine.rank + 1) * rows]
+    part = ids[engine.dp_rank * rows:(engine.dp_rank + 1) * rows]
     scale = torch.full((rows,), float("nan") if poison and engine.rank == engine.world_size - 1
                        else 1.0)
     return {"input_ids": part, "labels": part, "scale": scale}

@@ -28,7 +28,7 @@ def main():
         engine.prepare(build_llama(llama_config("tiny")),
                        (torch.optim.AdamW, {"lr": ref["lr"], "weight_decay": ref["weight_decay"]}))
         manifest = engine.load(a.fixture)
-        mine = batch[engine.rank * 2:(engine.rank + 1) * 2]
+        mine = batch[engine.dp_rank * 2:(engine.dp_rank + 1) * 2]
         out[name] = {"step": engine.step, "format": manifest["format_version"],
                      "loss": engine.train_step({"input_ids": mine, "labels": mine}).loss}
         rank = engine.rank  # no close() between engines: one process group for the launch

@@ -18,7 +18,7 @@ engine = create_engine(spec)
 torch.manual_seed(0 if phase == "save" else 7)
 engine.prepare(build_llama(llama_config("tiny")), (torch.optim.AdamW, {"lr": 1e-3}))
 ids = torch.randint(0, 256, (5, 4, 16), generator=torch.Generator().manual_seed(1))
-mine = slice(engine.rank * 2, engine.rank * 2 + 2)
+mine = slice(engine.dp_rank * 2, engine.dp_rank * 2 + 2)
 if phase == "load":
     engine.load(ckpt)
 steps = range(3) if phase == "save" else range(3, 5)

@@ -20,7 +20,7 @@ if True:  # one engine per process: DeepSpeed keeps its process groups for the p
     engine.prepare(lambda: LlamaForCausalLM.from_pretrained(pretrained, dtype=torch.float32),
                    (torch.optim.AdamW, {"lr": 1e-3}))
     ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(1))
-    mine = ids[engine.rank * 2:(engine.rank + 1) * 2]
+    mine = ids[engine.dp_rank * 2:(engine.dp_rank + 1) * 2]
     loss = engine.eval_step({"input_ids": mine, "labels": mine})
     # rank 1 stops after its first token (every token is its EOS), rank 0 samples on: without
     # synced_gpus rank 1 would leave generate while rank 0 still gathers parameters (a hang)

@@ -29,7 +29,7 @@ def counts(spec_dict: dict, rows: int) -> dict:
         counter = StepCounter()
         for i, ids in enumerate(batches[:WARMUP + COUNTED] if mode == "read" else
                                 batches[WARMUP + COUNTED:]):
-            part = ids[engine.rank * mine:(engine.rank + 1) * mine]
+            part = ids[engine.dp_rank * mine:(engine.dp_rank + 1) * mine]
             with counter.step() if i >= WARMUP else nullcontext():
                 result = engine.train_step({"input_ids": part, "labels": part})
                 if mode == "read":

@@ -18,7 +18,8 @@ class Case:
     backend: str
     spec: dict  # overrides that run it here (backend, variant, topology, micro_batch_size)
     nproc: int  # processes to launch
-    env: dict = field(default_factory=dict)  # the launch's environment (XLA: its device count)
+    env: dict = field(default_factory=dict)  # the launch's environment: the descriptor's, and
+    #                                          the local run's device count (XLA's CPU client)
     flat: bool = False  # the optimizer steps flat tensors (descriptor.flat_optimizer)
 
     @property
@@ -43,18 +44,21 @@ def cases(world: int = 2, micro_batch_size: int = 2, skip: tuple[str, ...] = ())
             asked = _merge({"backend": d.name, "micro_batch_size": micro_batch_size}, overrides)
             # one process driving `world` devices where the backend says its devices per process
             # are known only at run time (SPMD: PJRT's CPU client gets that many virtual devices)
-            spmd = d.process_devices(load_spec(asked)) is None
+            spmd = d.launch.process_devices(load_spec(asked)) is None
             asked["topology"] = {"procs_per_node": 1 if spmd else world}
             spec = load_spec(asked)
             data, env = registry.local_run(spec)
-            env = {"CPU_NUM_DEVICES": str(world)} if spmd else env
+            env = {**d.launch.env(), **({"CPU_NUM_DEVICES": str(world)} if spmd else
+                                 {k: v for k, v in env.items() if k == "CPU_NUM_DEVICES"})}
             here = {k: data[k] for k in ("backend", "micro_batch_size", "topology", *overrides)
                     if k in data}
             nproc = load_spec(here).world_size
-            out.append(Case(name, d.name, here, nproc, {k: v for k, v in env.items()
-                                                        if k in ("CPU_NUM_DEVICES",)},
-                            d.flat_optimizer(spec)))
+            out.append(Case(name, d.name, here, nproc, env, d.flat_optimizer(spec)))
     return out
+
+
+def named(world: int = 2, micro_batch_size: int = 2, skip: tuple[str, ...] = ()) -> dict[str, Case]:
+    return {c.name: c for c in cases(world, micro_batch_size, skip)}
 
 
 def by_launch(chosen: list[Case]) -> list[list[Case]]:

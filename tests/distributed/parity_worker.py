@@ -50,7 +50,7 @@ def run_case(case, phase, ckpt_root):
     spec = load_spec(case["spec"])
     engine = create_engine(spec)
     rows = engine.samples_per_step  # per process: all its devices' samples under SPMD
-    batches = global_batches(case["steps"], engine.world_size, rows)
+    batches = global_batches(case["steps"], engine.dp_size, rows)
     out = {}
     if phase == "train":
         out["ref_loss"], out["ref_norm"] = reference(spec, case, batches)
@@ -68,7 +68,7 @@ def run_case(case, phase, ckpt_root):
         start = engine.step
     losses, norms = [], []
     for step in range(start, case["steps"]):
-        result = engine.train_step(rank_slice(batches[step], engine.rank, rows))
+        result = engine.train_step(rank_slice(batches[step], engine.dp_rank, rows))
         losses.append(result.loss)
         norms.append(result.grad_norm)
         if phase == "train" and engine.step == case["save_at"]:

@@ -2,6 +2,7 @@
 under `polyshard launch --max-restarts 2`, a rank SIGKILLed in the middle of a save, a stalled rank.
 Each outcome is recorded for docs/reliability.md."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -9,20 +10,18 @@ import subprocess
 import sys
 import time
 
+import matrix
 import pytest
 from harness import ROOT, torchrun, needs_both
+from matrix import _merge
+from parallel import registry
 from reliability import record
 
 pytestmark = pytest.mark.distributed
 
 DIST = ROOT / "tests" / "distributed"
 TWO = {"topology": {"procs_per_node": 2}, "micro_batch_size": 2}
-TORCH = {"fsdp2": {"backend": "fsdp", **TWO},
-         "zero0": {"backend": "deepspeed", "shard": "none", **TWO},
-         "zero2": {"backend": "deepspeed", "shard": "grad_op", **TWO},
-         "zero3": {"backend": "deepspeed", "shard": "full", **TWO}}
-XLA = {"xla1": ({"backend": "xla_fsdp", "micro_batch_size": 4, "xla": {"fsdp_version": 1}}, 1),
-       "xla2": ({"backend": "xla_fsdp", "micro_batch_size": 2, "xla": {"fsdp_version": 2}}, 2)}
+CASES = matrix.cases(world=2, micro_batch_size=2)  # every variant in the registry
 
 
 def fault_run(tmp, name, cases, nproc=2, env=None):
@@ -35,12 +34,12 @@ def fault_run(tmp, name, cases, nproc=2, env=None):
 @needs_both
 @pytest.mark.timeout(900)
 def test_nonfinite_loss_and_bad_batches_on_every_backend(tmp_path):
-    results = fault_run(tmp_path, "torch", TORCH)
-    for name, (spec, devices) in XLA.items():
-        env = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices), "USE_TORCH_XLA": "1"}
-        results.update(fault_run(tmp_path, name, {name: spec}, nproc=1, env=env))
+    results = {}
+    for group in matrix.by_launch(CASES):
+        results.update(fault_run(tmp_path, group[0].name, {c.name: c.spec for c in group},
+                                 nproc=group[0].nproc, env=group[0].env))
     rows = []
-    for backend in [*TORCH, *XLA]:
+    for backend in [c.name for c in CASES]:
         nonfinite = results[f"{backend}/nonfinite"]
         assert "error" not in nonfinite, nonfinite["error"]
         skipped = nonfinite["skip_losses"][3:]
@@ -104,12 +103,58 @@ def spec(tmp, name, timeout_s=60, **changes):
     return path
 
 
+def preempted_cases() -> dict:
+    """name: (case, which rank signals itself: -1 every rank). Every variant in the registry with
+    one rank signalled (the last), the first variant with every rank signalled, and XLA v2 on TPU
+    VM slices, where torch_xla's preemption sync manager agrees instead of the loss reduction."""
+    out = {c.name: (c, c.nproc - 1) for c in CASES}
+    first = CASES[0]
+    out[f"{first.name}-every-rank"] = (first, -1)
+    if "xla2" in out:
+        xla2 = out["xla2"][0]
+        sync = _merge(xla2.spec, {"xla": {"preemption_sync": True},
+                                  "checkpoint": {"preemption_signals": ["SIGTERM"]}})
+        out["xla2-sync"] = (dataclasses.replace(xla2, name="xla2-sync", spec=sync), 0)
+    return out
+
+
+PREEMPTED = preempted_cases()
+
+
+def job(case) -> str:
+    """What decides the losses: the spec without how a preemption is agreed on."""
+    spec = {k: v for k, v in case.spec.items() if k != "checkpoint"}
+    if "xla" in spec:
+        spec["xla"] = {k: v for k, v in spec["xla"].items() if k != "preemption_sync"}
+    return json.dumps(spec, sort_keys=True)
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("clean")
-    proc, _ = launch(spec(tmp, "clean"), tmp / "clean.jsonl")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return losses(tmp / "clean.jsonl")
+def references(tmp_path_factory):
+    """Every preempted job's uninterrupted losses, from one launch per launch group (not one per
+    case): {job: losses}."""
+    tmp = tmp_path_factory.mktemp("references")
+    default = matrix.Case("default", "fsdp", {"backend": "fsdp", **TWO}, 2,
+                          registry.get("fsdp").launch.env())  # what spec() writes without changes
+    jobs = {job(c): c for c in [default, *(c for c, _ in PREEMPTED.values())]}
+    out = {}
+    for group in matrix.by_launch(list(jobs.values())):
+        specs = {}
+        for c in group:
+            data = json.loads(spec(tmp, f"ref-{c.name}", **c.spec).read_text())
+            specs[job(c)] = data
+        (tmp / f"{group[0].name}.json").write_text(json.dumps(specs))
+        log = tmp / f"{group[0].name}-losses.json"
+        torchrun(group[0].nproc, [str(DIST / "elastic_worker.py"), "--references",
+                                  str(tmp / f"{group[0].name}.json"), "--out", str(log)],
+                 timeout=400, env=group[0].env)
+        out.update(json.loads(log.read_text()))
+    return out
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(references):
+    return references[job(matrix.Case("default", "fsdp", {"backend": "fsdp", **TWO}, 2))]
 
 
 @pytest.mark.timeout(900)
@@ -125,45 +170,16 @@ def test_sigkilled_worker_restarts_and_resumes_with_the_same_losses(tmp_path, un
                               "launch seconds": round(seconds, 1)})
 
 
-PREEMPTED = {  # name: (spec changes, which rank signals itself: -1 every rank, env)
-    "fsdp2-one-rank": ({}, 1, None), "fsdp2-every-rank": ({}, -1, None),
-    "fsdp1": ({"fsdp": {"version": 1}}, 1, None),
-    "zero2": ({"backend": "deepspeed", "shard": "grad_op"}, 1, None),
-    "zero3": ({"backend": "deepspeed", "shard": "full"}, 1, None),
-    "xla1": ({"backend": "xla_fsdp", "xla": {"fsdp_version": 1}, "micro_batch_size": 4,
-              "topology": {"procs_per_node": 1}}, 0, {"CPU_NUM_DEVICES": "1"}),
-    "xla2": ({"backend": "xla_fsdp", "xla": {"fsdp_version": 2}, "micro_batch_size": 4,
-              "topology": {"procs_per_node": 1}}, 0, {"CPU_NUM_DEVICES": "2"}),
-    # TPU VM slices: torch_xla's preemption sync manager agrees instead of the loss reduction
-    "xla2-sync": ({"backend": "xla_fsdp", "xla": {"fsdp_version": 2, "preemption_sync": True},
-                   "micro_batch_size": 4, "topology": {"procs_per_node": 1},
-                   "checkpoint": {"preemption_signals": ["SIGTERM"]}}, 0, {"CPU_NUM_DEVICES": "2"}),
-}
-
-
-CLEAN: dict[str, list] = {}  # uninterrupted losses per job, shared by cases that differ only in
-#                              how they agree on a preemption (the numbers are the same)
-
-
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", list(PREEMPTED))
-def test_sigterm_saves_exits_to_requeue_and_resumes_exactly(tmp_path, uninterrupted, name):
+def test_sigterm_saves_exits_to_requeue_and_resumes_exactly(tmp_path, references, name):
     """SIGTERM after step 3 (one rank, or every rank): the ranks agree at the end of step 3 + 1 +
     (lag - 1), save a complete checkpoint there, exit 85; the relaunch resumes from it and steps 1-8
     equal the same backend's uninterrupted run bit for bit."""
-    changes, who, env = PREEMPTED[name]
-    if name.startswith("xla"):
+    case, who = PREEMPTED[name]
+    if case.backend == "xla_fsdp":
         pytest.importorskip("torch_xla")
-    job = json.dumps({k: v for k, v in changes.items() if k != "checkpoint"} | {"xla": {
-        k: v for k, v in changes.get("xla", {}).items() if k != "preemption_sync"}}, sort_keys=True)
-    if not changes:
-        reference = uninterrupted
-    elif job in CLEAN:
-        reference = CLEAN[job]
-    else:
-        clean, _ = launch(spec(tmp_path, "clean", **changes), tmp_path / "clean.jsonl", env=env)
-        assert clean.returncode == 0, clean.stderr[-3000:]
-        reference = CLEAN[job] = losses(tmp_path / "clean.jsonl")
+    changes, env, reference = case.spec, case.env, references[job(case)]
     spec_file, log = spec(tmp_path, "preempt", **changes), tmp_path / "preempt.jsonl"
     # the sync manager agrees over the coordination service in wall time (measured < 0.5 s), not
     # in steps: slow the steps down so the 5 left are enough (a real job has thousands left)
@@ -175,7 +191,8 @@ def test_sigterm_saves_exits_to_requeue_and_resumes_exactly(tmp_path, uninterrup
     if name.endswith("-sync"):  # the coordination service picks the step: one after the signal
         assert int(latest[-8:]) > 3, latest
     else:
-        lag = 3 if name.startswith("xla") else 2  # XLA reads the flag a step later (step closure)
+        # XLA reads the flag a step later (step closure)
+        lag = 3 if case.backend == "xla_fsdp" else 2
         assert latest == f"step-{3 + lag:08d}", latest  # carried by step 4, read lag - 1 steps on
     assert f"preempted after step {int(latest[-8:])}" in first.stderr, first.stderr[-2000:]
     second, _ = launch(spec_file, log, env=env)

@@ -1,15 +1,17 @@
 """A steady-state step costs what the native loop's step costs: counted per step, never timed
-(parallel/tools/bench/counting.py counts both sides by one rule).
+(parallel/tools/bench/counting.py counts both sides by one rule). For every variant in the registry
+that has a hand-written loop (FSDP2, FSDP1, ZeRO-0/1/2/3 at 2 gloo ranks, XLA FSDP v1 on the CPU
+client's 1 process), against the hand-written loop in benchmarks/ running the same job: the same
+collectives op for op, zero store calls, and device-to-host reads equal to the native loop's when
+the loop reads the loss every step (as the native loop does), one fewer when it does not
+(on_nonfinite: raise_deferred, the default); with on_nonfinite: raise the step's own read replaces
+the loop's. XLA runs the same number of graphs per step; raise cuts its step in two (the read before
+the update): counted and recorded."""
 
-For FSDP2, FSDP1, ZeRO-1/2/3 (2 gloo ranks) and XLA FSDP v1 (the CPU client: 1 process), against the
-hand-written loop in benchmarks/ running the same job: the same collectives op for op, zero store
-calls, and device-to-host reads equal to the native loop's when the loop reads the loss every step (as
-the native loop does), one fewer when it does not (on_nonfinite: raise_deferred, the default); with
-on_nonfinite: raise the step's own read replaces the loop's. XLA runs the same number of graphs per
-step; raise cuts its step in two (the read before the update): counted and recorded."""
-
+import dataclasses
 import json
 
+import matrix
 import pytest
 from harness import ROOT, needs_both, torchrun
 from reliability import record
@@ -23,16 +25,14 @@ pytestmark = pytest.mark.distributed
 
 DIST = ROOT / "tests" / "distributed"
 ROWS = 4  # global rows per step
-TWO = {"topology": {"procs_per_node": 2}, "micro_batch_size": ROWS // 2, "grad_clip": 1.0}
-TORCH = {"fsdp2": {"backend": "fsdp", **TWO},
-         "fsdp1": {"backend": "fsdp", "fsdp": {"version": 1}, **TWO},
-         "zero1": {"backend": "deepspeed", "shard": "optimizer", **TWO},
-         "zero2": {"backend": "deepspeed", "shard": "grad_op", **TWO},
-         "zero3": {"backend": "deepspeed", "shard": "full", **TWO}}
-XLA = {"xla1": {"backend": "xla_fsdp", "xla": {"fsdp_version": 1}, "micro_batch_size": ROWS,
-                "grad_clip": 1.0}}
-RAISE = {"fsdp2-raise": "fsdp2", "xla1-raise": "xla1"}  # on_nonfinite: raise, beside the default
-XLA_ENV = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1", "USE_TORCH_XLA": "1"}
+# every variant in the registry with a hand-written loop for its spec (descriptor.bench.native)
+CASES = [dataclasses.replace(c, spec={**c.spec, "grad_clip": 1.0})
+         for c in matrix.cases(world=2, micro_batch_size=ROWS // 2)
+         if get(c.backend).bench.native(load_spec(c.spec)) is not None]
+GROUPS = matrix.by_launch(CASES)
+# on_nonfinite: raise, beside the default, for the first case of each launch group
+RAISE = {f"{g[0].name}-raise": g[0].name for g in GROUPS}
+BY_NAME = {c.name: c for c in CASES}
 
 
 def engine_counts(tmp, cases: dict, nproc: int, env=None) -> dict:
@@ -44,7 +44,7 @@ def engine_counts(tmp, cases: dict, nproc: int, env=None) -> dict:
 
 def native_counts(tmp, name: str, spec_dict: dict) -> dict:
     spec = load_spec(spec_dict)
-    script, flags = get(spec.backend).native(spec)
+    script, flags = get(spec.backend).bench.native(spec)
     raw = run_locally(spec, str(NATIVE_DIR / script), [
         "--model=toy:tiny", "--steps=3", "--warmup=2", "--seq=16", f"--global-rows={ROWS}",
         "--clip=1.0", "--count", *flags], tmp / f"native-{name}.json", timeout=400)
@@ -62,10 +62,12 @@ def split(counts: dict) -> tuple[dict, int, int]:
 @pytest.fixture(scope="module")
 def counted(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hot")
-    with_raise = {k: {**{**TORCH, **XLA}[v], "on_nonfinite": "raise"} for k, v in RAISE.items()}
-    engine = engine_counts(tmp, {**TORCH, "fsdp2-raise": with_raise["fsdp2-raise"]}, 2)
-    engine.update(engine_counts(tmp, {**XLA, "xla1-raise": with_raise["xla1-raise"]}, 1, XLA_ENV))
-    native = {name: native_counts(tmp, name, spec) for name, spec in {**TORCH, **XLA}.items()}
+    engine = {}
+    for group in GROUPS:  # one launch per group: every case's engine, and one with raise
+        cases = {c.name: c.spec for c in group}
+        cases[f"{group[0].name}-raise"] = {**group[0].spec, "on_nonfinite": "raise"}
+        engine.update(engine_counts(tmp, cases, group[0].nproc, group[0].env))
+    native = {c.name: native_counts(tmp, c.name, c.spec) for c in CASES}
     return engine, native
 
 
@@ -74,7 +76,7 @@ def counted(tmp_path_factory):
 def test_a_step_pays_what_the_native_loop_pays(counted):
     engine, native = counted
     rows = []
-    for name in [*TORCH, *XLA]:
+    for name in BY_NAME:
         ours, theirs = engine[name], native[name]
         for mode in ("read", "noread"):
             assert not any(k.startswith("store") for k in ours[mode]), (name, ours[mode])
@@ -97,5 +99,7 @@ def test_raise_and_skip_read_once_before_the_update(counted):
         coll, reads, graphs = split(native[base])
         for mode in ("read", "noread"):  # the step's own read serves the loop's: one either way
             assert split(engine[name][mode])[:2] == (coll, reads), (name, mode, engine[name])
-    # XLA: the read before the update ends the step's graph early; the update is a second graph
-    assert split(engine["xla1-raise"]["noread"])[2] == split(native["xla1"])[2] + 1
+        # where steps are compiled graphs (XLA), the read before the update ends the step's graph
+        # early: the update is a second graph
+        graphs = split(native[base])[2]
+        assert split(engine[name]["noread"])[2] == graphs + (1 if graphs else 0), (name, engine)

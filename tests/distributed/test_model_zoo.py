@@ -66,7 +66,7 @@ def launch(tmp, phase, names, models, how):
             "--source-of", str(tmp / "source_of.json"), "--root", str(tmp / "ckpt"),
             "--out", str(out)]
     names_backends = {BACKENDS[n]["backend"] for n in names}
-    env = {k: v for b in names_backends for k, v in registry.get(b).env().items()}
+    env = {k: v for b in names_backends for k, v in registry.get(b).launch.env().items()}
     torchrun(how["nproc"], args, timeout=500, env={**env, **how["env"]})
     return json.loads(out.read_text())
 

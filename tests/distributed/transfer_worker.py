@@ -27,14 +27,14 @@ def engine_for(spec_dict, seed_offset):
     spec = load_spec(spec_dict)
     engine = create_engine(spec)
     rows = engine.samples_per_step
-    if rows * engine.world_size != GLOBAL_ROWS:
-        raise ValueError(f"{spec_dict}: {rows} rows x {engine.world_size} ranks != {GLOBAL_ROWS}")
+    if rows * engine.dp_size != GLOBAL_ROWS:
+        raise ValueError(f"{spec_dict}: {rows} rows x {engine.dp_size} dp ranks != {GLOBAL_ROWS}")
     torch.manual_seed(spec.seed + seed_offset)
     return engine, rows
 
 
 def train(engine, rows, batches, steps):
-    return [engine.train_step(rank_slice(batches[s], engine.rank, rows)).loss for s in steps]
+    return [engine.train_step(rank_slice(batches[s], engine.dp_rank, rows)).loss for s in steps]
 
 
 def save_phase(backends, names, root):

@@ -10,7 +10,7 @@ BLOCK = "import sys; sys.modules['deepspeed'] = None; sys.modules['torch_xla'] =
 
 def test_every_descriptor_is_complete():
     for d in descriptors():
-        assert d.translate and d.engine and d.plan and d.native, d.name
+        assert d.translate and d.engine and d.plan and d.bench.native, d.name
 
 
 def run(code):

@@ -98,7 +98,7 @@ def main() -> None:
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     for i, ids in enumerate(batches):
-        mine = ids[engine.rank * rows:(engine.rank + 1) * rows]
+        mine = ids[engine.dp_rank * rows:(engine.dp_rank + 1) * rows]
         # Collectives are counted on the last warm-up step only: the counting dispatch mode sees
         # every op in Python (measured: +25% step time), so timed steps run without it.
         counting = counter.counting() if i == args.warmup - 1 else nullcontext()
@@ -119,7 +119,7 @@ def main() -> None:
 
         more = global_batches(args.profile + 1, args.global_rows, args.seq,
                               model.config.vocab_size, spec.seed + 1)
-        profile_pair(ours, native, [b[engine.rank * rows:(engine.rank + 1) * rows] for b in more],
+        profile_pair(ours, native, [b[engine.dp_rank * rows:(engine.dp_rank + 1) * rows] for b in more],
                      Path(args.profile_dir), engine.rank)
     saves = save_times(engine, Path(args.save_dir)) if args.save_dir else None
     held = engine.state_tensors()

@@ -91,7 +91,7 @@ NATIVE_DIR = Path(__file__).resolve().parents[3] / "benchmarks"
 
 def native_arg(cell_spec) -> list[str]:
     """--native for the bench cell: the backend's hand-written loop for this spec, and its flags."""
-    native = get(cell_spec.backend).native(cell_spec)
+    native = get(cell_spec.backend).bench.native(cell_spec)
     return [] if native is None else [f"--native={' '.join([native[0], *native[1]])}"]
 
 
@@ -101,7 +101,7 @@ def bench(spec, names, shards, worlds, options: dict, out_dir: Path, timeout: fl
     """Run every cell in a fresh launch (and its native loop with `vs_native`); `say` gets one line
     as each cell starts and ends. Cells that launch identically on this host run once."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows = spec.micro_batch_size * spec.grad_accum_steps * spec.world_size
+    rows = spec.micro_batch_size * spec.grad_accum_steps * spec.dims.dp_size
     args = [f"--{k}={v}" for k, v in options.items()] + [f"--global-rows={rows}"]
     results, launched = {}, {}
     todo = cells(spec, names, shards, worlds)
@@ -131,7 +131,7 @@ def bench(spec, names, shards, worlds, options: dict, out_dir: Path, timeout: fl
         r = results[label] = raw if "error" in raw else {**raw, **summarize(
             raw, raw["step_times"], cell_spec.precision)}
         r.update(name=c.name, backend=cell_spec.backend, shard=cell_spec.shard, asked_world=c.world,
-                 comm_counted=get(cell_spec.backend).comm_counted)
+                 comm_counted=get(cell_spec.backend).bench.comm_counted)
         if r.get("native"):
             r["native"]["median_s"] = statistics.median(r["native"]["step_times"])
             r["native"]["paired"] = paired_ratio(r["step_times"], r["native"]["step_times"])

@@ -34,11 +34,11 @@ def _run(cmd: list[str], out: Path, timeout: float) -> float:
 
 def measure_startup(spec, model: str, seq: int, pairs: int = 5, timeout: float = 300) -> dict:
     """Median seconds to the first step for both sides, and the median of per-pair ratios."""
-    native = get(spec.backend).native(spec)
+    native = get(spec.backend).bench.native(spec)
     if native is None:
         return {"skipped": f"backend {spec.backend!r} has no hand-written loop for this spec"}
     script, flags = native
-    rows = spec.micro_batch_size * spec.grad_accum_steps * spec.world_size
+    rows = spec.micro_batch_size * spec.grad_accum_steps * spec.dims.dp_size
     with tempfile.TemporaryDirectory(prefix="polyshard-startup-") as tmp:
         spec_file = Path(tmp) / "spec.yaml"
         spec_file.write_text(dump_spec(spec))

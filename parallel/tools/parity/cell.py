@@ -70,14 +70,15 @@ def main() -> None:
     model = build_model(args.model)
     engine.prepare(model, optimizer_arg(args.optimizer, args.lr))
     rows = engine.samples_per_step
-    if rows * engine.world_size != args.global_rows:
-        raise SystemExit(f"{spec.backend}: {rows} rows x {engine.world_size} ranks per step, not the "
+    if rows * engine.dp_size != args.global_rows:  # tensor-parallel ranks share their slice
+        raise SystemExit(f"{spec.backend}: {rows} rows x {engine.dp_size} data-parallel ranks per "
+                         f"step, not the "
                          f"global batch of {args.global_rows}")
     batches = global_batches(args.steps, args.global_rows, args.seq, model.config.vocab_size,
                              spec.seed)
     record = []
     for ids in batches:
-        mine = ids[engine.rank * rows:(engine.rank + 1) * rows]
+        mine = ids[engine.dp_rank * rows:(engine.dp_rank + 1) * rows]
         result = engine.train_step({"input_ids": mine, "labels": mine})
         record.append({"loss": result.loss, "grad_norm": result.grad_norm,
                        "checksum": checksum(measurable(engine, "polyshard parity").gather_model())})

@@ -98,7 +98,7 @@ def parity(spec: Spec, backends: list[str], options: dict, tol: float | None = N
         raise SpecError([("topology.nodes", f"{spec.topology.nodes}: parity runs every backend on "
                           "this host; use nodes: 1")])
     tol = tol if tol is not None else (FP32_TOL if spec.precision == "fp32" else MIXED_TOL)
-    rows = spec.micro_batch_size * spec.grad_accum_steps * spec.world_size
+    rows = spec.micro_batch_size * spec.grad_accum_steps * spec.dims.dp_size
     from rich.console import Console
 
     with Console(stderr=True).status("reference: one process, plain PyTorch") as status:
