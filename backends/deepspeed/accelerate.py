@@ -15,7 +15,8 @@ from __future__ import annotations
 import difflib
 from pathlib import Path
 
-from backends.deepspeed.interop import import_into, read_config, zero_section
+from backends.deepspeed.import_zero import SHARD_OF_STAGE, zero_section
+from backends.deepspeed.interop import import_into, read_config
 from parallel.interop.accelerate import Import
 
 PLUGIN_KEYS = {"zero_stage", "offload_optimizer_device", "offload_param_device",
@@ -26,7 +27,6 @@ LAUNCH_KEYS = {"deepspeed_multinode_launcher": "polyshard launch starts torchrun
                "(--emit slurm writes the job)", "deepspeed_hostfile": "hosts: polyshard launch "
                "--nnodes / --emit slurm", "deepspeed_inclusion_filter": "hosts: polyshard launch",
                "deepspeed_exclusion_filter": "hosts: polyshard launch"}
-SHARD_OF_STAGE = {0: "none", 1: "optimizer", 2: "grad_op", 3: "full"}
 
 
 def claims(kind: str, cfg: dict) -> int:

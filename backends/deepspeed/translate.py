@@ -45,15 +45,34 @@ def _deepcompile(spec: Spec, config: dict, origins: dict) -> None:
     origins["compile.deepcompile"] = "deepspeed.deepcompile"
 
 
-def _config(spec: Spec) -> tuple[dict, dict]:
-    stage = STAGES[spec.shard]
-    ds = spec.deepspeed
+def _zero(spec: Spec) -> tuple[dict, dict]:
+    """The zero_optimization block, and which spec field each of its keys comes from."""
+    stage, ds = STAGES[spec.shard], spec.deepspeed
     zero: dict = {"stage": stage}
-    origins = {"zero_optimization.stage": "shard", "gradient_clipping": "grad_clip",
-               "train_micro_batch_size_per_gpu": "micro_batch_size",
-               "gradient_accumulation_steps": "grad_accum_steps",
-               "train_batch_size": "micro_batch_size x grad_accum_steps x world size",
-               "bf16.enabled": "precision", "fp16.enabled": "precision"}
+    origins = {"zero_optimization.stage": "shard"}
+    _offload(spec, stage, zero, origins)
+    if spec.shard == "hybrid":
+        zero["zero_hpz_partition_size"] = spec.shard_group_size
+        origins["zero_optimization.zero_hpz_partition_size"] = "topology.shard_group_size"
+    if ds.reduce_bucket_size is not None:
+        zero["reduce_bucket_size"] = ds.reduce_bucket_size
+        origins["zero_optimization.reduce_bucket_size"] = "deepspeed.reduce_bucket_size"
+    if stage == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = ds.gather_16bit_weights_on_model_save
+        origins["zero_optimization.stage3_gather_16bit_weights_on_model_save"] = \
+            "deepspeed.gather_16bit_weights_on_model_save"
+        if ds.prefetch_bucket_size is not None:
+            zero["stage3_prefetch_bucket_size"] = ds.prefetch_bucket_size
+            origins["zero_optimization.stage3_prefetch_bucket_size"] = "deepspeed.prefetch_bucket_size"
+        if ds.param_persistence_threshold is not None:
+            zero["stage3_param_persistence_threshold"] = ds.param_persistence_threshold
+            origins["zero_optimization.stage3_param_persistence_threshold"] = \
+                "deepspeed.param_persistence_threshold"
+    return zero, origins
+
+
+def _offload(spec: Spec, stage: int, zero: dict, origins: dict) -> None:
+    ds = spec.deepspeed
     if ds.offload_device == "nvme" and spec.offload == "none":
         raise SpecError([("deepspeed.offload_device", "'nvme' says where offloaded state goes, but "
                           "offload is 'none'; set offload: optimizer or params")])
@@ -73,23 +92,15 @@ def _config(spec: Spec) -> tuple[dict, dict]:
         origins[f"zero_optimization.{block}.device"] = "offload / deepspeed.offload_device"
         origins[f"zero_optimization.{block}.pin_memory"] = "pin_memory"
         origins[f"zero_optimization.{block}.nvme_path"] = "deepspeed.nvme_path"
-    if spec.shard == "hybrid":
-        zero["zero_hpz_partition_size"] = spec.shard_group_size
-        origins["zero_optimization.zero_hpz_partition_size"] = "topology.shard_group_size"
-    if ds.reduce_bucket_size is not None:
-        zero["reduce_bucket_size"] = ds.reduce_bucket_size
-        origins["zero_optimization.reduce_bucket_size"] = "deepspeed.reduce_bucket_size"
-    if stage == 3:
-        zero["stage3_gather_16bit_weights_on_model_save"] = ds.gather_16bit_weights_on_model_save
-        origins["zero_optimization.stage3_gather_16bit_weights_on_model_save"] = \
-            "deepspeed.gather_16bit_weights_on_model_save"
-        if ds.prefetch_bucket_size is not None:
-            zero["stage3_prefetch_bucket_size"] = ds.prefetch_bucket_size
-            origins["zero_optimization.stage3_prefetch_bucket_size"] = "deepspeed.prefetch_bucket_size"
-        if ds.param_persistence_threshold is not None:
-            zero["stage3_param_persistence_threshold"] = ds.param_persistence_threshold
-            origins["zero_optimization.stage3_param_persistence_threshold"] = \
-                "deepspeed.param_persistence_threshold"
+
+
+def _config(spec: Spec) -> tuple[dict, dict]:
+    zero, origins = _zero(spec)
+    origins.update({"gradient_clipping": "grad_clip",
+                    "train_micro_batch_size_per_gpu": "micro_batch_size",
+                    "gradient_accumulation_steps": "grad_accum_steps",
+                    "train_batch_size": "micro_batch_size x grad_accum_steps x data-parallel size",
+                    "bf16.enabled": "precision", "fp16.enabled": "precision"})
     ls = spec.loss_scale
     config = {
         "train_micro_batch_size_per_gpu": spec.micro_batch_size,

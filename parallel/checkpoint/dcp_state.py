@@ -1,4 +1,4 @@
-"""Portable state (parallel/portable.py) for modules torch's `get_state_dict` understands: plain modules,
+"""Portable state (parallel/checkpoint/portable.py) for modules torch's `get_state_dict` understands: plain modules,
 FSDP1 and FSDP2. It strips wrapper prefixes (`_fsdp_wrapped_module`, `_checkpoint_wrapped_module`) and
 keys optimizer state by parameter name, which is exactly the portable layout."""
 

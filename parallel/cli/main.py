@@ -49,7 +49,27 @@ def build_parser() -> argparse.ArgumentParser:
     _add_spec_args(p)
     p.add_argument("--model", help="also list the shard units: a Hugging Face config.json, or "
                    "toy:demo / toy:tiny (built on the meta device: nothing is allocated)")
-    p = command("launch", "start the processes of a job (torchrun semantics)")
+    _add_launch(command("launch", "start the processes of a job (torchrun semantics)"))
+    cli_ckpt.add_parser(sub)
+    cli_interop.add_parsers(sub, command, _add_spec_args)
+    _add_parity(command("parity", "train the same job on several backends and compare every step "
+                        "with one process (exit 1 beyond the tolerance)"))
+    _add_bench(command("bench", "time, memory and communication of the same job on several "
+                       "backends, each cell in a fresh launch; table, JSON, CSV and figures"))
+    p = command("plan", "predict per-rank memory for every backend x shard x offload and pick the "
+                "fastest that fits")
+    _add_spec_args(p)
+    p.add_argument("--model", required=True, help="HF config.json, toy:demo / toy:tiny, or a "
+                   "parameter count such as 7.5e9")
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--budget", type=float, help="GiB per device")
+    p.add_argument("--seq", type=int, default=2048)
+    p = command("schema", "write the spec's JSON Schema (for editor completion)")
+    p.add_argument("-o", "--output", help="file to write (default: stdout)")
+    return parser
+
+
+def _add_launch(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, help="processes per node (sets topology.procs_per_node)")
     p.add_argument("--nnodes", type=int, help="number of nodes (sets topology.nodes)")
     p.add_argument("--node-rank", type=int, help="this node's rank (multi-node)")
@@ -67,10 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_spec_args(p)
     p.add_argument("script", help="training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
-    cli_ckpt.add_parser(sub)
-    cli_interop.add_parsers(sub, command, _add_spec_args)
-    p = command("parity", "train the same job on several backends and compare every step with "
-                "one process (exit 1 beyond the tolerance)")
+
+
+def _add_parity(p: argparse.ArgumentParser) -> None:
     _add_spec_args(p)
     p.add_argument("--backends", help="comma-separated (default: every registered backend)")
     p.add_argument("--steps", type=int, default=5)
@@ -81,8 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--tol", type=float, help="loss tolerance (default 1e-5 fp32, 5e-2 bf16/fp16)")
     p.add_argument("--json", help="also write every number to this file")
-    p = command("bench", "time, memory and communication of the same job on several backends, "
-                "each cell in a fresh launch; table, JSON, CSV and figures")
+
+
+def _add_bench(p: argparse.ArgumentParser) -> None:
     _add_spec_args(p)
     p.add_argument("--backends", help="comma-separated backends or variants: fsdp, fsdp1, fsdp2, "
                    "deepspeed, zero0-zero3, xla_fsdp, xla1, xla2 (default: every backend)")
@@ -105,17 +125,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", type=int, default=0, metavar="STEPS", help="with --vs-native: "
                    "after the timed steps, profile STEPS more of each side (torch.profiler); "
                    "traces and an operator-by-operator difference go to OUT/profile-CELL/")
-    p = command("plan", "predict per-rank memory for every backend x shard x offload and pick the "
-                "fastest that fits")
-    _add_spec_args(p)
-    p.add_argument("--model", required=True, help="HF config.json, toy:demo / toy:tiny, or a "
-                   "parameter count such as 7.5e9")
-    p.add_argument("--world", type=int, required=True)
-    p.add_argument("--budget", type=float, help="GiB per device")
-    p.add_argument("--seq", type=int, default=2048)
-    p = command("schema", "write the spec's JSON Schema (for editor completion)")
-    p.add_argument("-o", "--output", help="file to write (default: stdout)")
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 """Files that run a spec's job on a cluster: an sbatch script (Slurm) and a Kubeflow PyTorchJob manifest
 (Kubernetes). Both start one `polyshard launch` per node, which runs torchrun with a c10d rendezvous on
 the first node, so the spec's topology and the torchrun semantics are the same as on one machine.
-(`--emit tpu-vm` is in parallel/launch.py.)"""
+(`--emit tpu-vm` is in parallel/launch/torchrun.py.)"""
 
 from __future__ import annotations
 

@@ -59,7 +59,7 @@ class LaunchArgs:
 
 def torchrun_command(spec: Spec, args: LaunchArgs, script: str, script_args: list[str]) -> list[str]:
     nnodes = spec.topology.nodes
-    # torchrun's own launcher, reporting a failure once (parallel/agent.py)
+    # torchrun's own launcher, reporting a failure once (parallel/launch/agent.py)
     cmd = [sys.executable, "-m", "parallel.launch.agent",
            "--nproc-per-node", str(spec.topology.procs_per_node),
            "--nnodes", str(nnodes), "--max-restarts", str(args.max_restarts)]

@@ -25,7 +25,7 @@ def spec(version, shard, **extra):
 
 
 def strategy_cases(version):
-    # FSDP1 rejects a 1-rank hybrid shard group (see backends/fsdp.py); tested in test_fsdp_errors.
+    # FSDP1 rejects a 1-rank hybrid shard group (see backends/fsdp/translate.py); tested in tests/unit/test_fsdp_translate.py.
     shards = [s for s in SHARDS if version == 2 or SHARDS[s].get("topology", {}).get(
         "shard_group_size") != 1]
     return [case(f"v{version}-{shard}-{opt}", spec(version, shard), optimizer=opt)

@@ -47,3 +47,18 @@ def test_docker_images_pin_what_constraints_pins_and_smoke_test_the_configs():
     for name in ("gpu", "tpu"):
         text = (ROOT / "docker" / f"{name}.Dockerfile").read_text()
         assert 'polyshard validate "${config}"' in text and "COPY configs" in text
+
+
+def test_every_repository_path_named_in_code_and_docs_exists():
+    """Docstrings and docs that point at a module point at one that exists (files move)."""
+    import re
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    files = subprocess.run(["git", "ls-files", "*.py", "*.md"], cwd=root, capture_output=True,
+                           text=True, check=True).stdout.split()
+    pattern = re.compile(r"\b(?:parallel|backends|benchmarks|tests|docs)/[A-Za-z0-9_/.-]+\.(?:py|md)\b")
+    missing = sorted({f"{name}: {m}" for name in files if (root / name).is_file()
+                      for m in pattern.findall((root / name).read_text(errors="replace"))
+                      if not (root / m).exists()})
+    assert not missing, "\n".join(missing)

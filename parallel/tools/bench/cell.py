@@ -1,5 +1,5 @@
 """One cell of `polyshard bench`, on every rank of a fresh launch: the shared initial weights and global
-batches (parallel/parity_run.py), `--warmup` steps, then `--steps` measured steps. Per step: wall time
+batches (parallel/tools/parity/cell.py), `--warmup` steps, then `--steps` measured steps. Per step: wall time
 with the loss read back (so asynchronous devices have finished), loss. Per rank: bytes held in
 parameters, gradients (at the step boundary, their peak) and optimizer state, peak RSS, CUDA peak, and
 collective bytes by type. Rank 0 writes every rank's numbers to `--out`."""
@@ -122,14 +122,7 @@ def main() -> None:
         profile_pair(ours, native, [b[engine.dp_rank * rows:(engine.dp_rank + 1) * rows] for b in more],
                      Path(args.profile_dir), engine.rank)
     saves = save_times(engine, Path(args.save_dir)) if args.save_dir else None
-    held = engine.state_tensors()
-    mine = {"saves": saves, "rank": engine.rank, "params_bytes": held_bytes(held["params"]),
-            "optimizer_bytes": held_bytes(held["optimizer"]), "grads_bytes": grads_peak[0],
-            "rss_peak_bytes": peak_rss_bytes(), "comm": counter.snapshot(),
-            "cuda_peak_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available()
-            else None}
-    ranks = [None] * engine.world_size
-    dist.all_gather_object(ranks, mine)
+    ranks = per_rank(engine, saves, grads_peak[0], counter)
     if engine.is_main:
         Path(args.out).write_text(json.dumps({
             "world_size": engine.world_size, "devices": engine.world_size * engine.devices_per_process,
@@ -138,6 +131,19 @@ def main() -> None:
             "first_step_s": first_step, "compile": compile_row(engine),
             "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}))
     engine.close()
+
+
+def per_rank(engine, saves, grads_peak: int, counter) -> list[dict]:
+    """Every rank's memory, communication and save figures, gathered (untimed, after the steps)."""
+    held = engine.state_tensors()
+    mine = {"saves": saves, "rank": engine.rank, "params_bytes": held_bytes(held["params"]),
+            "optimizer_bytes": held_bytes(held["optimizer"]), "grads_bytes": grads_peak,
+            "rss_peak_bytes": peak_rss_bytes(), "comm": counter.snapshot(),
+            "cuda_peak_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available()
+            else None}
+    ranks = [None] * engine.world_size
+    dist.all_gather_object(ranks, mine)
+    return ranks
 
 
 def save_times(engine, root: Path) -> dict:
