@@ -23,10 +23,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader
 
 from parallel.engine import dist as pdist
-from parallel.engine.data import ResumableLoader, ResumableSampler
+from parallel.engine.loaders import Loaders, build_loader, plain_batch
 from parallel.engine.hooks import BackendHooks
 from parallel.engine.checkpointing import Checkpointer
 from parallel.engine.compiling import CompileStats, CompileWatch, apply_compile
@@ -72,7 +71,7 @@ class Engine(BackendHooks):
         self.objective = Objective(None, self.dp_size)  # set from the model in _record_params
         self.experts: Experts | None = None  # mixture-of-experts blocks, from _record_params
         self.notices: list[str] = []  # what this run does differently from one process, said once
-        self.loaders: list[ResumableLoader] = []
+        self.loaders = Loaders()  # training loaders by name (checkpointed), eval loaders apart
         # Called with the engine once a step's gradients exist, before the update (bench measures
         # gradient memory here): an extension point, empty by default.
         self.on_gradients: list[Callable[[Engine], None]] = []
@@ -188,15 +187,25 @@ class Engine(BackendHooks):
                                      sharded or per_parameter(model))
 
     def dataloader(self, dataset, batch_size: int | None = None, shuffle: bool = True,
-                   collate_fn=None) -> ResumableLoader:
-        """Per-rank loader of step batches (micro_batch_size * grad_accum_steps samples each) whose
-        position is saved and restored with the checkpoint."""
-        size = batch_size or self.samples_per_step
-        sampler = ResumableSampler(len(dataset), self.dp_size, self.dp_rank, self.spec.seed, shuffle)
-        loader = DataLoader(dataset, batch_size=size, sampler=sampler, collate_fn=collate_fn,
-                            drop_last=True)
-        self.loaders.append(ResumableLoader(self._device_loader(loader), sampler, size))
-        return self.loaders[-1]
+                   collate_fn=None, *, name: str | None = None, eval: bool = False,
+                   drop_last: bool | None = None, accept_changed_data: bool = False,
+                   **torch_kwargs):
+        """This rank's loader of step batches (micro_batch_size * grad_accum_steps samples each) of
+        a map-style or iterable dataset (Hugging Face `datasets`, streaming too), sharded by
+        data-parallel rank. A training loader's position is saved with the checkpoint under `name`;
+        `eval=True` loaders never are (loaders.py). `torch_kwargs`: num_workers, pin_memory,
+        prefetch_factor, persistent_workers, as torch's DataLoader takes them."""
+        if drop_last is False and not eval:
+            raise ValueError("engine.dataloader: drop_last=False on a training loader: its last "
+                             "batch would be short and the step takes a fixed number of samples "
+                             "per rank (micro_batch_size x grad_accum_steps); keep drop_last, or "
+                             "pass eval=True for an evaluation loader")
+        loader = build_loader(dataset, size=batch_size or self.samples_per_step,
+                              dp_size=self.dp_size, dp_rank=self.dp_rank, seed=self.spec.seed,
+                              shuffle=shuffle, collate_fn=collate_fn,
+                              drop_last=not eval if drop_last is None else drop_last,
+                              device_loader=self._device_loader, **torch_kwargs)
+        return self.loaders.add(loader, name, eval, accept_changed_data)
 
     @property
     def samples_per_step(self) -> int:
@@ -216,6 +225,7 @@ class Engine(BackendHooks):
             raise self.preemption.pending
         self.check_finite()  # raise_deferred: an earlier step's record, if it has landed
         self.progress.at(self.step + 1, "checking the batch")
+        batch = plain_batch(batch)  # a BatchEncoding (HF collators) as the dict it holds
         problem, signature = batch_problem(batch, self._batch_signature, self.samples_per_step)
         if problem is not None:
             raise BatchError(f"step {self.step + 1}: rank {self.rank}: {problem}")
@@ -324,6 +334,14 @@ class Engine(BackendHooks):
         share = self.objective.share(self._loss(batch), 0, counts, total, 1)
         return float(pdist.all_mean(share.detach().float()))
 
+    def evaluate(self, loader, metrics: list | tuple = (), max_batches: int | None = None) -> dict:
+        """No-grad forward over `loader` (an eval loader: engine.dataloader(..., eval=True)): the
+        token-weighted loss over every rank's samples, its perplexity, and each metric's
+        (numerator, denominator) sums reduced over ranks in one collective (evaluate.py)."""
+        from parallel.engine import evaluate
+
+        return evaluate.run(self, loader, list(metrics), max_batches)
+
     def _loss(self, batch) -> torch.Tensor:
         with self._autocast():
             if self.loss_fn is not None:
@@ -369,17 +387,13 @@ class Engine(BackendHooks):
     def trainer_state(self) -> dict:
         return {"step": self.step,
                 "scheduler": self.scheduler.state_dict() if self.scheduler else None,
-                "loaders": [loader.state_dict() for loader in self.loaders]}
+                "loaders": self.loaders.state_dict()}
 
     def load_trainer_state(self, state: dict) -> None:
         self.step = state["step"]
         if self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
-        if state["loaders"] and len(state["loaders"]) != len(self.loaders):
-            raise ValueError(f"checkpoint recorded {len(state['loaders'])} data loaders, this run "
-                             f"created {len(self.loaders)}; create loaders before load()")
-        for loader, loader_state in zip(self.loaders, state["loaders"]):
-            loader.load_state_dict(loader_state)
+        self.loaders.load_state_dict(state["loaders"], self._say)
         if self.nonfinite is not None:
             self.nonfinite.at(self.step)
         self.preemption.at(self.step)

@@ -40,6 +40,20 @@ class ResumableSampler(Sampler[int]):
         return iter(rest[:usable][self.rank::self.num_replicas])
 
 
+class DataChanged(ValueError):
+    """The checkpoint's dataset is not this run's (another length or fingerprint)."""
+
+
+def check_same_data(state: dict, mine: dict, accept: bool) -> None:
+    theirs = state.get("fingerprint")
+    if theirs is None or theirs == mine or accept:
+        return
+    raise DataChanged(f"the checkpoint's data loader read another dataset ({theirs}) than this "
+                      f"run's ({mine}), so its saved position points into different data; resume "
+                      "with the same dataset, or pass accept_changed_data=True to "
+                      "engine.dataloader() to continue from that position anyway")
+
+
 class ResumableLoader:
     """Iterates a DataLoader over a ResumableSampler and records (epoch, batches handed out)."""
 
@@ -48,6 +62,8 @@ class ResumableLoader:
         # MpDeviceLoader); counting happens here, when a batch reaches the caller.
         self.loader, self.sampler, self.batch_size = loader, sampler, batch_size
         self.epoch, self.batches_done = 0, 0
+        self.fingerprint: dict | None = None  # the dataset's (loaders.fingerprint)
+        self.accept_changed = False
 
     @property
     def samples_done(self) -> int:
@@ -66,9 +82,11 @@ class ResumableLoader:
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "samples_done": self.samples_done,
-                "batch_size": self.batch_size, "world_size": self.sampler.num_replicas}
+                "batch_size": self.batch_size, "world_size": self.sampler.num_replicas,
+                "fingerprint": self.fingerprint}
 
     def load_state_dict(self, state: dict) -> None:
+        check_same_data(state, self.fingerprint, self.accept_changed)
         step_samples = self.batch_size * self.sampler.num_replicas
         if state["samples_done"] % step_samples:
             raise ValueError(

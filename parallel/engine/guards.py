@@ -12,8 +12,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.distributed as dist
+
+from parallel.engine.loaders import non_tensor_fix
 
 
 class BatchError(ValueError):
@@ -27,15 +31,18 @@ class NonFiniteLossError(FloatingPointError):
 def batch_problem(batch, signature: dict | None, rows_expected: int) -> tuple[str | None, dict]:
     """Why this rank's batch is unusable (None when fine), and its signature (keys, dtypes, ranks
     of the tensors) that later batches are held to."""
-    if isinstance(batch, dict):
+    if isinstance(batch, Mapping):
         items = list(batch.items())
     elif isinstance(batch, (list, tuple)):
         items = list(enumerate(batch))
     else:
-        return f"a batch must be a dict or tuple of tensors, not {type(batch).__name__}", {}
+        return (f"a batch must be a mapping (dict, BatchEncoding) or tuple of tensors, not "
+                f"{type(batch).__name__}"), {}
+    if not items:
+        return "the batch has no entries", {}
     bad = [str(k) for k, v in items if not isinstance(v, torch.Tensor)]
-    if bad or not items:
-        return f"entries {bad or 'none'} are not tensors", {}
+    if bad:
+        return non_tensor_fix(bad), {}
     mine = {str(k): (str(v.dtype), v.dim()) for k, v in items}
     if signature is not None and mine != signature:
         missing = sorted(set(signature) - set(mine))
