@@ -17,8 +17,6 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from parallel.engine.loaders import non_tensor_fix
-
 
 class BatchError(ValueError):
     """This rank's batch cannot be trained on; raised on that rank before any collective."""
@@ -122,3 +120,10 @@ class NonfiniteWatch:
                 "finite since then and no checkpoint is written. Resume from the last checkpoint; "
                 "on_nonfinite: raise stops before the update and names the ranks (one host read "
                 "per step)")
+
+
+def non_tensor_fix(bad: list[str]) -> str:
+    return (f"entries {bad} are not tensors (text columns reach the batch when a dataset keeps "
+            "them): drop them (dataset.remove_columns(" + repr(bad) + ") or a collate_fn that "
+            "returns tensors only), or give the dataset the torch format "
+            "(dataset.with_format('torch', columns=[...]))")

@@ -17,7 +17,7 @@ torch `IterableDataset` is split every world-th sample, and resumed by skipping 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -165,15 +165,6 @@ class Loaders:
 def plain_batch(batch):
     """A Mapping that is not a dict (transformers' BatchEncoding, a UserDict) as a dict: the step
     splits and moves dicts and tuples."""
-    from collections.abc import Mapping
-
     if isinstance(batch, Mapping) and not isinstance(batch, dict):
         return dict(batch)
     return batch
-
-
-def non_tensor_fix(bad: list[str]) -> str:
-    return (f"entries {bad} are not tensors (text columns reach the batch when a dataset keeps "
-            "them): drop them (dataset.remove_columns(" + repr(bad) + ") or a collate_fn that "
-            "returns tensors only), or give the dataset the torch format "
-            "(dataset.with_format('torch', columns=[...]))")

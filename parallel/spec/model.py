@@ -171,9 +171,8 @@ class Spec(Section):
     @property
     def shard_group_size(self) -> int:
         """Ranks that shard one copy of the model (every data-parallel rank unless hybrid)."""
-        if self.shard in HYBRID_SHARDS:
-            return self.topology.shard_group_size or self.topology.procs_per_node
-        return self.dims.dp_size
+        dims = self.dims  # the default group (procs_per_node) is decided there, once
+        return dims.dp_shard if self.shard in HYBRID_SHARDS else dims.dp_size
 
     @property
     def grad_reduce_dtype(self) -> str:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from parallel import registry
 from parallel.spec.io import load_spec
+from parallel.tools.cells import merged
 
 
 @dataclass(frozen=True)
@@ -28,37 +29,25 @@ class Case:
         return self.nproc, tuple(sorted(self.env.items()))
 
 
-def _merge(base: dict, over: dict) -> dict:
-    out = dict(base)
-    for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
 def cases(world: int = 2, micro_batch_size: int = 2, skip: tuple[str, ...] = ()) -> list[Case]:
     out = []
     for d in registry.descriptors():
         for name, overrides in (d.variants or {d.name: {}}).items():
             if name in skip:
                 continue
-            asked = _merge({"backend": d.name, "micro_batch_size": micro_batch_size}, overrides)
+            asked = merged({"backend": d.name, "micro_batch_size": micro_batch_size}, overrides)
             # one process driving `world` devices where the backend says its devices per process
             # are known only at run time (SPMD: PJRT's CPU client gets that many virtual devices)
             spmd = d.launch.process_devices(load_spec(asked)) is None
             asked["topology"] = {"procs_per_node": 1 if spmd else world}
             spec = load_spec(asked)
             data, env = registry.local_run(spec)
-            env = {**d.launch.env(), **({"CPU_NUM_DEVICES": str(world)} if spmd else
-                                 {k: v for k, v in env.items() if k == "CPU_NUM_DEVICES"})}
+            env = {**env, "CPU_NUM_DEVICES": str(world)} if spmd else env
             here = {k: data[k] for k in ("backend", "micro_batch_size", "topology", *overrides)
                     if k in data}
             nproc = load_spec(here).world_size
             out.append(Case(name, d.name, here, nproc, env, d.flat_optimizer(spec)))
     return out
-
-
-def named(world: int = 2, micro_batch_size: int = 2, skip: tuple[str, ...] = ()) -> dict[str, Case]:
-    return {c.name: c for c in cases(world, micro_batch_size, skip)}
 
 
 def by_launch(chosen: list[Case]) -> list[list[Case]]:

@@ -13,8 +13,8 @@ import time
 import matrix
 import pytest
 from harness import ROOT, torchrun, needs_both
-from matrix import _merge
 from parallel import registry
+from parallel.tools.cells import merged
 from reliability import record
 
 pytestmark = pytest.mark.distributed
@@ -112,13 +112,16 @@ def preempted_cases() -> dict:
     out[f"{first.name}-every-rank"] = (first, -1)
     if "xla2" in out:
         xla2 = out["xla2"][0]
-        sync = _merge(xla2.spec, {"xla": {"preemption_sync": True},
+        sync = merged(xla2.spec, {"xla": {"preemption_sync": True},
                                   "checkpoint": {"preemption_signals": ["SIGTERM"]}})
         out["xla2-sync"] = (dataclasses.replace(xla2, name="xla2-sync", spec=sync), 0)
     return out
 
 
 PREEMPTED = preempted_cases()
+# what spec() writes without changes: the job of the elastic and edge tests
+DEFAULT = matrix.Case("default", "fsdp", {"backend": "fsdp", **TWO}, 2,
+                      registry.get("fsdp").launch.env())
 
 
 def job(case) -> str:
@@ -134,9 +137,7 @@ def references(tmp_path_factory):
     """Every preempted job's uninterrupted losses, from one launch per launch group (not one per
     case): {job: losses}."""
     tmp = tmp_path_factory.mktemp("references")
-    default = matrix.Case("default", "fsdp", {"backend": "fsdp", **TWO}, 2,
-                          registry.get("fsdp").launch.env())  # what spec() writes without changes
-    jobs = {job(c): c for c in [default, *(c for c, _ in PREEMPTED.values())]}
+    jobs = {job(c): c for c in [DEFAULT, *(c for c, _ in PREEMPTED.values())]}
     out = {}
     for group in matrix.by_launch(list(jobs.values())):
         specs = {}
@@ -154,7 +155,7 @@ def references(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def uninterrupted(references):
-    return references[job(matrix.Case("default", "fsdp", {"backend": "fsdp", **TWO}, 2))]
+    return references[job(DEFAULT)]
 
 
 @pytest.mark.timeout(900)
