@@ -6,7 +6,15 @@ under `polyshard launch`) does not pay for pydantic and the spec (about 0.1 s of
 
 __version__ = "0.1.0"
 
-__all__ = ["Spec", "SpecError", "dump_spec", "load_spec", "create_engine"]
+__all__ = ["Spec", "SpecError", "dump_spec", "load_spec", "create_engine", "notebook_launch"]
+
+
+def notebook_launch(fn, spec, *args, timeout=None) -> list:
+    """Run `fn(spec, *args)` on every rank of `spec`'s job as child processes of this notebook or
+    script; returns the ranks' results (parallel/launch/notebook.py)."""
+    from parallel.launch.notebook import notebook_launch as _launch
+
+    return _launch(fn, spec, *args, timeout=timeout)
 
 
 def create_engine(spec):

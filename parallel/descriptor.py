@@ -120,6 +120,9 @@ class Launch:
     accelerator: str = "nvidia.com/gpu"  # what a cluster job requests (Slurm / Kubernetes)
     # Devices one process feeds (SPMD drives all of a host's): None when known only at run time.
     process_devices: SpecFacts = _one_device
+    # Why `notebook_launch` cannot start this spec's processes itself (None: it can): a runtime
+    # whose processes need their own start (torch_xla's multi-process PJRT set-up).
+    in_process_refusal: Callable[[object], str | None] = lambda spec: None
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -85,6 +86,10 @@ class DeepSpeedEngine(Engine):
         # deepspeed.comm wraps the process group the Engine created. zero.Init reads its world size
         # from there: before deepspeed.initialize it would see 1 and reject the batch sizes.
         deepspeed.init_distributed(dist_init_required=False)
+        # deepspeed.initialize asserts LOCAL_RANK is exported (measured: "DeepSpeed requires the
+        # LOCAL_RANK environment variable" in a plain `python` process or a notebook); the engine
+        # knows it already (torchrun's, Slurm's SLURM_LOCALID, or 0 for one process started by hand)
+        os.environ.setdefault("LOCAL_RANK", str(self.ctx.local_rank))
         if self.spec.deepspeed.deepcompile and self.device.type != "cuda":
             raise SpecError([("deepspeed.deepcompile", f"needs CUDA: DeepSpeed "
                               f"{deepspeed.__version__} enables DeepCompile on the cuda accelerator "
@@ -245,6 +250,15 @@ class DeepSpeedEngine(Engine):
         state = [v for st in base.state.values() for v in st.values()
                  if isinstance(v, torch.Tensor) and v.dim() > 0]
         return {"params": held, "grads": grads, "optimizer": state + masters}
+
+    @property
+    def forward_gathers(self) -> bool:  # only ZeRO-3 partitions the parameters a forward uses
+        return STAGES[self.spec.shard] == 3
+
+    @contextmanager
+    def _unwrapped(self):
+        # DeepSpeed does not wrap the modules: ZeRO-3's hooks on them gather in any forward
+        yield self.ds.module
 
     def native_checkpoint(self):
         """(save, load) as DeepSpeed's docs do it: engine.save_checkpoint / load_checkpoint."""

@@ -4,6 +4,7 @@ translate.py's plain arguments. On CPU the process group is gloo and FSDP1 gets 
 from __future__ import annotations
 
 import functools
+from contextlib import contextmanager
 import inspect
 from itertools import chain
 from pathlib import Path
@@ -65,6 +66,10 @@ class _TorchFSDP(ModuleStateTensors, Engine):
         self._record_params(model)  # names and groups as built, before sharding replaces them
         self.units = plan_wrap(model, self.spec.wrap)
         return model, lazy
+
+    @property
+    def forward_gathers(self) -> bool:  # NO_SHARD replicates: forwards are local
+        return self.spec.shard != "none"
 
     def _sync_context(self, last: bool):
         return self._no_sync() if not last else super()._sync_context(last)
@@ -294,6 +299,15 @@ class FSDP1Engine(_TorchFSDP):
 
     def _no_sync(self):
         return self.model.no_sync()
+
+    @contextmanager
+    def _unwrapped(self):
+        # The root unit's own parameters (embeddings, final norm, head) are gathered for the block;
+        # the inner units still gather theirs in each forward (recurse=False: never the whole model)
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.summon_full_params(self.model, writeback=False, recurse=False):
+            yield self.model.module
 
     def _grad_norm_and_clip(self) -> torch.Tensor:
         # FSDP1's own clip reduces the norm over flat-parameter shards; inf means "report only".

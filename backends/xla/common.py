@@ -111,6 +111,26 @@ class _Xla(ModuleStateTensors, Engine):
                 model[alias] = model[canonical]
         return model
 
+    def _generate(self, input_ids, kwargs: dict):
+        """Static shapes: one graph per (rows, bucketed width), every step alike (generate.py)."""
+        import torch
+        import torch_xla.core.xla_model as xm
+
+        from parallel.engine.generate import check_static, library_model, static_generate
+
+        model = library_model(self.model)
+        check_static(model, kwargs)
+        self.model.eval()
+        with torch.no_grad(), self._autocast():
+            # through the sharded wrapper: its forward gathers (v1) or is partitioned (SPMD)
+            return static_generate(model, self.model, input_ids, end_step=xm.mark_step,
+                                   place=self._generation_layout(len(input_ids)),
+                                   device=self.device, **kwargs)
+
+    def _generation_layout(self, rows: int):
+        """How generate's step-to-step tensors are laid out (SPMD pins them)."""
+        return lambda t: None
+
     def _agreed_flag(self) -> AgreedFlag:
         return _XlaAgreedFlag(self.device)
 

@@ -53,7 +53,12 @@ DESCRIPTOR = BackendDescriptor(
         local_run=local_run,
         accelerator="",  # TPU VMs: no GPU resource to request
         # SPMD (v2): one process drives every local device; how many is known at run time
-        process_devices=lambda spec: None if spec.xla.fsdp_version == 2 else 1),
+        process_devices=lambda spec: None if spec.xla.fsdp_version == 2 else 1,
+        in_process_refusal=lambda spec: (
+            "xla.fsdp_version 1 with several processes needs torch_xla's own multi-process start "
+            "(xmp.spawn sets PJRT up per chip): use `polyshard launch`, or xla.fsdp_version: 2 "
+            "(one process drives every chip of the host)"
+            if spec.xla.fsdp_version == 1 and spec.world_size > 1 else None)),
     interop=Interop(
         exports={"hf-trainer": exports.to_hf_trainer},
         accelerate_claims=accelerate.claims,

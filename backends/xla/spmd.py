@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +54,20 @@ class XlaSpmdEngine(_Xla):
         self.mesh = xs.Mesh(np.arange(n), shape, ("fsdp", "model"))
         xs.set_global_mesh(self.mesh)
         self.devices_per_process = shape[0]
+
+    @contextmanager
+    def _unwrapped(self):
+        # the parameters are sharded tensors the compiler partitions: the inner model runs as is
+        from parallel.engine.generate import library_model
+
+        yield library_model(self.model)
+
+    def _generation_layout(self, rows: int):
+        import torch_xla.distributed.spmd as xs
+
+        # rows over the fsdp axis where they divide it, else every device holds them all
+        axis = "fsdp" if rows % self.mesh.mesh_shape[0] == 0 else None
+        return lambda t: xs.mark_sharding(t, self.mesh, (axis,) + (None,) * (t.dim() - 1))
 
     def _agreed_flag(self):
         return _SyncPoint() if self.spec.xla.preemption_sync else super()._agreed_flag()

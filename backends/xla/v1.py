@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -49,6 +50,15 @@ class XlaFsdpEngine(_Xla):
         model = self._wrap_units(model, units, lambda m: XFSDP(m, **kwargs))
         sharded = [(p, [n for n, _ in members]) for p, members in v1_layout(model)]
         return model, self._optimizer_over(optimizer, model, sharded)
+
+    @contextmanager
+    def _unwrapped(self):
+        raise RuntimeError(
+            "engine.unwrap() on XLA FSDP v1: the root unit flattens its parameters and frees the "
+            "gathered copy after each forward, so the inner model cannot run outside the wrapper; "
+            "use engine.generate (it runs every forward through the wrapper), or "
+            "xla.fsdp_version: 2")
+        yield  # pragma: no cover (a generator, so that `with` raises the error above)
 
     def _optimizer_step(self):
         # XLA FSDP reduces the norm over the flat shards; inf means "report only".

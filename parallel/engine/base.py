@@ -38,6 +38,7 @@ from parallel.engine.guards import (
 )
 from parallel.engine.hang import CollectiveTimeout, HangWatch, is_timeout, timeout_error
 from parallel.engine.preempt import Preemption
+from parallel.engine.user_state import UserState
 from parallel.engine.experts import Experts
 from parallel.engine.objective import CountFn, Objective
 from parallel.engine.params import ParamGroupsHook, ParamPlan, per_parameter
@@ -72,6 +73,7 @@ class Engine(BackendHooks):
         self.experts: Experts | None = None  # mixture-of-experts blocks, from _record_params
         self.notices: list[str] = []  # what this run does differently from one process, said once
         self.loaders = Loaders()  # training loaders by name (checkpointed), eval loaders apart
+        self.user_state = UserState()  # the user's objects saved with each checkpoint
         # Called with the engine once a step's gradients exist, before the update (bench measures
         # gradient memory here): an extension point, empty by default.
         self.on_gradients: list[Callable[[Engine], None]] = []
@@ -204,7 +206,7 @@ class Engine(BackendHooks):
                               dp_size=self.dp_size, dp_rank=self.dp_rank, seed=self.spec.seed,
                               shuffle=shuffle, collate_fn=collate_fn,
                               drop_last=not eval if drop_last is None else drop_last,
-                              device_loader=self._device_loader, **torch_kwargs)
+                              device_loader=self._device_loader, eval_=eval, **torch_kwargs)
         return self.loaders.add(loader, name, eval, accept_changed_data)
 
     @property
@@ -342,6 +344,19 @@ class Engine(BackendHooks):
 
         return evaluate.run(self, loader, list(metrics), max_batches)
 
+    def generate(self, input_ids: torch.Tensor, **generate_kwargs) -> torch.Tensor:
+        """Token ids (prompt + new, on the host) from the Hugging Face model being trained, on
+        this rank's prompts, every rank in step where forwards gather; on XLA with static shapes
+        (generate.py). Each rank passes its own prompts."""
+        self.model.eval()
+        return self._generate(input_ids, generate_kwargs)
+
+    def unwrap(self):
+        """`with engine.unwrap() as model:` the Hugging Face model, to call directly (forward,
+        generate with your own arguments); ranks must call it alike where forwards gather."""
+        self.model.eval()
+        return self._unwrapped()
+
     def _loss(self, batch) -> torch.Tensor:
         with self._autocast():
             if self.loss_fn is not None:
@@ -383,6 +398,13 @@ class Engine(BackendHooks):
     def wait_for_save(self) -> None:
         """Block until an async save in flight is published (its error, if any, is raised here)."""
         self.checkpoints.wait()
+
+    def register_for_checkpointing(self, obj, name: str | None = None,
+                                   per_rank: bool = False) -> str:
+        """Save `obj.state_dict()` with every checkpoint and restore it with `obj.load_state_dict`
+        on load/resume: one shared copy (the main rank's), or each rank's own (`per_rank`).
+        Returns its name in the checkpoint (user_state.py)."""
+        return self.user_state.register(obj, name, per_rank)
 
     def trainer_state(self) -> dict:
         return {"step": self.step,

@@ -60,7 +60,11 @@ class Checkpointed(Protocol):
     def _load_model_optim(self, path: Path, manifest: dict) -> None:
         """Backend hook: restore model and optimizer state from a verified checkpoint."""
 
+    user_state: object  # the user's registered objects (user_state.py)
+
     def trainer_state(self) -> dict: ...
+
+    def _say(self, message: str) -> None: ...
 
     def load_trainer_state(self, state: dict) -> None: ...
 
@@ -96,6 +100,7 @@ class Checkpointer:
                     pool=self.saver.pinned if background else None, group=group)
         small = self._small_files(e)  # taken now: the next step changes them
         meta = {"backend": e.name, "world_size": e.world_size, "step": e.step,
+                "user_state": e.user_state.kinds(),
                 "state_dict": spec.state_dict, "spec": spec.model_dump(mode="json"),
                 "versions": library_versions()}
         keep, managed = spec.checkpoint.keep_last, spec.checkpoint.dir and Path(spec.checkpoint.dir)
@@ -124,7 +129,7 @@ class Checkpointer:
     def _small_files(e: Checkpointed) -> dict:
         """name -> object (torch.save) or text, of this rank: its RNG; the main rank's trainer state
         and the model's configs (they let `polyshard ckpt export --to hf|peft` stand alone)."""
-        files = {f"rng/rank{e.rank}.pt": pdist.rng_state()}
+        files = {f"rng/rank{e.rank}.pt": pdist.rng_state(), **e.user_state.files(e.rank, e.is_main)}
         if e.is_main:
             files["trainer.pt"] = e.trainer_state()
             configs = {"hf_config.json": hf_config_json(e.model),
@@ -153,6 +158,7 @@ class Checkpointer:
         # load() on every rank, naming it; the model then holds what was read and must not be used.
         verifying = Verification(path)
         manifest = verifying.manifest
+        user = e.user_state.check(path, manifest, e.world_size)  # refused before anything is read
         try:
             e._load_model_optim(path, manifest)
         except BaseException:
@@ -165,6 +171,8 @@ class Checkpointer:
         # format <= 2 kept numpy's RNG keys as an ndarray: those few numpy classes are allowed
         rng = torch_load(rng_file, "an RNG state", NUMPY_ARRAY, trust) if same_world else None
         e.load_trainer_state(trainer)
+        e.user_state.load(path, user, e.rank, lambda file, what: torch_load(file, what, trust=trust),
+                          e._say)
         if rng is not None:  # another world size has other ranks: each keeps its seeded generator
             pdist.set_rng_state(rng)
         return manifest

@@ -15,9 +15,12 @@ from torch.utils.data import Sampler
 
 
 class ResumableSampler(Sampler[int]):
-    def __init__(self, size: int, num_replicas: int, rank: int, seed: int, shuffle: bool = True):
+    def __init__(self, size: int, num_replicas: int, rank: int, seed: int, shuffle: bool = True,
+                 even: bool = True):
         self.size, self.num_replicas, self.rank = size, num_replicas, rank
-        self.seed, self.shuffle = seed, shuffle
+        # even: equal shares, the remainder left for the next epoch (training: every rank steps
+        # alike). Not even (evaluation): every sample once, the first size % n ranks one more.
+        self.seed, self.shuffle, self.even = seed, shuffle, even
         self.epoch, self.start = 0, 0
         if size < num_replicas:
             raise ValueError(f"dataset has {size} samples, fewer than the {num_replicas} ranks")
@@ -27,7 +30,10 @@ class ResumableSampler(Sampler[int]):
         self.epoch, self.start = epoch, start
 
     def __len__(self) -> int:
-        return (self.size - self.start) // self.num_replicas
+        rest = self.size - self.start
+        if self.even:
+            return rest // self.num_replicas
+        return rest // self.num_replicas + (self.rank < rest % self.num_replicas)
 
     def __iter__(self) -> Iterator[int]:
         if self.shuffle:
@@ -36,8 +42,9 @@ class ResumableSampler(Sampler[int]):
         else:
             order = list(range(self.size))
         rest = order[self.start:]
-        usable = len(rest) - len(rest) % self.num_replicas  # equal shares: no rank waits on another
-        return iter(rest[:usable][self.rank::self.num_replicas])
+        if self.even:  # equal shares: no rank waits on another
+            rest = rest[:len(rest) - len(rest) % self.num_replicas]
+        return iter(rest[self.rank::self.num_replicas])
 
 
 class DataChanged(ValueError):
@@ -64,6 +71,7 @@ class ResumableLoader:
         self.epoch, self.batches_done = 0, 0
         self.fingerprint: dict | None = None  # the dataset's (loaders.fingerprint)
         self.accept_changed = False
+        self.lockstep: int | None = None  # an eval loader's most batches on any rank, if known
 
     @property
     def samples_done(self) -> int:
@@ -72,6 +80,13 @@ class ResumableLoader:
     def __len__(self) -> int:
         per_rank = self.sampler.size // self.sampler.num_replicas
         return per_rank // self.batch_size - self.batches_done  # drop_last=True
+
+    def most_batches(self, drop_last: bool) -> int:
+        """The most batches any rank's share gives in a pass (rank 0's: it gets the extra sample
+        of an uneven split): evaluation runs that many forwards on every rank, with no collective."""
+        s = self.sampler
+        share = -(-s.size // s.num_replicas) if not s.even else s.size // s.num_replicas
+        return share // self.batch_size if drop_last else -(-share // self.batch_size)
 
     def __iter__(self):
         self.sampler.set_position(self.epoch, self.samples_done)

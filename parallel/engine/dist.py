@@ -157,3 +157,11 @@ def all_mean(value: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(value, op=dist.ReduceOp.SUM)
         value /= dist.get_world_size()
     return value
+
+
+def all_max(value: torch.Tensor) -> torch.Tensor:
+    """Elementwise maximum over ranks."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return value

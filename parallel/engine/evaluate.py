@@ -46,9 +46,7 @@ def run(engine, loader, metrics: list[Metric], max_batches: int | None) -> dict:
 
     batches = 0
     with torch.no_grad():
-        for batch in loader:
-            if max_batches is not None and batches >= max_batches:
-                break
+        for batch, real in lockstep(engine, loader, max_batches):
             batch = engine._to_device(plain_batch(batch))
             with engine._autocast():
                 if engine.loss_fn is not None:
@@ -56,6 +54,8 @@ def run(engine, loader, metrics: list[Metric], max_batches: int | None) -> dict:
                 else:
                     outputs = model(**batch)
                     loss = outputs.loss
+            if not real:  # a forward to keep ranks in step: it adds nothing
+                continue
             # the items this loss averages over (target tokens for a causal LM; the objective
             # knows the model's rule, objective.py): a batch without targets adds nothing
             counts = engine.objective.counts([batch])
@@ -69,6 +69,44 @@ def run(engine, loader, metrics: list[Metric], max_batches: int | None) -> dict:
                     add(name, value)
             batches += 1
     return _reduce(sums, batches)
+
+
+def lockstep(engine, loader, max_batches: int | None):
+    """(batch, real) until every rank's share is done. Where forwards gather parameters (FSDP,
+    ZeRO-3) every rank must run as many forwards as the rank with the most batches: a rank whose
+    share ran out repeats its first batch (real=False, weight 0). A map-style eval loader knows
+    that count on every rank (no collective); a stream's ranks agree once per batch (one
+    two-element all-reduce and its host read: evaluation only, never in the training step)."""
+    if engine.world_size == 1 or not engine.forward_gathers:
+        for i, batch in enumerate(loader):
+            if max_batches is not None and i >= max_batches:
+                return
+            yield batch, True
+        return
+    known = getattr(loader, "lockstep", None)
+    stream, first, done = iter(loader), None, 0
+    while max_batches is None or done < max_batches:
+        batch = next(stream, None)
+        if known is not None:
+            if done >= known:
+                return
+        else:  # [some rank has a batch, some rank has none and never had one]
+            flags = torch.tensor([batch is not None, batch is None and first is None],
+                                 dtype=torch.float32, device=engine.device)
+            flags = pdist.all_max(flags).tolist()
+            if not flags[0]:
+                return
+            if flags[1]:
+                raise RuntimeError(
+                    "engine.evaluate: a rank's share of the evaluation stream is empty while "
+                    "others still evaluate, and a forward gathers parameters from every rank; give "
+                    "the stream at least one batch per data-parallel rank")
+        first = batch if first is None else first
+        if batch is None and first is None:
+            raise RuntimeError("engine.evaluate: this rank's share of the evaluation data is "
+                               "empty; give it at least one sample per data-parallel rank")
+        yield (batch, True) if batch is not None else (first, False)
+        done += 1
 
 
 def _reduce(sums: dict, batches: int) -> dict:

@@ -8,7 +8,7 @@ engine's state (`spec`, `device`, `model`, `optimizer`, `rank`, `is_main`) and n
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -31,6 +31,9 @@ class BackendHooks(ABC):
     # expert no rank used: experts.py). False where it steps flat tensors holding many parameters.
     per_parameter_grads: bool = True
     background_save: bool = True  # False where the state cannot be staged off the device (XLA)
+    # A forward gathers parameters from other ranks (FSDP, ZeRO-3): every rank must then run the
+    # same number of forwards (generate keeps them in step). False where forwards are local.
+    forward_gathers: bool = True
 
     # ---- required ----
     @abstractmethod
@@ -98,6 +101,22 @@ class BackendHooks(ABC):
         """How the preemption flag is read back; backends whose device reports differently
         override it."""
         return AgreedFlag(self.device)
+
+    @contextmanager
+    def _unwrapped(self):
+        """The model as its library built it, callable directly (forward, generate) for the
+        length of the block; the sharded model is the same object afterwards."""
+        yield self.model
+
+    def _generate(self, input_ids: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        """transformers' generate on the unwrapped model, ranks in step where forwards gather."""
+        from parallel.engine.generate import hf_generate
+
+        kwargs = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in kwargs.items()}
+        with self._unwrapped() as model, self._autocast():
+            out = hf_generate(model, input_ids.to(self.device),
+                              synced=self.world_size > 1 and self.forward_gathers, **kwargs)
+        return out.cpu()
 
     def native_checkpoint(self):
         """(save(path), load(path)) of this backend's own checkpointing, as its docs write it, for

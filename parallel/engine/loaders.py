@@ -64,6 +64,7 @@ class IterableLoader:
         self.loader, self.share, self.batch_size, self.fingerprint = loader, share, batch_size, print_
         self.epoch, self.batches_done = 0, 0
         self.accept_changed = False
+        self.lockstep: int | None = None  # an eval loader's most batches on any rank, if known
 
     def __iter__(self):
         for batch in self.loader:
@@ -91,8 +92,10 @@ class IterableLoader:
 
 def build_loader(dataset, *, size: int, dp_size: int, dp_rank: int, seed: int, shuffle: bool,
                  collate_fn: Callable | None, drop_last: bool, device_loader: Callable,
-                 **torch_kwargs):
-    """A resumable loader of `size`-sample batches of this rank's share of `dataset`."""
+                 eval_: bool = False, **torch_kwargs):
+    """A resumable loader of `size`-sample batches of this rank's share of `dataset`. An eval
+    loader reads every sample once (uneven shares) and knows the most batches a rank gets
+    (`lockstep`; None for a stream, whose ranks agree per batch: evaluate.py)."""
     print_ = fingerprint(dataset)
     if isinstance(dataset, IterableDataset) or _hf_iterable(dataset):
         if torch_kwargs.get("num_workers", 0) > 0:
@@ -114,11 +117,13 @@ def build_loader(dataset, *, size: int, dp_size: int, dp_rank: int, seed: int, s
         raise TypeError(f"engine.dataloader: {type(dataset).__name__} has neither __len__ (a "
                         "map-style dataset) nor __iter__ as a torch or Hugging Face "
                         "IterableDataset; wrap it in one of those")
-    sampler = ResumableSampler(len(dataset), dp_size, dp_rank, seed, shuffle)
+    sampler = ResumableSampler(len(dataset), dp_size, dp_rank, seed, shuffle, even=not eval_)
     loader = DataLoader(dataset, batch_size=size, sampler=sampler, collate_fn=collate_fn,
                         drop_last=drop_last, **torch_kwargs)
     out = ResumableLoader(device_loader(loader), sampler, size)
     out.fingerprint = print_
+    if eval_:
+        out.lockstep = out.most_batches(drop_last)
     return out
 
 

@@ -1,0 +1,127 @@
+"""`notebook_launch(fn, spec, *args)`: a job's ranks as child processes of a notebook or a plain
+`python` process, as Accelerate's `notebook_launcher` does, for every backend that runs on one host.
+
+Each child gets what torchrun would give it (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+MASTER_ADDR/PORT), the backend's launch environment (registry: `launch.env`, and `local_run`'s on a
+host that lays the job out differently, e.g. XLA's single-process CPU client) and the spec (so
+`current_spec()` works), then calls `fn(spec, *args)`. The call returns every rank's return value,
+in rank order; the first rank to fail raises here with its traceback and the other ranks are ended
+(a rank left waiting in a collective for its failed peer would otherwise never return).
+
+Each rank is a fresh interpreter (`python -m parallel.launch.notebook`), `fn` and `args` carried by
+`dill` (by value where they live in `__main__`: a notebook cell or the script itself, which is never
+run again, so no `if __name__ == "__main__"` guard is needed), the result coming back in a file.
+Not forked: once this process has run autograd (a notebook usually has), a forked rank's backward
+fails (measured, torch 2.9: after one backward in the parent, FSDP2's backward in the child raised
+"device_ready_queues_ ... INTERNAL ASSERT FAILED"), and a forked child cannot use CUDA again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+
+def plan(spec) -> tuple[object, int, dict[str, str]]:
+    """(the spec as this host runs it, processes to start, the environment every rank shares)."""
+    from parallel.registry import get, local_run
+    from parallel.spec.io import load_spec
+
+    if spec.topology.nodes != 1:
+        raise ValueError(f"notebook_launch: topology.nodes is {spec.topology.nodes}; a notebook "
+                         "starts ranks on its own host only: set nodes: 1, or use `polyshard "
+                         "launch` on every node")
+    data, env = local_run(spec)
+    env = {k: os.environ.get(k, v) for k, v in env.items()}  # a value the user exported wins
+    run = load_spec(data)
+    refusal = get(run.backend).launch.in_process_refusal(run)
+    if refusal:
+        raise ValueError(f"notebook_launch: {refusal}")
+    return run, run.topology.procs_per_node, dict(env)
+
+
+def notebook_launch(fn: Callable, spec, *args, timeout: float | None = None) -> list:
+    """Run `fn(spec, *args)` on every rank of `spec`'s job (a Spec, a dict or a YAML path) as
+    child processes; return their results in rank order. `timeout`: seconds for the whole job,
+    after which every rank is ended and TimeoutError raised."""
+    import dill
+    import torch.distributed as dist
+
+    from parallel.engine.dist import free_port
+    from parallel.launch.torchrun import SPEC_ENV, launch_env
+    from parallel.spec.io import load_spec
+
+    if dist.is_initialized():
+        raise RuntimeError("notebook_launch: this process already joined a process group (an "
+                           "engine was created here); restart the kernel, then launch")
+    spec = spec if hasattr(spec, "model_dump") else load_spec(spec)
+    run, nproc, env = plan(spec)
+    with tempfile.TemporaryDirectory(prefix="polyshard-nb-") as tmp:
+        tmp = Path(tmp)
+        (tmp / "job.dill").write_bytes(dill.dumps((fn, run.model_dump(mode="json",
+                                                                       exclude_unset=True), args),
+                                                  recurse=True))
+        shared = {**launch_env(run, tmp / "spec.json"), **env, "MASTER_ADDR": "127.0.0.1",
+                  "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nproc),
+                  "LOCAL_WORLD_SIZE": str(nproc), "PYTHONPATH": os.pathsep.join(sys.path)}
+        (tmp / "spec.json").write_text(json.dumps(run.model_dump(mode="json", exclude_unset=True)))
+        procs = [subprocess.Popen([sys.executable, "-m", "parallel.launch.notebook",
+                                   str(tmp / "job.dill"), str(tmp / f"rank{r}")],
+                                  env={**shared, SPEC_ENV: str(tmp / "spec.json"), "RANK": str(r),
+                                       "LOCAL_RANK": str(r)}) for r in range(nproc)]
+        try:
+            return _collect(procs, tmp, timeout)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+
+
+def _collect(procs: list, tmp: Path, timeout: float | None) -> list:
+    """Every rank's result, or the first failure (an error it sent back, or how it ended)."""
+    import dill
+
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while any(p.poll() is None for p in procs):
+        for rank, p in enumerate(procs):
+            if p.poll() not in (None, 0):
+                error = tmp / f"rank{rank}.error"
+                said = error.read_text() if error.is_file() else (
+                    f"it ended with exit code {p.returncode} and no error of its own (killed, or "
+                    "it called exit)")
+                raise RuntimeError(f"notebook_launch: rank {rank} failed; every rank was ended. "
+                                   f"Its error:\n{said}")
+        if deadline is not None and time.monotonic() > deadline:
+            running = [r for r, p in enumerate(procs) if p.poll() is None]
+            raise TimeoutError(f"notebook_launch: ranks {running} still running after "
+                               f"{timeout:.0f} s; every rank was ended")
+        time.sleep(0.2)
+    return [dill.loads((tmp / f"rank{r}").read_bytes()) for r in range(len(procs))]
+
+
+def _child(job: str, out: str) -> int:
+    import dill
+
+    from parallel.spec.io import load_spec
+
+    try:
+        fn, data, args = dill.loads(Path(job).read_bytes())
+        result = fn(load_spec(data), *args)
+    except BaseException as err:  # noqa: BLE001 - every failure goes back to the parent, named
+        Path(out + ".error").write_text(f"{type(err).__name__}: {err}\n{traceback.format_exc()}")
+        return 1
+    Path(out + ".tmp").write_bytes(dill.dumps(result))
+    os.replace(out + ".tmp", out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child(sys.argv[1], sys.argv[2]))

@@ -1,0 +1,178 @@
+"""The loop around the step, as a Hugging Face user writes it, on every case of one launch group.
+
+save phase, per case: a tiny Llama (a copy kept in this process as the one-process reference);
+  evaluate: a map-style `datasets.Dataset` and its streaming form (`to_iterable_dataset`), 9 rows of
+  padded text through DataCollatorForLanguageModeling, 2 per batch: ranks get 3 and 2 batches;
+  unwrap: the Hugging Face model's logits on this rank's prompts;
+  generate: greedy on this rank's left-padded prompts, and sampling where rank 1 stops at its first
+  token (every id is its EOS) while rank 0 runs on; on XLA the compiles of a second, longer call;
+  registered state: a shared object and a per-rank one, two training steps, a checkpoint.
+load phase, per case: a fresh engine loads the checkpoint another case wrote (--sources) and
+  reports what its registered objects hold afterwards.
+"""
+
+import argparse
+import copy
+import json
+import time
+import traceback
+from pathlib import Path
+
+import torch
+from parity_worker import global_batches, optimizer_arg
+
+from parallel import create_engine, load_spec
+from parallel.engine.evaluate import token_accuracy
+from parallel.toy import build_llama, llama_config
+
+ROWS = 9  # evaluation rows: 5 on rank 0, 4 on rank 1 at 2 per batch
+PROMPTS = ["w1 w2 w3", "w4 w5 w6 w7 w8 w9", "w10", "w11 w12 w13 w14"]
+
+
+class Tally:
+    """A user's own state: plain tensors and numbers."""
+
+    def __init__(self, value=0.0):
+        self.total, self.count = torch.tensor([value]), 0
+
+    def add(self, x: float) -> None:
+        self.total += x
+        self.count += 1
+
+    def state_dict(self) -> dict:
+        return {"total": self.total, "count": self.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.total, self.count = state["total"].clone(), state["count"]
+
+    def seen(self) -> list:
+        return [float(self.total[0]), self.count]
+
+
+def data():
+    from tests.unit.test_loaders import tokenized
+    from transformers import DataCollatorForLanguageModeling
+
+    tok, ds = tokenized(ROWS)
+    ds = ds.remove_columns(["idx"])
+    return tok, ds, DataCollatorForLanguageModeling(tok, mlm=False, return_tensors="pt")
+
+
+def engine_for(spec_dict):
+    torch.manual_seed(0)
+    model = build_llama(llama_config("tiny"))
+    reference = copy.deepcopy(model).eval()
+    engine = create_engine(load_spec(spec_dict))
+    engine.prepare(model, optimizer_arg("adamw"))
+    return engine, reference
+
+
+def evaluate(engine, reference, out):
+    tok, ds, collate = data()
+    with torch.no_grad():
+        whole = collate([ds[i] for i in range(ROWS)])
+        outputs = reference(**whole)
+        acc = token_accuracy(outputs, whole)
+        out["ref_eval"] = {"loss": float(outputs.loss),
+                           "token_accuracy": float(acc["token_accuracy"] / acc["token_accuracy/"])}
+    for kind, dataset in (("map", ds), ("stream", ds.to_iterable_dataset(num_shards=1))):
+        loader = engine.dataloader(dataset, batch_size=2, shuffle=False, collate_fn=collate,
+                                   eval=True)
+        out[f"eval_{kind}"] = engine.evaluate(loader, metrics=[token_accuracy])
+
+
+def prompts(engine, tok):
+    tok.padding_side = "left"
+    enc = tok(PROMPTS, padding=True, return_tensors="pt")
+    rows = slice(2 * engine.dp_rank, 2 * engine.dp_rank + 2) if engine.world_size > 1 else slice(0, 2)
+    return enc["input_ids"][rows], enc["attention_mask"][rows]
+
+
+def generate(engine, reference, out):
+    tok, _, _ = data()
+    ids, mask = prompts(engine, tok)
+    try:
+        with engine.unwrap() as model:
+            logits = model(input_ids=ids.to(engine.device), attention_mask=mask.to(engine.device)
+                           ).logits.cpu()
+        out["unwrap_diff"] = float((logits - reference(input_ids=ids, attention_mask=mask).logits)
+                                   .abs().max())
+    except RuntimeError as err:
+        out["unwrap_error"] = str(err)
+    greedy = engine.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0)
+    expected = reference.generate(ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0,
+                                  do_sample=False)
+    out["greedy_equal"] = torch.equal(greedy, expected)
+    out["greedy"], out["greedy_ref"] = greedy.tolist(), expected.tolist()
+    torch.manual_seed(engine.rank)
+    stop_at_once = list(range(256)) if engine.rank == 1 else 10_000
+    sampled = engine.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=True,
+                              pad_token_id=0, eos_token_id=stop_at_once)
+    out["sampled_new"] = sampled.shape[1] - ids.shape[1]
+    if engine.device.type == "xla":  # compiles of two longer calls in the same width bucket
+        import torch_xla.debug.metrics as met
+
+        out["xla_new_compiles"] = []
+        for tokens in (16, 24):
+            compiles = met.metric_data("CompileTime")[0]
+            start = time.perf_counter()
+            engine.generate(ids, attention_mask=mask, max_new_tokens=tokens, pad_token_id=0)
+            out["xla_per_token_s"] = (time.perf_counter() - start) / tokens
+            out["xla_new_compiles"].append(met.metric_data("CompileTime")[0] - compiles)
+
+
+def train_and_save(engine, root: Path, name: str, out):
+    shared, mine = Tally(), Tally(100.0 * engine.rank)
+    engine.register_for_checkpointing(shared, "tally")
+    engine.register_for_checkpointing(mine, "mine", per_rank=True)
+    rows = engine.samples_per_step
+    for ids in global_batches(2, max(engine.dp_size, 1), rows):
+        part = ids[engine.dp_rank * rows:(engine.dp_rank + 1) * rows]
+        result = engine.train_step({"input_ids": part, "labels": part})
+        shared.add(result.loss)
+        mine.add(float(engine.rank))
+    engine.save(root / name)
+    out["tally"], out["mine"] = shared.seen(), mine.seen()
+
+
+def load(engine, source: Path, out):
+    shared, mine = Tally(-1.0), Tally(-1.0)
+    engine.register_for_checkpointing(shared, "tally")
+    engine.register_for_checkpointing(mine, "mine", per_rank=True)
+    try:
+        engine.load(source)
+    except ValueError as err:  # per rank across world sizes: refused before anything is read
+        out["load_error"] = str(err)
+        engine.user_state.objects.pop("mine")  # the shared object alone still goes across
+        engine.load(source)
+    out["tally"], out["mine"] = shared.seen(), mine.seen()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", required=True)
+    ap.add_argument("--phase", choices=["save", "load"], required=True)
+    ap.add_argument("--root", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    root, results, rank = Path(args.root), {}, 0
+    for case in json.loads(Path(args.cases).read_text()):
+        out = results[case["name"]] = {}
+        try:
+            engine, reference = engine_for(case["spec"])
+            rank = engine.rank
+            if args.phase == "save":
+                evaluate(engine, reference, out)
+                generate(engine, reference, out)
+                train_and_save(engine, root, case["name"], out)
+            else:
+                load(engine, root / case["source"], out)
+            out["world_size"] = engine.world_size
+            engine.barrier()
+        except Exception:  # noqa: BLE001 - recorded per case; the test names it
+            out["error"] = traceback.format_exc()[-3000:]
+    Path(f"{args.out}.rank{rank}").write_text(json.dumps(results))  # every rank's view
+
+
+if __name__ == "__main__":
+    main()
