@@ -53,7 +53,10 @@ def check_static(model: nn.Module, kwargs: dict) -> None:
 
 
 def _accepts(model: nn.Module, name: str) -> bool:
-    return name in inspect.signature(model.forward).parameters
+    """Whether the model's forward takes `name`; a peft model's forward passes its keywords through
+    (**kwargs) to the model it adapts, whose forward decides."""
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    return name in inspect.signature(base.forward).parameters
 
 
 def static_generate(model: nn.Module, call: Callable, input_ids: torch.Tensor, *,

@@ -92,3 +92,18 @@ def test_library_model_is_found_inside_wrappers():
     assert library_model(wrapper) is model
     with pytest.raises(TypeError, match="needs a Hugging Face model"):
         library_model(torch.nn.Linear(2, 2))
+
+
+def test_a_peft_model_generates_as_its_base_does():
+    """LoRA adapters (peft): left-padded prompts keep their positions through the adapter's
+    forward, which passes position_ids on to the Llama it adapts."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(llama(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).eval()
+    ids, mask = prompts()
+    expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5,
+                              do_sample=False, pad_token_id=0)
+    got = static_generate(model, model, ids, attention_mask=mask, max_new_tokens=5,
+                          pad_token_id=0, bucket=16)
+    assert library_model(torch.nn.Sequential(model)) is model
+    assert torch.equal(got, expected)
