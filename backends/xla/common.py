@@ -120,7 +120,6 @@ class _Xla(ModuleStateTensors, Engine):
 
         model = library_model(self.model)
         check_static(model, kwargs)
-        self.model.eval()
         with torch.no_grad(), self._autocast():
             # through the sharded wrapper: its forward gathers (v1) or is partitioned (SPMD)
             return static_generate(model, self.model, input_ids, end_step=xm.mark_step,

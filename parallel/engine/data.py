@@ -35,6 +35,11 @@ class ResumableSampler(Sampler[int]):
             return rest // self.num_replicas
         return rest // self.num_replicas + (self.rank < rest % self.num_replicas)
 
+    def share(self, rank: int) -> int:
+        """Samples `rank` reads in a whole epoch."""
+        extra = 0 if self.even else rank < self.size % self.num_replicas
+        return self.size // self.num_replicas + extra
+
     def __iter__(self) -> Iterator[int]:
         if self.shuffle:
             g = torch.Generator().manual_seed(self.seed + self.epoch)
@@ -64,31 +69,42 @@ def check_same_data(state: dict, mine: dict, accept: bool) -> None:
 class ResumableLoader:
     """Iterates a DataLoader over a ResumableSampler and records (epoch, batches handed out)."""
 
-    def __init__(self, loader, sampler: ResumableSampler, batch_size: int):
+    def __init__(self, loader, sampler: ResumableSampler, batch_size: int, drop_last: bool = True,
+                 rewinds: bool = False):
         # `loader` iterates batches (a DataLoader, or a device loader wrapping one, e.g. XLA's
         # MpDeviceLoader); counting happens here, when a batch reaches the caller.
         self.loader, self.sampler, self.batch_size = loader, sampler, batch_size
+        # rewinds: every pass starts at the beginning (an eval loader: never resumed, and a pass cut
+        # short by evaluate(max_batches=) must not make the next pass start in the middle)
+        self.drop_last, self.rewinds = drop_last, rewinds
         self.epoch, self.batches_done = 0, 0
         self.fingerprint: dict | None = None  # the dataset's (loaders.fingerprint)
         self.accept_changed = False
-        self.lockstep: int | None = None  # an eval loader's most batches on any rank, if known
 
     @property
     def samples_done(self) -> int:
         return self.batches_done * self.batch_size * self.sampler.num_replicas
 
-    def __len__(self) -> int:
-        per_rank = self.sampler.size // self.sampler.num_replicas
-        return per_rank // self.batch_size - self.batches_done  # drop_last=True
+    def _batches(self, share: int) -> int:
+        return share // self.batch_size if self.drop_last else -(-share // self.batch_size)
 
-    def most_batches(self, drop_last: bool) -> int:
-        """The most batches any rank's share gives in a pass (rank 0's: it gets the extra sample
-        of an uneven split): evaluation runs that many forwards on every rank, with no collective."""
-        s = self.sampler
-        share = -(-s.size // s.num_replicas) if not s.even else s.size // s.num_replicas
-        return share // self.batch_size if drop_last else -(-share // self.batch_size)
+    def __len__(self) -> int:
+        return self._batches(self.sampler.share(self.sampler.rank)) - self.batches_done
+
+    @property
+    def lockstep(self) -> int:
+        """The most batches any rank has left in this pass (rank 0's: it gets the extra sample of an
+        uneven split), known on every rank: evaluation runs that many forwards on each, with no
+        collective (evaluate.py)."""
+        return self._batches(self.sampler.share(0)) - (0 if self.rewinds else self.batches_done)
+
+    def fewest_batches(self) -> int:
+        """The fewest batches a rank gets in a whole pass (the last rank's)."""
+        return self._batches(self.sampler.share(self.sampler.num_replicas - 1))
 
     def __iter__(self):
+        if self.rewinds:
+            self.batches_done = 0
         self.sampler.set_position(self.epoch, self.samples_done)
         for batch in self.loader:
             self.batches_done += 1  # counted when handed out: a saved position includes this batch

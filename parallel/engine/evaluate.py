@@ -59,10 +59,11 @@ def run(engine, loader, metrics: list[Metric], max_batches: int | None) -> dict:
             # the items this loss averages over (target tokens for a causal LM; the objective
             # knows the model's rule, objective.py): a batch without targets adds nothing
             counts = engine.objective.counts([batch])
+            loss = loss.detach().float()
             weight = counts[0] if counts is not None else 1
-            kept = loss.detach().float() if counts is None else torch.where(
-                weight > 0, loss.detach().float(), torch.zeros_like(loss.detach().float()))
-            add("loss", kept * weight)
+            if counts is not None:  # no targets: the model's loss is NaN (0 / 0), weighed by 0
+                loss = torch.where(weight > 0, loss, torch.zeros_like(loss))
+            add("loss", loss * weight)
             add("loss/", weight)
             for metric in metrics:
                 for name, value in metric(outputs, batch).items():
@@ -86,11 +87,10 @@ def lockstep(engine, loader, max_batches: int | None):
     known = getattr(loader, "lockstep", None)
     stream, first, done = iter(loader), None, 0
     while max_batches is None or done < max_batches:
+        if known is not None and done >= known:
+            return
         batch = next(stream, None)
-        if known is not None:
-            if done >= known:
-                return
-        else:  # [some rank has a batch, some rank has none and never had one]
+        if known is None:  # [some rank has a batch, some rank has none and never had one]
             flags = torch.tensor([batch is not None, batch is None and first is None],
                                  dtype=torch.float32, device=engine.device)
             flags = pdist.all_max(flags).tolist()

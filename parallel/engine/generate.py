@@ -30,8 +30,9 @@ STATIC_KEYWORDS = {"attention_mask", "max_new_tokens", "eos_token_id", "pad_toke
 
 def hf_generate(model: nn.Module, input_ids: torch.Tensor, synced: bool, **kwargs) -> torch.Tensor:
     """transformers' generate, with every rank in step where forwards gather (`synced`)."""
-    if getattr(model.config, "is_encoder_decoder", False) is False and "attention_mask" not in kwargs:
-        kwargs["attention_mask"] = torch.ones_like(input_ids)
+    if not getattr(model.config, "is_encoder_decoder", False):
+        # unpadded prompts: said, so transformers does not guess padding from pad == eos
+        kwargs.setdefault("attention_mask", torch.ones_like(input_ids))
     kwargs.setdefault("synced_gpus", synced)
     return model.generate(input_ids, **kwargs)
 

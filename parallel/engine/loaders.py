@@ -64,7 +64,8 @@ class IterableLoader:
         self.loader, self.share, self.batch_size, self.fingerprint = loader, share, batch_size, print_
         self.epoch, self.batches_done = 0, 0
         self.accept_changed = False
-        self.lockstep: int | None = None  # an eval loader's most batches on any rank, if known
+
+    lockstep = None  # a stream's batches per rank are unknown: evaluate's ranks agree per batch
 
     def __iter__(self):
         for batch in self.loader:
@@ -94,8 +95,7 @@ def build_loader(dataset, *, size: int, dp_size: int, dp_rank: int, seed: int, s
                  collate_fn: Callable | None, drop_last: bool, device_loader: Callable,
                  eval_: bool = False, **torch_kwargs):
     """A resumable loader of `size`-sample batches of this rank's share of `dataset`. An eval
-    loader reads every sample once (uneven shares) and knows the most batches a rank gets
-    (`lockstep`; None for a stream, whose ranks agree per batch: evaluate.py)."""
+    loader reads every sample once (uneven shares) and starts each pass at its beginning."""
     print_ = fingerprint(dataset)
     if isinstance(dataset, IterableDataset) or _hf_iterable(dataset):
         if torch_kwargs.get("num_workers", 0) > 0:
@@ -120,10 +120,15 @@ def build_loader(dataset, *, size: int, dp_size: int, dp_rank: int, seed: int, s
     sampler = ResumableSampler(len(dataset), dp_size, dp_rank, seed, shuffle, even=not eval_)
     loader = DataLoader(dataset, batch_size=size, sampler=sampler, collate_fn=collate_fn,
                         drop_last=drop_last, **torch_kwargs)
-    out = ResumableLoader(device_loader(loader), sampler, size)
+    out = ResumableLoader(device_loader(loader), sampler, size, drop_last, rewinds=eval_)
     out.fingerprint = print_
-    if eval_:
-        out.lockstep = out.most_batches(drop_last)
+    if eval_ and out.fewest_batches() == 0 < out.lockstep:
+        # decided alike on every rank, here, rather than one rank failing inside evaluate() while
+        # the others wait for it in a forward's gather
+        raise ValueError(f"engine.dataloader: eval loader with drop_last=True over {len(dataset)} "
+                         f"samples at {dp_size} ranks and batch_size {size}: the last rank gets no "
+                         "batch; pass drop_last=False (the default for eval loaders) or a smaller "
+                         "batch_size")
     return out
 
 

@@ -44,7 +44,7 @@ def plan(spec) -> tuple[object, int, dict[str, str]]:
     refusal = get(run.backend).launch.in_process_refusal(run)
     if refusal:
         raise ValueError(f"notebook_launch: {refusal}")
-    return run, run.topology.procs_per_node, dict(env)
+    return run, run.topology.procs_per_node, env
 
 
 def notebook_launch(fn: Callable, spec, *args, timeout: float | None = None) -> list:
@@ -55,7 +55,7 @@ def notebook_launch(fn: Callable, spec, *args, timeout: float | None = None) -> 
     import torch.distributed as dist
 
     from parallel.engine.dist import free_port
-    from parallel.launch.torchrun import SPEC_ENV, launch_env
+    from parallel.launch.torchrun import launch_env
     from parallel.spec.io import load_spec
 
     if dist.is_initialized():
@@ -64,18 +64,16 @@ def notebook_launch(fn: Callable, spec, *args, timeout: float | None = None) -> 
     spec = spec if hasattr(spec, "model_dump") else load_spec(spec)
     run, nproc, env = plan(spec)
     with tempfile.TemporaryDirectory(prefix="polyshard-nb-") as tmp:
-        tmp = Path(tmp)
-        (tmp / "job.dill").write_bytes(dill.dumps((fn, run.model_dump(mode="json",
-                                                                       exclude_unset=True), args),
-                                                  recurse=True))
+        tmp, data = Path(tmp), run.model_dump(mode="json", exclude_unset=True)
+        (tmp / "job.dill").write_bytes(dill.dumps((fn, data, args), recurse=True))
+        (tmp / "spec.json").write_text(json.dumps(data))  # current_spec() in the ranks reads it
         shared = {**launch_env(run, tmp / "spec.json"), **env, "MASTER_ADDR": "127.0.0.1",
                   "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nproc),
                   "LOCAL_WORLD_SIZE": str(nproc), "PYTHONPATH": os.pathsep.join(sys.path)}
-        (tmp / "spec.json").write_text(json.dumps(run.model_dump(mode="json", exclude_unset=True)))
         procs = [subprocess.Popen([sys.executable, "-m", "parallel.launch.notebook",
                                    str(tmp / "job.dill"), str(tmp / f"rank{r}")],
-                                  env={**shared, SPEC_ENV: str(tmp / "spec.json"), "RANK": str(r),
-                                       "LOCAL_RANK": str(r)}) for r in range(nproc)]
+                                  env={**shared, "RANK": str(r), "LOCAL_RANK": str(r)})
+                 for r in range(nproc)]
         try:
             return _collect(procs, tmp, timeout)
         finally:

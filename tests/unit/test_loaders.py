@@ -170,3 +170,20 @@ def test_an_hf_job_trains_on_batch_encodings_and_evaluates_token_weighted(tmp_pa
     assert abs(got["loss"] - total / tokens) < 1e-6 and got["perplexity"] == math.exp(got["loss"])
     assert abs(got["token_accuracy"] - right / tokens) < 1e-9
     assert list(engine.trainer_state()["loaders"]) == ["loader0"]
+    # a pass cut short does not make the next one start in the middle
+    assert engine.evaluate(evals, max_batches=2)["batches"] == 2
+    assert engine.evaluate(evals, metrics=[token_accuracy]) == got
+
+
+def test_eval_loaders_read_every_sample_once_and_count_their_batches():
+    _, ds = tokenized(9)
+    ds = ds.select_columns(["idx"]).with_format("torch")
+    shares = [build_loader(ds, size=2, dp_size=2, dp_rank=r, seed=0, shuffle=True,
+                           collate_fn=None, drop_last=False, device_loader=lambda x: x, eval_=True)
+              for r in (0, 1)]
+    seen = [[i for b in share for i in b["idx"].tolist()] for share in shares]
+    assert sorted(seen[0] + seen[1]) == list(range(9))  # uneven shares: 5 and 4, none dropped
+    assert [len(s) for s in shares] == [3, 2] and shares[1].lockstep == 3
+    with pytest.raises(ValueError, match="the last rank gets no batch"):
+        build_loader(ds, size=5, dp_size=2, dp_rank=0, seed=0, shuffle=False, collate_fn=None,
+                     drop_last=True, device_loader=lambda x: x, eval_=True)
