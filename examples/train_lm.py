@@ -9,7 +9,6 @@ import math
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from parallel import create_engine
 from parallel.launch import current_spec
@@ -66,11 +65,10 @@ console.print(f"{spec.backend} ({spec.shard}, {spec.precision}) on {engine.world
 # 4. The loop: one train_step is one optimizer step over micro_batch_size x grad_accum_steps samples.
 losses, lrs = [], []
 batches = iter(loader)
-with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
-              TextColumn("{task.completed}/{task.total}"), TimeRemainingColumn(),
-              console=console) as progress:
-    stop = args.stop_at or args.steps
-    task = progress.add_task("training", total=stop, completed=engine.step)
+# The bar is live in a terminal or notebook and a plain line every tracking.every steps in a log;
+# the spec's `tracking:` section sends the same metrics to TensorBoard / MLflow / wandb / JSON lines.
+stop = args.stop_at or args.steps
+with engine.progress_bar(total=stop) as bar:
     while engine.step < stop:
         try:
             batch = next(batches)
@@ -80,8 +78,7 @@ with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(
         result = engine.train_step(batch)
         losses.append(result.loss)
         lrs.append(result.lr)
-        progress.update(task, advance=1, description=f"loss {result.loss:.3f} "
-                        f"|g| {result.grad_norm:.2f} lr {result.lr:.1e} {result.tokens / result.step_time:,.0f} tok/s")
+        bar.update(result)
 
 if losses:
     console.print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over steps "

@@ -38,6 +38,8 @@ from parallel.engine.guards import (
 )
 from parallel.engine.hang import CollectiveTimeout, HangWatch, is_timeout, timeout_error
 from parallel.engine.preempt import Preemption
+from parallel.engine.flops import model_flops
+from parallel.engine.tracking import Tracker
 from parallel.engine.user_state import UserState
 from parallel.engine.experts import Experts
 from parallel.engine.objective import CountFn, Objective
@@ -47,6 +49,7 @@ from parallel.engine.step import (
     OptimizerArg,
     StepResult,
     build_optimizer,
+    batch_width,
     count_tokens,
 )
 from parallel.spec.model import Spec
@@ -84,6 +87,8 @@ class Engine(BackendHooks):
         self.preemption = Preemption(spec, self.is_main)
         self.compile_watch: CompileWatch | None = None  # compile.enabled, from _apply_compile
         self.nonfinite: NonfiniteWatch | None = None  # on_nonfinite: raise_deferred, from prepare()
+        self.tracker = Tracker(spec, self.is_main, self.device)  # tracking.to; idle when empty
+        self._model_facts: dict = {}  # the model as built (parameter counts, FLOPs per token)
 
     # ---- facts ----
     rank = property(lambda self: self.ctx.rank)
@@ -144,6 +149,9 @@ class Engine(BackendHooks):
         if self.spec.on_nonfinite == "raise_deferred":
             self.nonfinite = self._nonfinite_watch()
         self.preemption.install(self._agreed_flag())
+        self.tracker.start(self.spec, self._model_facts.get("flops"),
+                           self.world_size * self.devices_per_process,
+                           {k: v for k, v in self._model_facts.items() if k != "flops"})
         return self.model
 
     def _apply_compile(self, model: nn.Module, units: list[tuple[str, nn.Module]],
@@ -169,6 +177,11 @@ class Engine(BackendHooks):
         self.objective = Objective.for_model(model, self._count_fn, self.loss_fn is not None,
                                              self.spec.loss_weighting, self.dp_size)
         self.experts = Experts(model, touch=self.dp_size > 1) or None
+        if self.tracker.active:  # logged as hyper-parameters; FLOPs per token for MFU
+            self._model_facts = {"flops": model_flops(model), "model.class": type(model).__name__,
+                                 "model.params": sum(p.numel() for p in model.parameters()),
+                                 "model.trainable_params": sum(p.numel() for p in model.parameters()
+                                                               if p.requires_grad)}
         if self.experts and not self.per_parameter_grads:
             self._say(f"{self.name} ({type(self).__name__}) steps flat tensors, so an expert no rank "
                       f"routes a token to in a step gets a zero gradient and is still updated "
@@ -238,6 +251,7 @@ class Engine(BackendHooks):
             self.preemption.after_step(self.step, lambda path: self.save(path, async_save=False))
         if self.compile_watch is not None:  # compile.enabled: host-only checks that it ran compiled
             self.compile_watch.after_step(self.step)
+        self.tracker.after_step(result, batch_width(batch))  # main rank, every tracking.every steps
         self.progress.at(self.step, "done")
         return result
 
@@ -342,7 +356,21 @@ class Engine(BackendHooks):
         (numerator, denominator) sums reduced over ranks in one collective (evaluate.py)."""
         from parallel.engine import evaluate
 
-        return evaluate.run(self, loader, list(metrics), max_batches)
+        results = evaluate.run(self, loader, list(metrics), max_batches)
+        self.tracker.log({f"eval/{k}": v for k, v in results.items()}, self.step)
+        return results
+
+    def log(self, metrics: dict, step: int | None = None) -> None:
+        """Log the user's own {name: number} to every tracker of `tracking.to` (main rank; other
+        ranks ignore it, so call it on every rank). `step`: default the current step."""
+        self.tracker.log(metrics, self.step if step is None else step)
+
+    def progress_bar(self, total: int | None = None, description: str = "training"):
+        """`with engine.progress_bar(total) as bar: ... bar.update(result)`: a live bar in a
+        terminal or notebook, a line every tracking.every steps in a log file (progress_bar.py)."""
+        from parallel.engine.progress_bar import ProgressBar
+
+        return ProgressBar(self, total, description)
 
     def generate(self, input_ids: torch.Tensor, **generate_kwargs) -> torch.Tensor:
         """Token ids (prompt + new, on the host) from the Hugging Face model being trained, on
@@ -427,6 +455,7 @@ class Engine(BackendHooks):
     def close(self) -> None:
         self.check_finite(wait=True)  # a deferred non-finite loss is never silently dropped
         self.checkpoints.close()  # an async save in flight is published (or raises) first
+        self.tracker.close()
         if dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()

@@ -110,5 +110,11 @@ def count_tokens(batch) -> int:
     return first_tensor(batch).numel()
 
 
+def batch_width(batch) -> int:
+    """The sequence width of a token batch (the attention term of FLOPs per token), 1 otherwise."""
+    t = batch["input_ids"] if isinstance(batch, dict) and "input_ids" in batch else first_tensor(batch)
+    return t.shape[-1] if t.dim() > 1 else 1
+
+
 def first_tensor(batch) -> torch.Tensor:
     return next(iter(batch.values())) if isinstance(batch, dict) else batch[0]

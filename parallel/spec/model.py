@@ -17,6 +17,7 @@ from pydantic import Field, field_validator, model_validator
 
 from parallel.spec.compiling import Compile
 from parallel.spec.dims import HYBRID, ParallelDims
+from parallel.spec.tracking import Tracking
 from parallel.spec.sections import (
     Checkpointing,
     DeepSpeedOptions,
@@ -153,6 +154,9 @@ class Spec(Section):
                      "job after this long instead of hanging.")
     ] = 600.0
     topology: Annotated[Topology, Field(description="Hosts and processes.")] = Topology()
+    tracking: Annotated[
+        Tracking, Field(description="Experiment tracking: TensorBoard, MLflow, wandb, JSON lines.")
+    ] = Tracking()
     fsdp: Annotated[FsdpOptions, Field(description="torch FSDP only knobs.")] = FsdpOptions()
     deepspeed: Annotated[
         DeepSpeedOptions, Field(description="DeepSpeed only knobs.")

@@ -20,9 +20,6 @@ from parallel.registry import get, local_run
 from parallel.spec.io import SpecError, load_spec
 from parallel.tools.cells import cell_data, fixed_by
 
-# peak dense TFLOP/s by device-name fragment: (bf16/fp16, tf32/fp32), vendor datasheets (dense)
-PEAK_TFLOPS = {"H200": (989, 494), "H100": (989, 494), "A100": (312, 156), "L4": (121, 60),
-               "A10": (125, 62), "V100": (125, 15.7), "4090": (165, 82.6)}
 MiB = 2 ** 20
 
 
@@ -76,14 +73,14 @@ def summarize(result: dict, warmup_free: list[float], precision: str) -> dict:
 
 
 def mfu(result: dict, step_s: float, precision: str) -> float | None:
-    """6N FLOPs per token (forward + backward) over the device's peak; None off GPUs."""
-    name = result.get("device_name", "cpu")
-    peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    """6N FLOPs per token (forward + backward) over the device's peak (parallel/engine/flops.py,
+    torch's default fp32 matmuls: no TF32); None off GPUs."""
+    from parallel.engine.flops import peak_flops
+
+    peak = peak_flops(result.get("device_name", "cpu"), precision)
     if peak is None:
         return None
-    flops = 6 * result["params"] * result["tokens_per_step"]
-    tflops = peak[0] if precision in ("bf16", "fp16") else peak[1]
-    return flops / step_s / (tflops * 1e12 * result["devices"])
+    return 6 * result["params"] * result["tokens_per_step"] / step_s / (peak * result["devices"])
 
 
 NATIVE_DIR = Path(__file__).resolve().parents[3] / "benchmarks"
