@@ -47,12 +47,22 @@ class CommVolume(Protocol):
         when unknown; `output_share`: the fraction of Psi in the final norm and output layer)."""
 
 
+class Transient(Protocol):
+    def __call__(self, spec, psi: float, unit: float, low: int) -> tuple[float, float]:
+        """(gathered parameter bytes, communication buffer bytes) a rank holds at its peak beyond
+        its model states: `psi` parameters, `unit` the largest shard unit's, `low` the compute
+        dtype's bytes."""
+
+
 @dataclass(frozen=True)
 class PlanModel:
-    """What `polyshard plan` needs: bytes of model states per rank, and collective volume."""
+    """What `polyshard plan` needs: bytes of model states per rank, collective volume, and what is
+    held only transiently (gathered units, buckets); None: like FULL_SHARD (two units gathered,
+    one unit's gradient in flight)."""
 
     model_states: ModelStates
     comm: CommVolume
+    transient: Transient | None = None
 
 
 class Translate(Protocol):
@@ -66,8 +76,9 @@ class SpecFacts(Protocol):  # process_devices, flat_optimizer
 
 
 class LocalRun(Protocol):
-    def __call__(self, spec) -> tuple[dict, dict[str, str]]:
-        """(spec dict, extra env) that run the same job (same global batch) on this one host."""
+    def __call__(self, spec, devices: int | None = None) -> tuple[dict, dict[str, str]]:
+        """(spec dict, extra env) that run the same job (same global batch) on this one host;
+        `devices`: how many devices one SPMD process drives here (default: the spec's world)."""
 
 
 class NativeLoop(Protocol):

@@ -86,15 +86,40 @@ def explain(spec) -> dict:
     return {"backend": spec.backend, **get(spec.backend).translate(spec)}
 
 
-def local_run(spec) -> tuple[dict, dict[str, str]]:
-    """The spec (as data) and environment that run `spec`'s job on this host, same global batch."""
+def local_run(spec, devices: int | None = None) -> tuple[dict, dict[str, str]]:
+    """The spec (as data) and environment that run `spec`'s job on this host, same global batch;
+    `devices`: the devices one SPMD process drives (bench cells at a world size)."""
     descriptor = get(spec.backend)
     data = spec.model_dump(mode="json", exclude_unset=True)
     launch = descriptor.launch
     if launch.local_run is None:
         return data, launch.env()
-    adapted, env = launch.local_run(spec)
+    adapted, env = launch.local_run(spec, devices)
     return adapted, {**launch.env(), **env}
+
+
+def local_layout(spec) -> tuple[dict, dict[str, str], str | None]:
+    """local_run, and one line saying what it changed from the spec as written (None: nothing):
+    the fields that differ, the environment it sets, and that the global batch is the same."""
+    data, env = local_run(spec)
+    written = spec.model_dump(mode="json")
+    adapted = type(spec).model_validate(data).model_dump(mode="json")
+    changed = [f"{key} {before} -> {adapted_value}" for key, before, adapted_value in
+               _differences(written, adapted)]
+    ours = {k: v for k, v in env.items() if k not in get(spec.backend).launch.env()}
+    if not changed:
+        return data, env, None
+    sets = "".join(f", {k}={v}" for k, v in sorted(ours.items()))
+    return data, env, (f"{spec.backend} on this host runs as {', '.join(changed)}{sets} (the "
+                       "layout its runtime supports here; the global batch is unchanged)")
+
+
+def _differences(a: dict, b: dict, prefix: str = ""):
+    for key in a:
+        if isinstance(a[key], dict) and isinstance(b.get(key), dict):
+            yield from _differences(a[key], b[key], f"{prefix}{key}.")
+        elif a[key] != b.get(key):
+            yield f"{prefix}{key}", a[key], b.get(key)
 
 
 def accelerate_reader(kind: str, cfg: dict):

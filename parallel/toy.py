@@ -102,10 +102,35 @@ def _sizes(data: dict):
             yield key, value
 
 
+def _factory(source: str):
+    """`package.module:function` -> the function, or None when `source` is not of that form (a
+    path such as ./config.json or C:/x is not)."""
+    import importlib
+    import re
+    import sys
+
+    if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", source):
+        return None
+    module, name = source.split(":")
+    if "" not in sys.path and "." not in sys.path:
+        sys.path.insert(0, "")  # the working directory, as `python -m` has it
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"--model {source!r}: {err}; give module:function importable from the "
+                         "working directory (a function returning the model)") from None
+
+
 def build_model(source: str):
-    """toy:demo / toy:tiny, or a Hugging Face config.json (random weights from the current seed)."""
+    """toy:demo / toy:tiny, `module:factory` (your own model: a function of no arguments
+    returning a module with a causal-LM `forward(input_ids, labels).loss`, e.g. a peft LoRA model;
+    the module is imported from the working directory, as `python -m` would), or a Hugging Face
+    config.json (random weights from the current seed)."""
     if source.startswith("toy:"):
         return build_llama(llama_config(source[4:]))
+    factory = _factory(source)
+    if factory is not None:
+        return factory()
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_config(model_config(source), torch_dtype=torch.float32,

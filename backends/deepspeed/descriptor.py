@@ -24,7 +24,7 @@ DESCRIPTOR = BackendDescriptor(
     variants={f"zero{stage}": {"shard": shard} for shard, stage in STAGES.items()
               if not shard.startswith("hybrid")},
     flat_optimizer=lambda spec: True,  # ZeRO's flat fp32 partitions (ZeRO-0 too: state.py)
-    plan=PlanModel(plan.model_states, plan.comm),
+    plan=PlanModel(plan.model_states, plan.comm, plan.transient),
     launch=Launch(env=lambda: {"USE_TORCH_XLA": "0"}),
     interop=Interop(
         exports={"accelerate": exports.to_accelerate, "hf-trainer": exports.to_hf_trainer},

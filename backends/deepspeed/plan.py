@@ -22,6 +22,22 @@ def model_states(spec, shapes, n: int, low: int, opt: int) -> tuple[float, float
     return low * (part if stage == 3 else psi), low * part, (4 + opt) * part
 
 
+def transient(spec, psi: float, unit: float, low: int) -> tuple[float, float]:
+    """ZeRO-3: up to stage3_max_live_parameters gathered (a model below it stays gathered from
+    forward to backward, measured: docs/deepspeed.md), plus the prefetch bucket. ZeRO-0/1/2: none
+    gathered (parameters are whole). Buffers: the reduce bucket (reduce_bucket_size elements, in
+    the reduce dtype) and, at stages 1/2, the all-gather bucket of updated parameters."""
+    zero = translate(spec)["config"]["zero_optimization"]
+    stage, red = STAGES[spec.shard], {"fp32": 4, "bf16": 2, "fp16": 2}[spec.grad_reduce_dtype]
+    bucket = min(psi, float(zero.get("reduce_bucket_size", 5e8))) * red
+    if stage == 3:
+        live = min(psi, float(zero.get("stage3_max_live_parameters", 1e9))
+                   + float(zero.get("stage3_prefetch_bucket_size", 5e7)))
+        return live * low, bucket
+    gather = min(psi, float(zero.get("allgather_bucket_size", 5e8))) * low if stage else 0.0
+    return 0.0, bucket + gather
+
+
 def comm(spec, psi: float, output_share: float = 0.0) -> float:
     stage = STAGES[spec.shard]
     zero = translate(spec)["config"]["zero_optimization"]

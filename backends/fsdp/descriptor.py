@@ -23,7 +23,7 @@ DESCRIPTOR = BackendDescriptor(
     translate=translate,
     engine="backends.fsdp.engine:make_engine",
     variants={"fsdp2": {"fsdp": {"version": 2}}, "fsdp1": {"fsdp": {"version": 1}}},
-    plan=PlanModel(plan.model_states, plan.comm),
+    plan=PlanModel(plan.model_states, plan.comm, plan.transient),
     # accelerate and transformers import torch_xla whenever it is installed, and accelerate then
     # picks XLA even under torchrun unless USE_TORCH_XLA=0
     launch=Launch(env=lambda: {"USE_TORCH_XLA": "0"}),

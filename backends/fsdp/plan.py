@@ -18,6 +18,19 @@ def model_states(spec, shapes, n: int, low: int, opt: int) -> tuple[float, float
     return 4.0 * part, 4.0 * part, float(opt * part)
 
 
+def transient(spec, psi: float, unit: float, low: int) -> tuple[float, float]:
+    """FULL_SHARD / HYBRID: the unit computing and the one prefetched, gathered in the compute
+    dtype. SHARD_GRAD_OP keeps every unit gathered from its forward to its backward, so at the
+    end of forward the whole model is held gathered. NO_SHARD holds its parameters as state.
+    Buffers: one unit's unsharded gradient in the reduce dtype before its reduce-scatter (or
+    all-reduce)."""
+    red = {"fp32": 4, "bf16": 2, "fp16": 2}[spec.grad_reduce_dtype]
+    if spec.shard == "none":
+        return 0.0, unit * red
+    gathered = psi * low if spec.shard in ("grad_op", "hybrid_grad_op") else 2 * unit * low
+    return gathered, unit * red
+
+
 def comm(spec, psi: float, output_share: float = 0.0) -> float:
     """NO_SHARD all-reduces (2 Psi), SHARD_GRAD_OP gathers once and reduce-scatters (2 Psi),
     FULL_SHARD gathers again in backward (3 Psi) -- except FSDP2's output unit (final norm and

@@ -46,7 +46,7 @@ DESCRIPTOR = BackendDescriptor(
     packages=("torch_xla",),
     variants={"xla1": {"xla": {"fsdp_version": 1}}, "xla2": {"xla": {"fsdp_version": 2}}},
     flat_optimizer=lambda spec: spec.xla.fsdp_version == 1,  # flatten_parameters: one per unit
-    plan=PlanModel(plan.model_states, plan.comm),
+    plan=PlanModel(plan.model_states, plan.comm, plan.transient),
     launch=Launch(
         # PJRT_DEVICE set explicitly, so nothing guesses (transformers prints "Defaulting to CPU")
         env=lambda: {"PJRT_DEVICE": detect_pjrt_device(), "USE_TORCH_XLA": "1"},

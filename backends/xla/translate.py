@@ -66,18 +66,24 @@ def translate(spec: Spec) -> dict:
             "activation_checkpointing": spec.checkpoint_activations}
 
 
-def local_run(spec: Spec) -> tuple[dict, dict]:
-    """The same job on one host's CPU client (PJRT_DEVICE=CPU), which is single-process: v1 runs
-    at world size 1 with the whole global batch in its micro-batches; v2 runs one process over
-    `world_size` virtual devices. Other devices run the spec as written."""
+def local_run(spec: Spec, devices: int | None = None) -> tuple[dict, dict]:
+    """The same job on one host's CPU client (PJRT_DEVICE=CPU), which is single-process. Where the
+    spec leaves xla.fsdp_version unwritten and its shard level is SPMD's (full), the CPU layout is
+    v2: one process over `world_size` virtual devices (CPU_NUM_DEVICES), sharded as asked. Where it
+    writes fsdp_version: 1 (or needs v1: grad_op), v1 runs at world size 1 with the whole global
+    batch in its micro-batches. The global batch is unchanged either way; `polyshard launch` says
+    which in one line. Other devices run the spec as written."""
     from parallel.launch.envinfo import detect_pjrt_device
 
     data = spec.model_dump(mode="json", exclude_unset=True)
     if detect_pjrt_device() != "CPU":
         return data, {}
-    world = spec.world_size
+    world = devices or spec.world_size
     data["topology"] = {**data.get("topology", {}), "nodes": 1, "procs_per_node": 1}
-    if spec.xla.fsdp_version == 1:
+    written = "fsdp_version" in spec.xla.model_fields_set
+    if not written and world > 1 and spec.shard == "full":
+        data["xla"] = {**data.get("xla", {}), "fsdp_version": 2}
+    if data.get("xla", {}).get("fsdp_version", spec.xla.fsdp_version) == 1:
         data["micro_batch_size"] = spec.micro_batch_size * world
         return data, {"CPU_NUM_DEVICES": "1"}
     return data, {"CPU_NUM_DEVICES": str(world)}

@@ -64,6 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world", type=int, required=True)
     p.add_argument("--budget", type=float, help="GiB per device")
     p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--json", action="store_true", help="every number as JSON on stdout")
+    p.add_argument("--per-node", type=int, default=8, help="devices per node: which collectives "
+                   "cross nodes (default 8)")
+    for flag, default, what in (("intra-gbps", 300.0, "GB/s between ranks of a node"),
+                                ("inter-gbps", 50.0, "GB/s per rank across nodes"),
+                                ("pcie-gbps", 25.0, "GB/s host <-> device (offload)"),
+                                ("context-gib", 0.5, "GiB the CUDA context takes"),
+                                ("fragmentation", 0.10, "allocator fragmentation, a fraction")):
+        p.add_argument(f"--{flag}", type=float, default=default, help=f"{what} (default {default})")
     p = command("schema", "write the spec's JSON Schema (for editor completion)")
     p.add_argument("-o", "--output", help="file to write (default: stdout)")
     return parser
@@ -75,6 +84,8 @@ def _add_launch(p: argparse.ArgumentParser) -> None:
     p.add_argument("--node-rank", type=int, help="this node's rank (multi-node)")
     p.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous (multi-node)")
     p.add_argument("--max-restarts", type=int, default=0, help="elastic restarts on failure")
+    p.add_argument("--verbose", action="store_true", help="show third-party start-up noise "
+                   "(gloo's peer-connection lines, torchrun's banner), hidden by default")
     p.add_argument("--emit", choices=["tpu-vm", "slurm", "k8s"], help="print what runs this job on "
                    "a cluster instead of running it here: the gcloud line for every TPU VM worker, "
                    "an sbatch script, or a Kubeflow PyTorchJob manifest")
@@ -153,6 +164,11 @@ def _validate(args) -> int:
     print(dump_spec(spec, full=args.full), end="")
     print(f"# ok: backend {spec.backend}, {spec.world_size} rank(s), shard {spec.shard}",
           file=sys.stderr)
+    from parallel.registry import local_layout
+
+    note = local_layout(spec)[2]  # what `polyshard launch` will run on this host, if not as written
+    if note:
+        print(f"# {note}", file=sys.stderr)
     return 0
 
 
@@ -206,7 +222,7 @@ def _launch(args) -> int:
     launch_args = LaunchArgs(node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
                              max_restarts=args.max_restarts)
     try:
-        return launch(spec, launch_args, args.script, script_args)
+        return launch(spec, launch_args, args.script, script_args, verbose=args.verbose)
     except ValueError as err:
         print(f"launch: {err}", file=sys.stderr)
         return 2

@@ -1,52 +1,112 @@
-"""`polyshard plan`: the rich table of predicted per-rank memory, and the pick."""
+"""`polyshard plan`: the table (or `--json`) of predicted per-rank peak memory, host memory per node
+and communication time per step, and the pick: the least communication time that fits."""
 
 from __future__ import annotations
 
+import json
 import math
+import sys
 
 GiB = 2 ** 30
 
 
-def model_facts(source: str) -> tuple[list[tuple[int, ...]], dict | None]:
-    """Parameter shapes and the config that sizes activations: from a model built on the meta
-    device (nothing allocated), or a bare parameter count (no activations then)."""
+def model_facts(source: str, wrap) -> tuple[list[tuple[int, ...]], dict | None, float | None]:
+    """Parameter shapes, the config that sizes activations, and the largest shard unit's
+    parameters (the wrap policy on the model built on the meta device: nothing allocated); a bare
+    parameter count gives neither config nor units."""
     try:
         count = float(source)
     except ValueError:
         count = None
     if count is not None:
-        return [(int(count),)], None
+        return [(int(count),)], None, None
     from parallel.cli.main import _meta_model
+    from parallel.engine.wrap import plan_wrap
 
     model = _meta_model(source)
-    return [tuple(p.shape) for p in model.parameters()], model.config.to_dict()
+    units = [sum(p.numel() for p in m.parameters()) for _, m in plan_wrap(model, wrap)]
+    return [tuple(p.shape) for p in model.parameters()], model.config.to_dict(), \
+        float(max(units)) if units else None
+
+
+def suggestions(spec, rows) -> list[str]:
+    """What could make it fit, naming only what is not already on."""
+    out = ["more devices (--world)"]
+    if not spec.checkpoint_activations:
+        out.append("activation_checkpointing: true")
+    if spec.micro_batch_size > 1:
+        out.append(f"a smaller micro_batch_size (now {spec.micro_batch_size}; raise "
+                   "grad_accum_steps to keep the batch)")
+    if not any(r.offload == "params" for r in rows):
+        out.append("a backend that offloads parameters")
+    if spec.precision == "fp32":
+        out.append("precision: bf16 (halves activations)")
+    return out
+
+
+def as_json(spec, args, rows, best, psi, unit, links, margin) -> str:
+    def row(r):
+        return {"backend": r.backend, "shard": r.shard, "offload": r.offload,
+                **{k: getattr(r, k) for k in ("params", "grads", "optimizer", "activations",
+                                              "gathered", "buffers", "margin", "host_per_node",
+                                              "comm_s", "offload_s")},
+                "peak": r.total, "fits": None if args.budget is None else
+                r.total <= args.budget * GiB, "best": r is best}
+
+    return json.dumps({"parameters": psi, "largest_unit": unit, "world": args.world,
+                       "per_node": args.per_node,
+                       "micro_batch_size": spec.micro_batch_size, "seq": args.seq,
+                       "precision": spec.precision, "budget_gib": args.budget,
+                       "links_gbps": vars(links), "margin": vars(margin),
+                       "rows": [row(r) for r in rows]}, indent=1)
 
 
 def run_plan(spec, args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from parallel.tools.plan import plan
+    from parallel.tools.plan import Links, Margin, plan
 
-    shapes, cfg = model_facts(args.model)
+    shapes, cfg, unit = model_facts(args.model, spec.wrap)
     budget = args.budget * GiB if args.budget else None
-    rows, best = plan(spec, shapes, cfg, args.world, args.seq, budget_bytes=budget)
-    psi = sum(math.prod(s) for s in shapes)
-    table = Table(title=f"per-rank memory, {psi / 1e9:.3g} B parameters, world {args.world}, "
+    links = Links(args.intra_gbps, args.inter_gbps, args.pcie_gbps)
+    margin = Margin(args.context_gib, args.fragmentation)
+    rows, best = plan(spec, shapes, cfg, args.world, args.seq, budget_bytes=budget, unit=unit,
+                      links=links, margin=margin, per_node=args.per_node)
+    psi = float(sum(math.prod(s) for s in shapes))
+    if args.json:
+        print(as_json(spec, args, rows, best, psi, unit, links, margin))
+        return 0 if budget is None or best is not None else 1
+    nodes = f"{args.world // args.per_node} node(s) x {args.per_node}" \
+        if args.world % args.per_node == 0 else "1 node"
+    table = Table(title=f"per-rank peak, {psi / 1e9:.3g} B parameters, world {args.world} ({nodes}), "
                   f"micro-batch {spec.micro_batch_size} x seq {args.seq}, {spec.precision}")
-    for col in ("backend", "shard", "offload", "params", "grads", "optimizer", "activations",
-                "total GiB", ""):
-        table.add_column(col, justify="right" if col not in ("backend", "shard", "offload") else "left")
+    for col in ("backend", "shard", "offload", "states", "transient", "activations", "margin",
+                "peak GiB", "host GiB/node", "comm ms/step", ""):
+        table.add_column(col, justify="left" if col in ("backend", "shard", "offload") else "right",
+                         no_wrap=True)
     for r in rows:
         fits = "" if budget is None else ("fits" if r.total <= budget else "[red]over[/]")
-        mark = "[bold green]<- fastest that fits[/]" if r is best else fits
         act = "n/a" if r.activations is None else f"{r.activations / GiB:.2f}"
-        table.add_row(r.backend, r.shard, r.offload, f"{r.params / GiB:.2f}", f"{r.grads / GiB:.2f}",
-                      f"{r.optimizer / GiB:.2f}", act, f"{r.total / GiB:.2f}", mark)
-    console = Console()
+        table.add_row(r.backend, r.shard, r.offload, f"{r.state / GiB:.2f}",
+                      f"{(r.gathered + r.buffers) / GiB:.2f}", act, f"{r.margin / GiB:.2f}",
+                      f"{r.total / GiB:.2f}", f"{r.host_per_node / GiB:.1f}",
+                      f"{r.step_comm_s * 1e3:.1f}",
+                      "[bold green]<- least comm that fits[/]" if r is best else fits)
+    console = Console(width=None if sys.stdout.isatty() else 250)  # a log keeps every column
     console.print(table)
+    console.print(
+        f"states: parameters + gradients + optimizer between steps; transient: gathered units "
+        f"and buckets at the peak (largest unit {unit / 1e6:.1f} M parameters)" if unit else
+        "states: parameters + gradients + optimizer; transient: the whole model as one unit (a "
+        "bare parameter count has no structure)", highlight=False, soft_wrap=True)
+    console.print(f"margin: CUDA context {margin.context_gib} GiB + {margin.fragmentation:.0%} "
+                  f"fragmentation; comm: ring collectives at {links.intra} GB/s in a node, "
+                  f"{links.inter} GB/s across nodes, offload over PCIe at {links.pcie} GB/s, no "
+                  "overlap (an upper bound); --json for every number", highlight=False,
+                  soft_wrap=True)
     if budget is not None and best is None:
-        console.print(f"[red]nothing fits in {args.budget} GiB per device[/]: more devices, "
-                      "activation checkpointing, a smaller micro-batch, or offload")
+        console.print(f"[red]nothing fits in {args.budget} GiB per device[/]: "
+                      + "; ".join(suggestions(spec, rows)), soft_wrap=True)
         return 1
     return 0

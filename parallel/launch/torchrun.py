@@ -105,27 +105,48 @@ def tpu_vm_command(spec_path: str, overrides: list[str], script: str, script_arg
             f"--worker=all --command={shlex.quote(remote)}")
 
 
-def launch(spec: Spec, args: LaunchArgs, script: str, script_args: list[str]) -> int:
-    """Run `script` on every rank under `spec`; return the launcher's exit code."""
+def launch(spec: Spec, args: LaunchArgs, script: str, script_args: list[str],
+           verbose: bool = False) -> int:
+    """Run `script` on every rank under `spec`, laid out as this host's runtime supports
+    (registry.local_layout: said in one line when that differs from the spec as written); return
+    the launcher's exit code. Third-party start-up noise is filtered unless `verbose`."""
+    from parallel.registry import local_layout
+
+    data, local_env, note = local_layout(spec)
+    if note:
+        print(f"polyshard: {note}", file=sys.stderr, flush=True)
+        spec = load_spec(data)
     with tempfile.TemporaryDirectory(prefix="polyshard-") as tmp:
         spec_file = Path(tmp) / "spec.json"
         spec_file.write_text(json.dumps(spec.model_dump(mode="json", exclude_unset=True)))
         cmd = torchrun_command(spec, args, script, script_args)
-        proc = subprocess.Popen(cmd, env=launch_env(spec, spec_file))
+        env = {**launch_env(spec, spec_file), **local_env}
+        if verbose:
+            proc, relays = subprocess.Popen(cmd, env=env), []
+        else:  # gloo's peer lines and torchrun's banner dropped (quiet.py)
+            from parallel.launch.quiet import quiet_streams
+
+            out, err, start = quiet_streams()
+            proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=err)
+            relays = start()
         # A preemption notice sent to `polyshard launch` goes on to the agent, which passes it to
         # the workers (parallel/launch/agent.py); the exit code (85: requeue) comes back.
         for name in ("SIGTERM", "SIGUSR1"):
             signal.signal(getattr(signal, name), lambda signum, frame: proc.send_signal(signum))
-        return proc.wait()
+        code = proc.wait()
+        for relay in relays:
+            relay.thread.join(timeout=30)  # the workers' last lines, before we return
+        return code
 
 
-def run_locally(spec: Spec, module: str, args: list[str], out: Path, timeout: float) -> dict:
+def run_locally(spec: Spec, module: str, args: list[str], out: Path, timeout: float,
+                devices: int | None = None) -> dict:
     """Run `python -m module args` (or the script at path `module`) on every rank of `spec`'s job on
     this host, laid out as the backend's runtime needs here (registry.local_run), and return the JSON
     it wrote to `out`, or {"error": the output's tail}. Parity and bench cells: a fresh launch each."""
     from parallel.registry import local_run
 
-    data, env = local_run(spec)
+    data, env = local_run(spec, devices)
     run_spec = load_spec(data)
     with tempfile.TemporaryDirectory(prefix="polyshard-run-") as tmp:
         spec_file = Path(tmp) / "spec.json"

@@ -4,9 +4,15 @@ Model states follow the ZeRO paper (Rajbhandari et al. 2020, sec. 3-5) with each
 layout: what is kept in which dtype, and how each pads its shards. Activations follow Korthikanti et
 al. 2022 ("Reducing Activation Recomputation"), eq. 2: s*b*h*(34 + 5*a*s/h) bytes per layer with 16-bit
 activations, 2*s*b*h with full recomputation (only each layer's input is kept); doubled in fp32.
-The ranking of configs that fit is a heuristic (communication per step: DP/ZeRO-1/2 move 2 Psi,
-ZeRO-3/FULL_SHARD 3 Psi, and offload adds PCIe traffic); `polyshard bench` measures the real order.
-Each backend's layout and dtypes are its descriptor's plan model (backends/<name>/plan.py).
+Peak device memory per rank = model states + what is held transiently (gathered units and
+communication buckets: each backend's plan model) + activations (with full recomputation, one
+layer's whole activations during its backward too) + a stated margin (CUDA context and allocator
+fragmentation, `Margin`). Host memory per node: what offload moves there, for every rank of the node.
+Communication time per step: each backend's collective volume over ring algorithms at the stated
+link bandwidths (`Links`: the shard group's collectives intra-node when it fits in a node, else
+inter-node; a hybrid's replica all-reduce inter-node), plus offload's PCIe copies, not overlapped
+(an upper bound): "fastest" is the least of these seconds among the configs that fit; `polyshard
+bench` measures the real order. Each backend's layout and dtypes: backends/<name>/plan.py.
 """
 
 from __future__ import annotations
@@ -18,19 +24,54 @@ GB = 1e9  # the ZeRO paper's unit
 ADAM, SGD = 8, 4  # optimizer state bytes per parameter (fp32 moments / momentum)
 
 
+@dataclass(frozen=True)
+class Links:
+    """Bandwidths in GB/s (1e9 bytes) one rank sees: the defaults are an 8-GPU NVLink node (NCCL
+    bus bandwidth), 400 Gb/s of network per GPU, and PCIe Gen4 x16."""
+
+    intra: float = 300.0
+    inter: float = 50.0
+    pcie: float = 25.0
+
+
+@dataclass(frozen=True)
+class Margin:
+    """What the framework and allocator take beyond tensors: the CUDA context (torch 2.x with
+    cuBLAS/NCCL loaded: about 0.5 GiB) and the caching allocator's fragmentation, as a fraction of
+    the rest."""
+
+    context_gib: float = 0.5
+    fragmentation: float = 0.10
+
+
 @dataclass
 class Estimate:
     backend: str
     shard: str
     offload: str
-    params: float  # bytes per rank on the device
+    params: float  # bytes per rank on the device, between steps
     grads: float
     optimizer: float
     activations: float | None
+    gathered: float = 0.0  # parameters held gathered at the peak, beyond the rank's shard
+    buffers: float = 0.0  # communication buckets and unsharded gradients in flight
+    margin: float = 0.0  # CUDA context + fragmentation
+    host_per_node: float = 0.0  # what offload keeps in host memory, every rank of a node
+    comm_s: float = 0.0  # collectives per step at the stated link bandwidths
+    offload_s: float = 0.0  # PCIe copies per step
+
+    @property
+    def state(self) -> float:
+        return self.params + self.grads + self.optimizer
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + (self.activations or 0.0)
+        """The peak per rank: what has to fit on the device."""
+        return self.state + self.gathered + self.buffers + (self.activations or 0.0) + self.margin
+
+    @property
+    def step_comm_s(self) -> float:
+        return self.comm_s + self.offload_s
 
 
 def zero_paper(psi: float, n: int, k: int = 12) -> dict[str, float]:
@@ -60,34 +101,74 @@ def flat_padded(shapes, n: int, multiple: int) -> int:
     return numel(shapes) if n == 1 else math.ceil(numel(shapes) / (multiple * n)) * multiple
 
 
-def model_states(spec, shapes, n: int | None = None, optimizer: str = "adamw"
-                 ) -> tuple[float, float, float]:
+def model_states(spec, shapes, n: int | None = None, optimizer: str = "adamw",
+                 host: bool = False) -> tuple[float, float, float]:
     """(params, grads, optimizer) bytes per rank on the device, for `spec` over shard groups of n
-    (default: the spec's), from its backend's plan model; offload moves what it says off the device."""
+    (default: the spec's), from its backend's plan model; offload moves what it says off the device
+    (`host`: those bytes instead, what the host holds for this rank)."""
     from parallel.registry import get
 
     low = 4 if spec.precision == "fp32" else 2
     opt = ADAM if optimizer == "adamw" else SGD
     n = n or spec.dims.dp_shard  # ranks one copy of the model is sharded over
-    p, g, o = get(spec.backend).plan.model_states(spec, shapes, n, low, opt)
-    if spec.offload in ("optimizer", "params"):
-        o = 0.0
-    if spec.offload == "params":
-        p, g = 0.0, 0.0
-    return p, g, o
+    states = get(spec.backend).plan.model_states(spec, shapes, n, low, opt)
+    moved = (False, False, spec.offload != "none") if spec.offload != "params" else (True,) * 3
+    return tuple(x if m == host else 0.0 for x, m in zip(states, moved))
+
+
+def transient(spec, psi: float, unit: float) -> tuple[float, float]:
+    """(gathered, buffers) bytes at the peak, from the backend's plan model (FULL_SHARD's rule
+    where it has none)."""
+    from parallel.registry import get
+
+    low = 4 if spec.precision == "fp32" else 2
+    rule = get(spec.backend).plan.transient
+    if rule is None:
+        return (0.0 if spec.shard == "none" else 2 * unit * low), unit * 4
+    return rule(spec, psi, unit, low)
+
+
+def comm_seconds(spec, psi: float, links: Links, output_share: float = 0.0) -> float:
+    """The backend's collective volume (Psi units) as ring collectives in the reduce dtype: each
+    rank moves (n-1)/n of the bytes, over the slowest link the group spans."""
+    red = 4 if spec.grad_reduce_dtype == "fp32" else 2
+    n, per_node = spec.shard_group_size, spec.topology.procs_per_node
+    link = links.intra if n <= per_node else links.inter
+    seconds = comm_volume(spec, psi, output_share) * psi * red * (n - 1) / n / (link * 1e9) \
+        if n > 1 else 0.0
+    replicas = spec.dims.dp_size // n
+    if replicas > 1:  # hybrid: each shard's gradient all-reduced across replicas (2 x its bytes)
+        seconds += 2 * psi / n * red * (replicas - 1) / replicas / (links.inter * 1e9)
+    return seconds
+
+
+def offload_seconds(spec, psi: float, links: Links) -> float:
+    """PCIe copies per step and rank: gradients down (fp32) and updated parameters up; with params
+    offload, the parameters up again for forward and backward."""
+    if spec.offload == "none":
+        return 0.0
+    low, part = (4 if spec.precision == "fp32" else 2), psi / spec.shard_group_size
+    copies = (4 + low) * part + (2 * low * part if spec.offload == "params" else 0.0)
+    return copies / (links.pcie * 1e9)
 
 
 def activations(cfg: dict | None, micro_batch: int, seq: int, precision: str,
                 checkpointing: bool) -> float | None:
-    """Korthikanti et al. per layer, times layers, plus the logits (fp32)."""
+    """Korthikanti et al. per layer, times layers, plus the logits (fp32); with full
+    recomputation each layer keeps its input, and one layer's whole activations exist again
+    while its backward runs. The 5as/h term is the stored attention scores: eager attention
+    keeps them, SDPA / flash attention (transformers' default) recompute them, so it is counted
+    only for `attn_implementation: eager`."""
     if not cfg:
         return None
     h, a, layers, vocab = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_hidden_layers"], \
         cfg["vocab_size"]
     s, b = seq, micro_batch
-    per_layer = 2 * s * b * h if checkpointing else s * b * h * (34 + 5 * a * s / h)
+    eager = (cfg.get("_attn_implementation") or cfg.get("attn_implementation")) == "eager"
+    full = s * b * h * (34 + (5 * a * s / h if eager else 0))
+    kept = (2 * s * b * h * layers + full) if checkpointing else full * layers
     scale = 2 if precision == "fp32" else 1
-    return scale * per_layer * layers + 4 * s * b * vocab
+    return scale * kept + 4 * s * b * vocab
 
 
 def candidates(spec_data: dict) -> list[dict]:
@@ -111,22 +192,36 @@ def candidates(spec_data: dict) -> list[dict]:
 
 
 def plan(spec, shapes, cfg: dict | None, world: int, seq: int, optimizer: str = "adamw",
-         budget_bytes: float | None = None) -> tuple[list[Estimate], Estimate | None]:
+         budget_bytes: float | None = None, unit: float | None = None, links: Links = Links(),
+         margin: Margin = Margin(), per_node: int | None = None
+         ) -> tuple[list[Estimate], Estimate | None]:
+    """Every candidate's estimate, and the one with the least communication time among those
+    whose peak fits `budget_bytes`. `unit`: the largest shard unit's parameters (default: the
+    whole model, when nothing tells); `per_node`: devices per node (default: the spec's nodes)."""
     from parallel.spec.io import load_spec
 
-    rows, best = [], None
+    rows = []
+    psi = float(numel(shapes))
     base = spec.model_dump(mode="json", exclude_unset=True)
     nodes = spec.topology.nodes if world % spec.topology.nodes == 0 else 1
+    if per_node and world % per_node == 0:
+        nodes = world // per_node
     base["topology"] = {**base.get("topology", {}), "nodes": nodes, "procs_per_node": world // nodes}
     base.pop("global_batch_size", None)  # the plan explores world sizes
     for data in candidates(base):
         s = load_spec(data)
-        p, g, o = model_states(s, shapes, optimizer=optimizer)
-        act = activations(cfg, s.micro_batch_size, seq, s.precision, s.checkpoint_activations)
-        est = Estimate(s.backend, s.shard, s.offload, p, g, o, act)
+        est = Estimate(s.backend, s.shard, s.offload, *model_states(s, shapes, optimizer=optimizer),
+                       activations(cfg, s.micro_batch_size, seq, s.precision,
+                                   s.checkpoint_activations))
+        est.gathered, est.buffers = transient(s, psi, unit or psi)
+        tensors = est.total
+        est.margin = margin.context_gib * 2 ** 30 + margin.fragmentation * tensors
+        est.host_per_node = sum(model_states(s, shapes, optimizer=optimizer, host=True)) * \
+            s.topology.procs_per_node
+        est.comm_s, est.offload_s = comm_seconds(s, psi, links), offload_seconds(s, psi, links)
         rows.append(est)
-        if best is None and budget_bytes is not None and est.total <= budget_bytes:
-            best = est
+    fits = [r for r in rows if budget_bytes is not None and r.total <= budget_bytes]
+    best = min(fits, key=lambda r: r.step_comm_s, default=None)
     return rows, best
 
 

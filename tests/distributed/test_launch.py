@@ -1,6 +1,7 @@
 """`polyshard launch` end to end: the demo script under each backend, through the launcher's own
 environment handling (USE_TORCH_XLA, PJRT_DEVICE) and the engine's data loader (MpDeviceLoader on XLA)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -13,8 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 POLYSHARD = [sys.executable, "-m", "parallel.cli"]
 
 
-def launch(tmp_path, sets, env=None, steps=3):
-    cmd = [*POLYSHARD, "launch", *[x for s in sets for x in ("--set", s)], "configs/demo.yaml",
+def launch(tmp_path, sets, env=None, steps=3, flags=()):
+    cmd = [*POLYSHARD, "launch", *flags, *[x for s in sets for x in ("--set", s)], "configs/demo.yaml",
            "examples/train_lm.py", "--model-size", "tiny", "--stop-at", str(steps),
            "--save", str(tmp_path / "ckpt")]
     clean = {k: v for k, v in os.environ.items() if k not in ("USE_TORCH_XLA", "PJRT_DEVICE")}
@@ -27,8 +28,22 @@ def launch(tmp_path, sets, env=None, steps=3):
 
 
 @pytest.mark.timeout(300)
-def test_launch_fsdp_two_ranks(tmp_path):
-    assert "fsdp (full, fp32) on 2 rank(s)" in launch(tmp_path, [])
+def test_launch_fsdp_two_ranks_quietly_and_tracked(tmp_path):
+    text = launch(tmp_path, [f"tracking.dir={tmp_path / 'track'}", "tracking.every=1"])
+    assert "fsdp (full, fp32) on 2 rank(s)" in text
+    assert "[Gloo]" not in text, text[-3000:]  # hidden by default (parallel/launch/quiet.py)
+    # the demo spec's trackers: one run, steps 1-3, from the main rank only
+    lines = (tmp_path / "track" / "demo" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x).get("step") for x in lines] == [None, 1, 2, 3]
+    assert list((tmp_path / "track" / "demo" / "tensorboard").glob("events.out.tfevents.*"))
+    # a log file gets plain progress lines, not a live bar's redraws
+    assert "training step 3/3 loss " in text and "\r" not in text
+
+
+@pytest.mark.timeout(300)
+def test_launch_verbose_shows_what_quiet_hides(tmp_path):
+    text = launch(tmp_path, [f"tracking.dir={tmp_path / 'track'}"], flags=["--verbose"])
+    assert "[Gloo] Rank 1 is connected to 1 peer ranks" in text
 
 
 @pytest.mark.timeout(300)
@@ -47,6 +62,17 @@ def test_launch_xla_spmd_with_device_loader(tmp_path):
     text = launch(tmp_path, ["backend=xla_fsdp", "xla.fsdp_version=2", "topology.procs_per_node=1",
                              "micro_batch_size=4"], env={"CPU_NUM_DEVICES": "2"})
     assert "xla_fsdp (full, fp32) on 1 rank(s)" in text
+
+
+@pytest.mark.timeout(300)
+def test_xla_is_one_field_away_on_a_cpu_host(tmp_path):
+    """`backend: xla_fsdp` on the demo spec (2 processes): the launcher runs the CPU client's layout
+    (one process over 2 virtual devices, SPMD FSDPv2) and says so in one line."""
+    pytest.importorskip("torch_xla")
+    text = launch(tmp_path, ["backend=xla_fsdp", f"tracking.dir={tmp_path / 'track'}"])
+    assert ("polyshard: xla_fsdp on this host runs as topology.procs_per_node 2 -> 1, "
+            "xla.fsdp_version 1 -> 2, CPU_NUM_DEVICES=2") in text, text[-3000:]
+    assert "GSPMD sharding propagation is going to be deprecated" not in text
 
 
 FAILING = """

@@ -18,7 +18,7 @@ from pathlib import Path
 from parallel.launch.torchrun import run_locally
 from parallel.registry import get, local_run
 from parallel.spec.io import SpecError, load_spec
-from parallel.tools.cells import cell_data, fixed_by
+from parallel.tools.cells import cell_data, fixed_by, merged
 
 MiB = 2 ** 20
 
@@ -33,6 +33,7 @@ class Cell:
     world: int
     data: dict | None  # the validated spec, or None when it does not validate
     why: str = ""
+    devices: int | None = None  # SPMD: the devices its one process drives (the world asked for)
 
     def label(self, devices: int) -> str:
         """Labelled with the devices it ran on (XLA v1 on a CPU host runs one, whatever was asked)."""
@@ -45,14 +46,28 @@ def cells(spec, names, shards, worlds) -> list[Cell]:
         axis = [None] if "shard" in fixed_by(name) else (shards or [spec.shard])
         for shard in axis:
             for world in worlds or [spec.world_size]:
-                changes = {"topology": {"procs_per_node": world}, **({"shard": shard} if shard else {})}
                 try:
-                    data = load_spec(cell_data(spec, name, **changes)).model_dump(mode="json")
-                    out.append(Cell(name, shard, world, data))
+                    data, devices = _cell_spec(spec, name, shard, world)
+                    out.append(Cell(name, shard, world, data, devices=devices))
                 except SpecError as err:
                     out.append(Cell(name, shard, world, None,
                                     "; ".join(f"{p}: {m}" for p, m in err.problems)))
     return out
+
+
+def _cell_spec(spec, name: str, shard: str | None, world: int) -> tuple[dict, int | None]:
+    """The cell's spec at `world` ranks: one process per device, or, for a backend whose one process
+    drives every device of a host (SPMD: its descriptor's process_devices is None), one process
+    over `world` devices, so it runs at the world size of the other cells."""
+    changes = {"topology": {"procs_per_node": world}, **({"shard": shard} if shard else {})}
+    data = cell_data(spec, name, **changes)
+    try:
+        return load_spec(data).model_dump(mode="json"), None
+    except SpecError:
+        one = load_spec(merged(data, {"topology": {"procs_per_node": 1}}))
+        if get(one.backend).launch.process_devices(one) is not None:
+            raise
+        return one.model_dump(mode="json"), world
 
 
 def summarize(result: dict, warmup_free: list[float], precision: str) -> dict:
@@ -106,11 +121,11 @@ def bench(spec, names, shards, worlds, options: dict, out_dir: Path, timeout: fl
         asked = c.label(c.world)
         if c.data is None:
             results[asked] = {"skipped": c.why}
-            say(f"[{i}/{len(todo)}] {asked}: skipped ({c.why[:100]})")
+            say(f"[{i}/{len(todo)}] {asked}: skipped ({c.why})")
             continue
         cell_spec = load_spec({**c.data, "micro_batch_size": rows // c.world
                                // c.data["grad_accum_steps"]})
-        key = json.dumps(local_run(cell_spec), sort_keys=True)
+        key = json.dumps(local_run(cell_spec, c.devices), sort_keys=True)
         if key in launched:
             say(f"[{i}/{len(todo)}] {asked}: launches as {launched[key]} on this host; not repeated")
             continue
@@ -123,7 +138,7 @@ def bench(spec, names, shards, worlds, options: dict, out_dir: Path, timeout: fl
             f"{options['steps']} steps" + (", alternating with native" if native else
                                            ", no native loop for it" if vs_native else ""))
         raw = run_locally(cell_spec, "parallel.tools.bench.cell", args + native + extra,
-                          out_dir / f"raw-{asked.replace('/', '_')}.json", timeout)
+                          out_dir / f"raw-{asked.replace('/', '_')}.json", timeout, c.devices)
         label = launched[key] = c.label(raw.get("devices", c.world))
         r = results[label] = raw if "error" in raw else {**raw, **summarize(
             raw, raw["step_times"], cell_spec.precision)}

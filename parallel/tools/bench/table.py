@@ -23,6 +23,12 @@ def _states(r: dict) -> float:
     return (r["params_bytes"] + r["grads_bytes"] + r["optimizer_bytes"]) / MiB
 
 
+def _terminal() -> bool:
+    import sys
+
+    return sys.stdout.isatty()
+
+
 def narrow_row(r: dict) -> list[str]:
     return [f"{r['median_s'] * 1e3:.0f}", f"{r['tokens_per_s']:.0f}", f"{r['loss_last']:.3f}",
             f"{_states(r):.1f}", vs_native(r), _gap(r)]
@@ -61,19 +67,27 @@ def render(results: dict, out_dir: Path, wide: bool = False) -> None:
     from rich.table import Table
 
     columns = WIDE if wide else NARROW
-    table = Table(title="polyshard bench (per rank: the largest over ranks; w = devices it ran on)")
-    for col in columns:
-        table.add_column(col, justify="left" if col == "cell" else "right",
-                         no_wrap=col == "cell")
-    for label, r in results.items():
-        if "median_s" not in r:
-            note = r.get("skipped") or "error: " + r.get("error", "")[-200:]
-            table.add_row(label, f"[dim]{note[:60 if not wide else 120]}[/]",
-                          *[""] * (len(columns) - 2))
+    ran = {k: r for k, r in results.items() if "median_s" in r}
+    # a cell that ran on other devices than asked (XLA v1 on a CPU host: one) is not comparable
+    apart = {k: r for k, r in ran.items() if r.get("devices", r.get("asked_world"))
+             != r.get("asked_world")}
+    console = Console(width=None if _terminal() else 400)  # a log keeps every column whole
+    for title, group in (("polyshard bench (per rank: the largest over ranks; w = devices it ran "
+                          "on)", {k: r for k, r in ran.items() if k not in apart}),
+                         ("ran on fewer devices than asked on this host: not comparable with "
+                          "the table above", apart)):
+        if not group:
             continue
-        table.add_row(label, *(wide_row(r) if wide else narrow_row(r)))
-    console = Console()
-    console.print(table)
+        table = Table(title=title)
+        for col in columns:
+            table.add_column(col, justify="left" if col == "cell" else "right", no_wrap=True)
+        for label, r in group.items():
+            table.add_row(label, *(wide_row(r) if wide else narrow_row(r)))
+        console.print(table)
+    for label, r in results.items():  # in full: a reason cut to a column's width helps nobody
+        if "median_s" not in r:
+            note = r.get("skipped") or "error: " + r.get("error", "")[-600:]
+            console.print(f"{label}: {note}", highlight=False, soft_wrap=True)
     if not wide:
         console.print("MiB/rank: parameters + gradients + optimizer state; Δ loss: largest loss "
                       "difference from the native loop; x native: median over steps of polyshard's "

@@ -1,0 +1,102 @@
+"""`polyshard plan` as a decision tool: peaks (SHARD_GRAD_OP holds the gathered model, FULL_SHARD
+two units), host memory for offload, communication seconds that pick "fastest", --json, a table
+that keeps every column in a log, suggestions naming only what is off."""
+
+import json
+
+import pytest
+
+from parallel.cli.main import main
+from parallel.spec.io import load_spec
+from parallel.tools.plan import Links, Margin, activations, plan
+
+GiB = 2 ** 30
+LLAMA_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+            "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32,
+            "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": False}
+
+
+@pytest.fixture
+def config(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA_8B))
+    return str(path)
+
+
+def rows_of(capsys, *argv):
+    code = main(["plan", "configs/demo.yaml", "--set", "precision=bf16", "--set",
+                 "micro_batch_size=1", *argv, "--json"])
+    data = json.loads(capsys.readouterr().out)
+    return code, data, {(r["backend"], r["shard"], r["offload"]): r for r in data["rows"]}
+
+
+def test_peaks_hold_what_each_shard_level_gathers(capsys, config):
+    code, data, rows = rows_of(capsys, "--model", config, "--world", "64", "--seq", "4096",
+                               "--budget", "80")
+    psi, unit = data["parameters"], data["largest_unit"]
+    assert psi == pytest.approx(8.03e9, rel=1e-3) and unit == pytest.approx(218.1e6, rel=1e-3)
+    full, grad_op = rows[("fsdp", "full", "none")], rows[("fsdp", "grad_op", "none")]
+    # between steps both hold the same shards; SHARD_GRAD_OP keeps every unit gathered (bf16)
+    assert full["params"] == grad_op["params"]
+    assert grad_op["gathered"] == psi * 2 and full["gathered"] == 2 * unit * 2
+    assert grad_op["peak"] > full["peak"]
+    # offload: nothing of the optimizer on the device, all of it on the host (8 ranks a node)
+    off = rows[("deepspeed", "full", "optimizer")]
+    assert off["optimizer"] == 0 and off["host_per_node"] == pytest.approx(
+        8 * (4 + 8) * psi / 64, rel=1e-6)
+    assert off["offload_s"] > 0 and full["offload_s"] == 0
+    # "fastest": the least communication seconds among what fits, a number in every row
+    best = [r for r in data["rows"] if r["best"]]
+    assert code == 0 and len(best) == 1 and best[0]["fits"]
+    assert best[0]["comm_s"] + best[0]["offload_s"] == min(
+        r["comm_s"] + r["offload_s"] for r in data["rows"] if r["fits"])
+    # FULL_SHARD's 3 Psi vs SHARD_GRAD_OP's 2 Psi over the same links
+    assert full["comm_s"] == pytest.approx(1.5 * grad_op["comm_s"])
+
+
+def test_comm_seconds_follow_the_links_and_the_margin_is_stated():
+    spec = load_spec({"precision": "bf16", "topology": {"procs_per_node": 8}})
+    shapes, cfg = [(1000, 1000)] * 8, None
+    fast, _ = plan(spec, shapes, cfg, 8, 128, links=Links(intra=400.0))
+    slow, _ = plan(spec, shapes, cfg, 8, 128, links=Links(intra=100.0))
+    assert slow[0].comm_s == pytest.approx(4 * fast[0].comm_s)
+    spread, _ = plan(spec, shapes, cfg, 16, 128, per_node=8)  # the group spans two nodes
+    assert spread[0].comm_s > fast[0].comm_s
+    rows, _ = plan(spec, shapes, cfg, 8, 128, margin=Margin(1.0, 0.0))
+    assert rows[0].margin == GiB
+
+
+def test_activations_count_scores_only_for_eager_attention():
+    cfg = {**LLAMA_8B}
+    sdpa = activations(cfg, 1, 4096, "bf16", False)
+    eager = activations({**cfg, "_attn_implementation": "eager"}, 1, 4096, "bf16", False)
+    assert eager - sdpa == pytest.approx(4096 * 4096 * 5 * 32 * 4096 / 4096 * 32)
+    ckpt = activations(cfg, 1, 4096, "bf16", True)
+    assert ckpt < sdpa / 4  # inputs kept, one layer recomputed at a time
+
+
+def test_the_table_keeps_every_column_in_a_log_and_suggests_only_what_is_off(capsys, config):
+    code = main(["plan", "configs/demo.yaml", "--set", "activation_checkpointing=true",
+                 "--model", config, "--world", "8", "--budget", "10"])
+    out = capsys.readouterr().out
+    assert code == 1 and "host GiB/node" in out and "comm ms/step" in out and "…" not in out
+    assert "nothing fits in 10.0 GiB" in out and "more devices" in out
+    assert "activation_checkpointing" not in out.split("nothing fits")[1]  # already on
+
+
+def test_bench_and_plan_take_the_users_own_model_factory(tmp_path, monkeypatch):
+    """--model module:factory (a LoRA model here), imported from the working directory."""
+    from parallel.toy import build_model
+
+    (tmp_path / "my_job.py").write_text(
+        "from peft import LoraConfig, get_peft_model\n"
+        "from parallel.toy import build_llama, llama_config\n"
+        "def model():\n"
+        "    return get_peft_model(build_llama(llama_config('tiny')), LoraConfig(\n"
+        "        r=4, target_modules=['q_proj', 'v_proj']))\n")
+    monkeypatch.chdir(tmp_path)
+    model = build_model("my_job:model")
+    assert type(model).__name__.startswith("PeftModel")
+    assert 0 < sum(p.numel() for p in model.parameters() if p.requires_grad) < 10_000
+    with pytest.raises(ValueError, match="my_job:nothing"):
+        build_model("my_job:nothing")
