@@ -21,6 +21,7 @@ def cell_data(spec, name: str, **changes) -> dict:
     """The spec data of cell `name`: its backend and overrides, then `changes` (shard, topology)."""
     backend, overrides = cell(name)
     data = merged(spec.model_dump(mode="json", exclude_unset=True), {"backend": backend})
+    data.pop("tracking", None)  # a measurement cell logs nothing of its own (bench, parity)
     return merged(merged(data, overrides), changes)
 
 
