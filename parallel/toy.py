@@ -102,7 +102,16 @@ def _sizes(data: dict):
             yield key, value
 
 
-def _factory(source: str):
+def meta_model(source: str):
+    """`build_model(source)` on the meta device: shapes and structure, nothing allocated."""
+    import os
+
+    os.environ.setdefault("USE_TORCH_XLA", "0")  # a meta-device build needs no XLA runtime
+    with torch.device("meta"):
+        return build_model(source)
+
+
+def _factory(source: str, flag: str = "--model", what: str = "a function returning the model"):
     """`package.module:function` -> the function, or None when `source` is not of that form (a
     path such as ./config.json or C:/x is not)."""
     import importlib
@@ -117,8 +126,8 @@ def _factory(source: str):
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as err:
-        raise ValueError(f"--model {source!r}: {err}; give module:function importable from the "
-                         "working directory (a function returning the model)") from None
+        raise ValueError(f"{flag} {source!r}: {err}; give module:function importable from the "
+                         f"working directory ({what})") from None
 
 
 def build_model(source: str):

@@ -86,4 +86,8 @@ def local_run(spec: Spec, devices: int | None = None) -> tuple[dict, dict]:
     if data.get("xla", {}).get("fsdp_version", spec.xla.fsdp_version) == 1:
         data["micro_batch_size"] = spec.micro_batch_size * world
         return data, {"CPU_NUM_DEVICES": "1"}
+    if devices is None and spec.world_size == 1:
+        # one SPMD process as written: its devices are the runtime's (CPU_NUM_DEVICES as the user
+        # set it), not ours to override
+        return data, {}
     return data, {"CPU_NUM_DEVICES": str(world)}

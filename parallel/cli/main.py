@@ -123,6 +123,9 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--model", default="toy:demo")
     p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--data", help="your batches: module:function returning the global batches "
+                   "(dicts of tensors, e.g. an HF collator's), called with those of rows, seq, "
+                   "steps, seed, vocab_size it names (default: random ids, the same on every cell)")
     p.add_argument("--out", default="runs/bench", help="directory for bench.json/csv/png")
     p.add_argument("--vs-native", action="store_true", help="also run each cell's hand-written "
                    "loop (benchmarks/) and report polyshard's step time over it")
@@ -179,22 +182,11 @@ def _explain(args) -> int:
     plan = explain(spec)
     if args.model:
         from parallel.engine.wrap import plan_wrap
+        from parallel.toy import meta_model
 
-        plan["wrap_units"] = [name for name, _ in plan_wrap(_meta_model(args.model), spec.wrap)]
+        plan["wrap_units"] = [name for name, _ in plan_wrap(meta_model(args.model), spec.wrap)]
     print(json.dumps(plan, indent=2))
     return 0
-
-
-def _meta_model(source: str):
-    import os
-
-    import torch
-
-    from parallel.toy import build_model
-
-    os.environ.setdefault("USE_TORCH_XLA", "0")  # a meta-device build needs no XLA runtime
-    with torch.device("meta"):
-        return build_model(source)
 
 
 def _launch(args) -> int:
@@ -266,7 +258,17 @@ def _bench(args) -> int:
 
     spec = _spec(args)
     split = lambda text: [x.strip() for x in text.split(",") if x.strip()] if text else None  # noqa: E731
-    options = {"model": args.model, "steps": args.steps, "warmup": args.warmup, "seq": args.seq}
+    options = {"model": args.model, "steps": args.steps, "warmup": args.warmup, "seq": args.seq,
+               **({"data": args.data} if args.data else {})}
+    if args.data and args.vs_native:
+        raise SpecError([("--data", f"{args.data!r} with --vs-native: the hand-written loops in "
+                          "benchmarks/ train on the shared random ids only; drop one of the two")])
+    if args.data:
+        from parallel.toy import _factory
+
+        if _factory(args.data, "--data", "a function returning the global batches") is None:
+            raise SpecError([("--data", f"{args.data!r} is not module:function (a function in a "
+                              "module importable from the working directory)")])
     console = Console(stderr=True)
     results = bench(spec, _names(args.backends), split(args.shard),
                     [int(w) for w in split(args.world) or []], options, Path(args.out),

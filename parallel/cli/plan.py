@@ -10,25 +10,6 @@ import sys
 GiB = 2 ** 30
 
 
-def model_facts(source: str, wrap) -> tuple[list[tuple[int, ...]], dict | None, float | None]:
-    """Parameter shapes, the config that sizes activations, and the largest shard unit's
-    parameters (the wrap policy on the model built on the meta device: nothing allocated); a bare
-    parameter count gives neither config nor units."""
-    try:
-        count = float(source)
-    except ValueError:
-        count = None
-    if count is not None:
-        return [(int(count),)], None, None
-    from parallel.cli.main import _meta_model
-    from parallel.engine.wrap import plan_wrap
-
-    model = _meta_model(source)
-    units = [sum(p.numel() for p in m.parameters()) for _, m in plan_wrap(model, wrap)]
-    return [tuple(p.shape) for p in model.parameters()], model.config.to_dict(), \
-        float(max(units)) if units else None
-
-
 def suggestions(spec, rows) -> list[str]:
     """What could make it fit, naming only what is not already on."""
     out = ["more devices (--world)"]
@@ -65,7 +46,7 @@ def run_plan(spec, args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from parallel.tools.plan import Links, Margin, plan
+    from parallel.tools.plan import Links, Margin, model_facts, plan
 
     shapes, cfg, unit = model_facts(args.model, spec.wrap)
     budget = args.budget * GiB if args.budget else None

@@ -210,10 +210,7 @@ def plan(spec, shapes, cfg: dict | None, world: int, seq: int, optimizer: str = 
     base.pop("global_batch_size", None)  # the plan explores world sizes
     for data in candidates(base):
         s = load_spec(data)
-        est = Estimate(s.backend, s.shard, s.offload, *model_states(s, shapes, optimizer=optimizer),
-                       activations(cfg, s.micro_batch_size, seq, s.precision,
-                                   s.checkpoint_activations))
-        est.gathered, est.buffers = transient(s, psi, unit or psi)
+        est = predict(s, shapes, cfg, seq, optimizer, unit)
         tensors = est.total
         est.margin = margin.context_gib * 2 ** 30 + margin.fragmentation * tensors
         est.host_per_node = sum(model_states(s, shapes, optimizer=optimizer, host=True)) * \
@@ -223,6 +220,39 @@ def plan(spec, shapes, cfg: dict | None, world: int, seq: int, optimizer: str = 
     fits = [r for r in rows if budget_bytes is not None and r.total <= budget_bytes]
     best = min(fits, key=lambda r: r.step_comm_s, default=None)
     return rows, best
+
+
+def model_facts(source: str, wrap) -> tuple[list[tuple[int, ...]], dict | None, float | None]:
+    """Parameter shapes, the config that sizes activations, and the largest shard unit's
+    parameters (the wrap policy on the model built on the meta device: nothing allocated); a bare
+    parameter count gives neither config nor units."""
+    try:
+        count = float(source)
+    except ValueError:
+        count = None
+    if count is not None:
+        return [(int(count),)], None, None
+    from parallel.engine.wrap import plan_wrap
+    from parallel.toy import meta_model
+
+    model = meta_model(source)
+    units = [sum(p.numel() for p in m.parameters()) for _, m in plan_wrap(model, wrap)]
+    cfg = model.config.to_dict()  # which attention runs sizes activations; to_dict() leaves it out
+    cfg["_attn_implementation"] = getattr(model.config, "_attn_implementation", None)
+    return [tuple(p.shape) for p in model.parameters()], cfg, float(max(units)) if units else None
+
+
+def predict(spec, shapes, cfg: dict | None, seq: int, optimizer: str = "adamw",
+            unit: float | None = None) -> Estimate:
+    """One spec's tensors at the peak per rank, without the margin (what `polyshard bench`
+    compares with the bytes it measures); `unit` as in plan()."""
+    psi = float(numel(shapes))
+    est = Estimate(spec.backend, spec.shard, spec.offload,
+                   *model_states(spec, shapes, optimizer=optimizer),
+                   activations(cfg, spec.micro_batch_size, seq, spec.precision,
+                               spec.checkpoint_activations))
+    est.gathered, est.buffers = transient(spec, psi, unit or psi)
+    return est
 
 
 def comm_volume(spec, psi: float = 0, output_share: float = 0.0) -> float:

@@ -71,6 +71,10 @@ def test_xla_is_one_field_away_on_a_cpu_host(cpu_client):
     assert "fsdp_version" not in note and "micro_batch_size 2 -> 4" in note
     assert env["CPU_NUM_DEVICES"] == "1"
     assert local_layout(load_spec({"backend": "fsdp", "topology": {"procs_per_node": 2}}))[2] is None
+    # one SPMD process as written: its devices are the runtime's, CPU_NUM_DEVICES left as set
+    data, env, note = local_layout(load_spec({"backend": "xla_fsdp", "xla": {"fsdp_version": 2},
+                                              "topology": {"procs_per_node": 1}}))
+    assert "CPU_NUM_DEVICES" not in env and note is None
 
 
 def test_bench_runs_spmd_cells_at_the_world_of_the_others(cpu_client):

@@ -1,7 +1,8 @@
 """One cell of `polyshard bench`, on every rank of a fresh launch: the shared initial weights and global
 batches (parallel/tools/parity/cell.py), `--warmup` steps, then `--steps` measured steps. Per step: wall time
 with the loss read back (so asynchronous devices have finished), loss. Per rank: bytes held in
-parameters, gradients (at the step boundary, their peak) and optimizer state, peak RSS, CUDA peak, and
+parameters, gradients (at the step boundary, their peak) and optimizer state, the tensors held at
+the step's peak (measure.step_peak_bytes: one more step, untimed), peak RSS, CUDA peak, and
 collective bytes by type. Rank 0 writes every rank's numbers to `--out`."""
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from parallel.launch.torchrun import current_spec
 from parallel.tools.parity.cell import global_batches, optimizer_arg
 from parallel.tools.measurable import measurable
-from parallel.tools.bench.measure import CommCounter, held_bytes, peak_rss_bytes
+from parallel.tools.bench.measure import CommCounter, held_bytes, peak_rss_bytes, step_peak_bytes
 from parallel.registry import create_engine
 from parallel.toy import build_model
 
@@ -45,7 +46,7 @@ def native_step(script: str, flags: list[str], options, spec, rank: int, world: 
                      f"--global-rows={options.global_rows}", f"--clip={spec.grad_clip or 0.0}",
                      f"--seed={spec.seed}", "--out=-", *flags])
     step = module.build(a, rank, world)
-    return lambda ids: common.timed(step, ids, world)
+    return lambda batch: common.timed(step, batch["input_ids"], world)  # the loops train on ids
 
 
 def parse_args():
@@ -55,6 +56,7 @@ def parse_args():
     for name, default in (("steps", 5), ("warmup", 2), ("seq", 64), ("global-rows", 0)):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--data", help="module:function giving the global batches (batch_source)")
     p.add_argument("--native", help="a loop in benchmarks/ to alternate with, and its flags: "
                    "'native_fsdp2.py --stage=3'")
     p.add_argument("--profile", type=int, default=0, help="steps of each side to profile after "
@@ -77,8 +79,7 @@ def main() -> None:
     params_total = sum(p.numel() for p in model.parameters())
     engine.prepare(model, optimizer_arg(args.optimizer, args.lr))
     rows = engine.samples_per_step
-    batches = global_batches(args.warmup + args.steps, args.global_rows, args.seq,
-                             model.config.vocab_size, spec.seed)
+    batches = batch_source(args, model, spec.seed)
     native = None
     if args.native:
         script, *flags = args.native.split()
@@ -89,54 +90,99 @@ def main() -> None:
     def measure_grads(e):  # walks every gradient: on the counted warm-up step only, never timed
         grads_peak[0] = max(grads_peak[0], held_bytes(e.state_tensors()["grads"]))
 
-    def ours(ids):
+    def ours(batch):
         start = time.perf_counter()
-        loss = engine.train_step({"input_ids": ids, "labels": ids}).loss  # waits for the step
+        loss = engine.train_step(batch).loss  # waits for the step
         return time.perf_counter() - start, loss
+
+    def mine(batch):  # this rank's rows of a global batch
+        return {k: v[engine.dp_rank * rows:(engine.dp_rank + 1) * rows] for k, v in batch.items()}
 
     counter, times, losses, theirs = CommCounter(), [], [], {"step_times": [], "losses": []}
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    for i, ids in enumerate(batches):
-        mine = ids[engine.dp_rank * rows:(engine.dp_rank + 1) * rows]
+    for i, batch in enumerate(batches):
+        local = mine(batch)
         # Collectives are counted on the last warm-up step only: the counting dispatch mode sees
         # every op in Python (measured: +25% step time), so timed steps run without it.
         counting = counter.counting() if i == args.warmup - 1 else nullcontext()
         engine.on_gradients[:] = [measure_grads] if i == args.warmup - 1 else []
         if native is not None and i % 2:  # alternate which goes first: neither gains from order
-            record(theirs, native(mine), i >= args.warmup)
+            record(theirs, native(local), i >= args.warmup)
         with counting:
-            elapsed, loss = ours(mine)
+            elapsed, loss = ours(local)
         losses.append(loss)
         if i >= args.warmup:
             times.append(elapsed)
         elif i == 0:
             first_step = elapsed  # with compile.enabled: the step that compiles
         if native is not None and not i % 2:
-            record(theirs, native(mine), i >= args.warmup)
+            record(theirs, native(local), i >= args.warmup)
+    memory = None
+    if native is None and engine.device.type in ("cpu", "cuda"):  # the native loop's own model
+        # would count too; untimed, after the timed steps (the profiler costs time)
+        memory = step_peak_bytes(lambda: ours(mine(batches[-1])))
     if args.profile:  # untimed, after the timed steps: the profiler's own cost stays out of them
         from parallel.tools.bench.profile import profile_pair
 
         more = global_batches(args.profile + 1, args.global_rows, args.seq,
                               model.config.vocab_size, spec.seed + 1)
-        profile_pair(ours, native, [b[engine.dp_rank * rows:(engine.dp_rank + 1) * rows] for b in more],
+        profile_pair(ours, native, [mine({"input_ids": b, "labels": b}) for b in more],
                      Path(args.profile_dir), engine.rank)
     saves = save_times(engine, Path(args.save_dir)) if args.save_dir else None
-    ranks = per_rank(engine, saves, grads_peak[0], counter)
+    ranks = per_rank(engine, saves, grads_peak[0], counter, memory)
     if engine.is_main:
         Path(args.out).write_text(json.dumps({
             "world_size": engine.world_size, "devices": engine.world_size * engine.devices_per_process,
-            "step_times": times, "losses": losses, "tokens_per_step": args.global_rows * args.seq,
+            "step_times": times, "losses": losses, **token_counts(batches[args.warmup:]),
             "params": params_total, "ranks": ranks, "native": theirs if native else None,
             "first_step_s": first_step, "compile": compile_row(engine),
             "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}))
     engine.close()
 
 
-def per_rank(engine, saves, grads_peak: int, counter) -> list[dict]:
+def batch_source(args, model, seed: int) -> list[dict]:
+    """warm-up + timed global batches: the shared random ids (parallel/tools/parity/cell.py), or
+    the user's `--data module:function`, called with the arguments it names of rows (the global
+    batch's), seq, steps, seed and vocab_size, yielding dicts of tensors (input_ids, labels,
+    attention_mask, ... as an HF collator gives them) of `rows` rows each."""
+    steps = args.warmup + args.steps
+    if not args.data:
+        return [{"input_ids": ids, "labels": ids} for ids in global_batches(
+            steps, args.global_rows, args.seq, model.config.vocab_size, seed)]
+    import inspect
+    import itertools
+
+    from parallel.toy import _factory
+
+    factory = _factory(args.data, "--data", "a function returning the global batches")
+    offered = {"rows": args.global_rows, "seq": args.seq, "steps": steps, "seed": seed,
+               "vocab_size": getattr(getattr(model, "config", None), "vocab_size", None)}
+    named = inspect.signature(factory).parameters
+    got = [dict(b) for b in itertools.islice(factory(**{k: v for k, v in offered.items()
+                                                         if k in named}), steps)]
+    wrong = [i for i, b in enumerate(got) if len(b.get("input_ids", ())) != args.global_rows]
+    if len(got) < steps or wrong:
+        raise SystemExit(f"--data {args.data}: gave {len(got)} batches (needs {steps}) "
+                         f"{f'and batch {wrong[0]} has not {args.global_rows} rows ' if wrong else ''}"
+                         f"of input_ids: every batch is the global batch, `rows` rows")
+    return got
+
+
+def token_counts(timed: list[dict]) -> dict:
+    """Tokens per global batch over the timed steps: every position fed, and the targets a loss
+    counts (labels not -100; the model shifts them by one)."""
+    fed = sum(b["input_ids"].numel() for b in timed) / len(timed)
+    labels = [b.get("labels", b["input_ids"])[:, 1:] for b in timed]
+    return {"tokens_per_step": fed, "target_tokens_per_step":
+            sum(int((x != -100).sum()) for x in labels) / len(timed)}
+
+
+def per_rank(engine, saves, grads_peak: int, counter, memory: dict | None) -> list[dict]:
     """Every rank's memory, communication and save figures, gathered (untimed, after the steps)."""
     held = engine.state_tensors()
-    mine = {"saves": saves, "rank": engine.rank, "params_bytes": held_bytes(held["params"]),
+    mine = {"saves": saves, "rank": engine.rank, "memory": memory,
+            "params_bytes": held_bytes(held["params"]),
             "optimizer_bytes": held_bytes(held["optimizer"]), "grads_bytes": grads_peak,
             "rss_peak_bytes": peak_rss_bytes(), "comm": counter.snapshot(),
             "cuda_peak_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available()

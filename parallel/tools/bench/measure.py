@@ -87,3 +87,46 @@ def held_bytes(tensors) -> int:
 
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of every distinct host storage behind a tensor Python can reach in this process (the
+    model, its shards and flat buffers, optimizer state, gradients, batches): what a rank holds
+    between steps, whoever allocated it."""
+    import gc
+
+    def on_host(t) -> bool:
+        try:
+            return t.device.type == "cpu" or hasattr(t, "to_local")
+        except RuntimeError:  # a tensor subclass with no device of its own (a wrapper): its
+            return False  # storage is a tensor found on its own
+
+    return held_bytes(o for o in gc.get_objects() if isinstance(o, torch.Tensor) and on_host(o))
+
+
+def step_peak_bytes(step) -> dict | None:
+    """The most bytes of tensors this rank holds at any moment of `step()`, and between steps, on
+    CPU or CUDA: CUDA's allocator counts its own peak; on CPU, the live storages before the step
+    plus the highest running sum of torch.profiler's allocation events during it (every tensor the
+    CPU allocator hands out and takes back, in time order). None on devices neither sees (XLA's
+    tensors live in the PJRT client)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        boundary = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        return {"boundary": boundary, "peak": torch.cuda.max_memory_allocated(), "by": "cuda"}
+    from torch.profiler import ProfilerActivity, profile
+
+    boundary = live_tensor_bytes()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    running = highest = 0
+    for _, nbytes in events:
+        running += nbytes
+        highest = max(highest, running)
+    if not events:
+        return None  # nothing reached the CPU allocator: the step's tensors live elsewhere (XLA)
+    return {"boundary": boundary, "peak": boundary + highest, "by": "profiler"}

@@ -78,6 +78,7 @@ def summarize(result: dict, warmup_free: list[float], precision: str) -> dict:
     comm = {k: max(r["comm"]["bytes"].get(k, 0) for r in ranks)  # one counted step
             for k in ("all_gather", "reduce_scatter", "reduce", "all_reduce", "broadcast")}
     row = {"median_s": median, "p90_s": p90, "tokens_per_s": result["tokens_per_step"] / median,
+           "target_tokens_per_s": result.get("target_tokens_per_step", 0) / median,
            "loss_first": result["losses"][0], "loss_last": result["losses"][-1],
            "params_bytes": max(r["params_bytes"] for r in ranks),
            "grads_bytes": max(r["grads_bytes"] for r in ranks),
@@ -117,6 +118,7 @@ def bench(spec, names, shards, worlds, options: dict, out_dir: Path, timeout: fl
     args = [f"--{k}={v}" for k, v in options.items()] + [f"--global-rows={rows}"]
     results, launched = {}, {}
     todo = cells(spec, names, shards, worlds)
+    facts = _facts(options["model"], spec.wrap)
     for i, c in enumerate(todo, 1):
         asked = c.label(c.world)
         if c.data is None:
@@ -143,7 +145,8 @@ def bench(spec, names, shards, worlds, options: dict, out_dir: Path, timeout: fl
         r = results[label] = raw if "error" in raw else {**raw, **summarize(
             raw, raw["step_times"], cell_spec.precision)}
         r.update(name=c.name, backend=cell_spec.backend, shard=cell_spec.shard, asked_world=c.world,
-                 comm_counted=get(cell_spec.backend).bench.comm_counted)
+                 comm_counted=get(cell_spec.backend).bench.comm_counted,
+                 **peaks(r, cell_spec, facts, options))
         if r.get("native"):
             r["native"]["median_s"] = statistics.median(r["native"]["step_times"])
             r["native"]["paired"] = paired_ratio(r["step_times"], r["native"]["step_times"])
@@ -153,11 +156,43 @@ def bench(spec, names, shards, worlds, options: dict, out_dir: Path, timeout: fl
     return results
 
 
+def _facts(model: str, wrap):
+    """plan's view of the model (shapes, config, largest unit), or None when it cannot be built on
+    the meta device (then no planned peak is shown)."""
+    from parallel.tools.plan import model_facts
+
+    try:
+        return model_facts(model, wrap)
+    except Exception:  # noqa: BLE001 - a factory that cannot build on meta: measured only
+        return None
+
+
+def peaks(r: dict, cell_spec, facts, options: dict) -> dict:
+    """The tensors `polyshard plan` predicts per rank at the peak (no margin) beside the most this
+    cell's ranks held (cell.py: one more step, measured), and the error of the prediction."""
+    measured = [x["memory"] for x in r.get("ranks") or [] if x.get("memory")]
+    if facts is None or not measured or len(measured) != len(r["ranks"]):
+        return {}
+    from parallel.tools.plan import predict
+
+    shapes, cfg, unit = facts
+    planned = predict(cell_spec, shapes, cfg, options["seq"], options.get("optimizer", "adamw"),
+                      unit)
+    peak = max(m["peak"] for m in measured)
+    return {"peak_planned_bytes": planned.total, "peak_measured_bytes": peak,
+            "peak_error": planned.total / peak - 1, "peak_by": measured[0]["by"],
+            "state_planned_bytes": planned.state,
+            "boundary_measured_bytes": max(m["boundary"] for m in measured)}
+
+
 def done_line(r: dict) -> str:
     if "median_s" not in r:
         lines = r.get("error", "").strip().splitlines()
         return "error: " + (lines[-1][:200] if lines else "no output")
     line = f"{r['median_s'] * 1e3:.0f} ms/step, loss {r['loss_last']:.4f}"
+    if "peak_error" in r:
+        line += (f", peak {r['peak_measured_bytes'] / MiB:.1f} MiB/rank (plan "
+                 f"{r['peak_planned_bytes'] / MiB:.1f}, {r['peak_error']:+.0%})")
     saves = (r.get("ranks") or [{}])[0].get("saves")
     if saves:
         line += f", save blocks {save_text(saves)}"
@@ -205,8 +240,9 @@ def loss_gap(r: dict) -> float | None:
     return max(abs(a - b) for a, b in zip(r["losses"], native["losses"]))
 
 
-CSV_KEYS = ["median_s", "p90_s", "tokens_per_s", "loss_first", "loss_last", "params_bytes",
-            "grads_bytes", "optimizer_bytes", "rss_peak_bytes", "mfu"]
+CSV_KEYS = ["median_s", "p90_s", "tokens_per_s", "target_tokens_per_s", "loss_first", "loss_last", "params_bytes",
+            "grads_bytes", "optimizer_bytes", "rss_peak_bytes", "mfu", "peak_measured_bytes",
+            "peak_planned_bytes", "peak_error"]
 
 
 def write_csv(results: dict, path: Path) -> None:
@@ -223,7 +259,7 @@ def write_csv(results: dict, path: Path) -> None:
                 continue
             c, native = r["comm_bytes_per_step"], r.get("native") or {}
             saves = (r.get("ranks") or [{}])[0].get("saves") or {}
-            w.writerow([label, *[r[k] for k in CSV_KEYS], c["all_gather"], c["reduce_scatter"],
+            w.writerow([label, *[r.get(k, "") for k in CSV_KEYS], c["all_gather"], c["reduce_scatter"],
                         c["all_reduce"], native.get("median_s", ""),
                         *(native.get("paired") or ["", "", ""]),
                         "" if loss_gap(r) is None else loss_gap(r),

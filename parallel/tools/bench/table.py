@@ -10,7 +10,7 @@ from parallel.tools.bench.report import MiB, loss_gap, save_text, vs_native
 
 NARROW = ("cell", "ms/step", "tok/s", "loss", "MiB/rank", "x native", "Δ loss")
 WIDE = ("cell", "step ms (med / p90)", "tok/s", "loss", "params MiB", "grads MiB", "optim MiB",
-        "RSS MiB", "AG / RS / AR MiB/step", "MFU", "native ms", "x native", "Δ loss", "save blocks",
+        "RSS MiB", "peak MiB (plan, error)", "AG / RS / AR MiB/step", "MFU", "native ms", "x native", "Δ loss", "save blocks",
         "compile")
 
 
@@ -41,10 +41,18 @@ def wide_row(r: dict) -> list[str]:
     return [f"{r['median_s'] * 1e3:.0f} / {r['p90_s'] * 1e3:.0f}", f"{r['tokens_per_s']:.0f}",
             f"{r['loss_first']:.3f}→{r['loss_last']:.3f}", f"{r['params_bytes'] / MiB:.2f}",
             f"{r['grads_bytes'] / MiB:.2f}", f"{r['optimizer_bytes'] / MiB:.2f}",
-            f"{r['rss_peak_bytes'] / MiB:.0f}", comm,
+            f"{r['rss_peak_bytes'] / MiB:.0f}", peak_text(r), comm,
             "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%",
             f"{native['median_s'] * 1e3:.0f}" if "median_s" in native else "-",
             vs_native(r, interval=True), _gap(r), _saves(r), compile_text(r)]
+
+
+def peak_text(r: dict) -> str:
+    """The most tensor bytes a rank held in a step, measured, beside `polyshard plan`'s."""
+    if "peak_error" not in r:
+        return "-"
+    return (f"{r['peak_measured_bytes'] / MiB:.1f} ({r['peak_planned_bytes'] / MiB:.1f}, "
+            f"{r['peak_error']:+.0%})")
 
 
 def compile_text(r: dict) -> str:
@@ -93,6 +101,11 @@ def render(results: dict, out_dir: Path, wide: bool = False) -> None:
                       "difference from the native loop; x native: median over steps of polyshard's "
                       "step time / the native step next to it (90% interval: --wide); every "
                       "column: --wide or bench.csv")
+    planned = {label: peak_text(r) for label, r in ran.items() if "peak_error" in r}
+    if planned and not wide:
+        console.print("peak tensors per rank, measured MiB (polyshard plan's, its error): " +
+                      "; ".join(f"{label}: {text}" for label, text in planned.items()),
+                      highlight=False, soft_wrap=True)
     compiled = {label: compile_text(r) for label, r in results.items() if r.get("compile")}
     if compiled and not wide:
         console.print("compile (steady-state steps above; the first step compiles): " + "; ".join(
