@@ -6,7 +6,23 @@ theirs."""
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from pathlib import Path
+
+
+def kept_id(run_dir: Path, name: str, pattern: str) -> str | None:
+    """The run id a previous launch of this run kept in its folder (read as bounded data: a
+    small file matching the tracker's id format), or None: then a new run starts."""
+    path = run_dir / name
+    if not path.is_file() or path.is_symlink() or path.stat().st_size > 256:
+        return None
+    text = path.read_text(encoding="ascii", errors="replace").strip()
+    return text if re.fullmatch(pattern, text) else None
+
+
+def keep_id(run_dir: Path, name: str, run_id: str) -> None:
+    (run_dir / name).write_text(run_id + "\n", encoding="ascii")
 
 
 class JsonlSink:
@@ -66,7 +82,27 @@ class MlflowSink:
         self.client = MlflowClient(tracking_uri=uri)
         found = self.client.get_experiment_by_name(project)
         experiment = found.experiment_id if found else self.client.create_experiment(project)
-        self.run_id = self.client.create_run(experiment, run_name=run_name).info.run_id
+        self.run_id = self._continued(run_dir, experiment)
+        if self.run_id is None:  # a new run, its id kept for the launches that resume this job
+            self.run_id = self.client.create_run(experiment, run_name=run_name).info.run_id
+            keep_id(run_dir, "mlflow_run_id", self.run_id)
+
+    def _continued(self, run_dir: Path, experiment: str) -> str | None:
+        """The run a previous launch of this job started, marked running again; None when there
+        is none (or it is not in this store and experiment)."""
+        from mlflow.exceptions import MlflowException
+
+        run_id = kept_id(run_dir, "mlflow_run_id", r"[0-9a-f]{32}")
+        if run_id is None:
+            return None
+        try:
+            run = self.client.get_run(run_id)
+        except MlflowException:
+            return None
+        if run.info.experiment_id != experiment:
+            return None
+        self.client.update_run(run_id, status="RUNNING")
+        return run_id
 
     def hparams(self, params: dict) -> None:
         from mlflow.entities import Param
@@ -95,8 +131,12 @@ class WandbSink:
     def __init__(self, run_dir: Path, project: str, run_name: str, options):
         import wandb
 
-        self.run = wandb.init(project=project, name=run_name, dir=str(run_dir),
-                              mode=options.wandb_mode,
+        run_id = kept_id(run_dir, "wandb_run_id", r"[a-z0-9]{8,64}")
+        if run_id is None:  # a new run, its id kept for the launches that resume this job
+            run_id = secrets.token_hex(8)  # wandb ids: [a-z0-9], 8 by its own generator
+            keep_id(run_dir, "wandb_run_id", run_id)
+        self.run = wandb.init(project=project, name=run_name, dir=str(run_dir), id=run_id,
+                              resume="allow", mode=options.wandb_mode,
                               settings=wandb.Settings(console="off", silent=True))
 
     def hparams(self, params: dict) -> None:

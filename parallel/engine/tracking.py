@@ -42,6 +42,15 @@ def flat(data: dict, prefix: str = "") -> dict:
     return out
 
 
+def default_run_name(spec) -> str:
+    """<backend>-<shard>-<start time>; a job that resumes (checkpoint.resume: auto) is one run
+    across its launches: <backend>-<shard>-<its checkpoint directory's name>, so a relaunch finds
+    the run its first launch started (trackers.py keeps each tracker's run id in its folder)."""
+    if spec.checkpoint.resume == "auto" and spec.checkpoint.dir:
+        return f"{spec.backend}-{spec.shard}-{Path(spec.checkpoint.dir).resolve().name}"
+    return f"{spec.backend}-{spec.shard}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
 class Tracker:
     """Sinks on the main rank, the window of results since the last log, and what they derive."""
 
@@ -49,8 +58,7 @@ class Tracker:
         self.options = spec.tracking
         self.active = is_main and bool(self.options.to)
         self.device, self.devices = device, 1
-        self.run_name = self.options.run_name or \
-            f"{spec.backend}-{spec.shard}-{time.strftime('%Y%m%d-%H%M%S')}"
+        self.run_name = self.options.run_name or default_run_name(spec)
         self.sinks: list = []
         self.last: dict = {}  # the latest training metrics logged (the progress bar shows them)
         self.last_step = 0

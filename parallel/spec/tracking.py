@@ -35,8 +35,10 @@ class Tracking(Section):
     run_name: Annotated[
         str | None,
         Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="The run's name in every tracker "
-              "and its folder under `dir`. Default: <backend>-<shard>-<start time>, decided by the "
-              "main rank."),
+              "and its folder under `dir`; a launch that finds its folder continues the run there (MLflow "
+              "and wandb run ids are kept in it). Default: <backend>-<shard>-<start time>, decided "
+              "by the main rank; with checkpoint.resume: auto <backend>-<shard>-<the checkpoint "
+              "directory's name>, so a resumed job stays one run."),
     ] = None
     every: Annotated[
         int,

@@ -75,3 +75,43 @@ def test_mfu_progress_bar_and_close(tmp_path, capsys):
     # not a terminal: one plain line per logged step, the tracker's numbers
     assert len(bar.lines) == 2 and f"loss {train[1]['train/loss']:.4f}" in bar.lines[1]
     assert "training step 4/4" in capsys.readouterr().err
+
+
+def test_a_relaunched_job_continues_its_tracker_runs(tmp_path):
+    """Two launches of one run (a preempted job resumed): MLflow logs into the same run, wandb
+    resumes the same run id; a kept id that is not an id starts a new run instead of being used."""
+    from types import SimpleNamespace
+
+    from mlflow import MlflowClient
+
+    from parallel.engine.trackers import MlflowSink, WandbSink
+
+    options = SimpleNamespace(mlflow_uri=None, wandb_mode="offline")
+    run_dir = tmp_path / "job"
+    run_dir.mkdir()
+    for steps in ([1, 2], [3]):
+        sinks = [MlflowSink(run_dir, "proj", "job", options), WandbSink(run_dir, "proj", "job", options)]
+        for step in steps:
+            for sink in sinks:
+                sink.log({"train/loss": float(step)}, step)
+        for sink in sinks:
+            sink.close()
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    [run] = client.search_runs([client.get_experiment_by_name("proj").experiment_id])
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train/loss")] == [1, 2, 3]
+    assert run.info.status == "FINISHED"
+    kept = (run_dir / "wandb_run_id").read_text().strip()
+    offline = sorted(p.name for p in (run_dir / "wandb").glob("offline-run-*"))
+    assert len(offline) == 2 and all(name.endswith(kept) for name in offline), offline
+    (run_dir / "mlflow_run_id").write_text("../../etc/passwd\n")
+    sink = MlflowSink(run_dir, "proj", "job", options)
+    assert sink.run_id != run.info.run_id
+    sink.close()
+
+
+def test_a_resuming_job_is_one_run_by_default():
+    from parallel.engine.tracking import default_run_name
+
+    spec = load_spec({"checkpoint": {"dir": "/tmp/ckpt/llama-sft", "resume": "auto"}})
+    assert default_run_name(spec) == f"{spec.backend}-{spec.shard}-llama-sft"
+    assert default_run_name(load_spec({})).startswith(f"{spec.backend}-{spec.shard}-20")  # a time
