@@ -111,7 +111,7 @@ def meta_model(source: str):
         return build_model(source)
 
 
-def _factory(source: str, flag: str = "--model", what: str = "a function returning the model"):
+def load_factory(source: str, flag: str = "--model", what: str = "a function returning the model"):
     """`package.module:function` -> the function, or None when `source` is not of that form (a
     path such as ./config.json or C:/x is not)."""
     import importlib
@@ -137,7 +137,7 @@ def build_model(source: str):
     config.json (random weights from the current seed)."""
     if source.startswith("toy:"):
         return build_llama(llama_config(source[4:]))
-    factory = _factory(source)
+    factory = load_factory(source)
     if factory is not None:
         return factory()
     from transformers import AutoModelForCausalLM

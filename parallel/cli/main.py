@@ -264,9 +264,9 @@ def _bench(args) -> int:
         raise SpecError([("--data", f"{args.data!r} with --vs-native: the hand-written loops in "
                           "benchmarks/ train on the shared random ids only; drop one of the two")])
     if args.data:
-        from parallel.toy import _factory
+        from parallel.toy import load_factory
 
-        if _factory(args.data, "--data", "a function returning the global batches") is None:
+        if load_factory(args.data, "--data", "a function returning the global batches") is None:
             raise SpecError([("--data", f"{args.data!r} is not module:function (a function in a "
                               "module importable from the working directory)")])
     console = Console(stderr=True)

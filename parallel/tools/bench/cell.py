@@ -153,9 +153,9 @@ def batch_source(args, model, seed: int) -> list[dict]:
     import inspect
     import itertools
 
-    from parallel.toy import _factory
+    from parallel.toy import load_factory
 
-    factory = _factory(args.data, "--data", "a function returning the global batches")
+    factory = load_factory(args.data, "--data", "a function returning the global batches")
     offered = {"rows": args.global_rows, "seq": args.seq, "steps": steps, "seed": seed,
                "vocab_size": getattr(getattr(model, "config", None), "vocab_size", None)}
     named = inspect.signature(factory).parameters

@@ -123,10 +123,10 @@ def step_peak_bytes(step) -> dict | None:
         step()
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
                     if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    if not events:
+        return None  # nothing reached the CPU allocator: the step's tensors live elsewhere (XLA)
     running = highest = 0
     for _, nbytes in events:
         running += nbytes
         highest = max(highest, running)
-    if not events:
-        return None  # nothing reached the CPU allocator: the step's tensors live elsewhere (XLA)
     return {"boundary": boundary, "peak": boundary + highest, "by": "profiler"}

@@ -1,0 +1,86 @@
+"""The engine's public calls that hand straight to a part it owns: checkpoints (checkpointing.py),
+the user's registered state (user_state.py), evaluation (evaluate.py), the tracker and progress bar
+(tracking.py, progress_bar.py), and generation (a backend hook). Each is a line or two, kept here so
+that base.py reads as the set-up and the step; the parts are the engine's objects, made in its
+__init__ (`checkpoints`, `preemption`, `user_state`, `tracker`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from parallel.engine.hooks import BackendHooks
+
+
+class EngineCalls(BackendHooks):
+    # ---- evaluation, tracking, generation ----
+    def evaluate(self, loader, metrics: list | tuple = (), max_batches: int | None = None) -> dict:
+        """No-grad forward over `loader` (an eval loader: engine.dataloader(..., eval=True)): the
+        token-weighted loss over every rank's samples, its perplexity, and each metric's
+        (numerator, denominator) sums reduced over ranks in one collective (evaluate.py)."""
+        from parallel.engine import evaluate
+
+        results = evaluate.run(self, loader, list(metrics), max_batches)
+        self.tracker.log({f"eval/{k}": v for k, v in results.items()}, self.step)
+        return results
+
+    def log(self, metrics: dict, step: int | None = None) -> None:
+        """Log the user's own {name: number} to every tracker of `tracking.to` (main rank; other
+        ranks ignore it, so call it on every rank). `step`: default the current step."""
+        self.tracker.log(metrics, self.step if step is None else step)
+
+    def progress_bar(self, total: int | None = None, description: str = "training"):
+        """`with engine.progress_bar(total) as bar: ... bar.update(result)`: a live bar in a
+        terminal or notebook, a line every tracking.every steps in a log file (progress_bar.py)."""
+        from parallel.engine.progress_bar import ProgressBar
+
+        return ProgressBar(self, total, description)
+
+    def generate(self, input_ids: torch.Tensor, **generate_kwargs) -> torch.Tensor:
+        """Token ids (prompt + new, on the host) from the Hugging Face model being trained, on
+        this rank's prompts, every rank in step where forwards gather; on XLA with static shapes
+        (generate.py). Each rank passes its own prompts."""
+        self.model.eval()
+        return self._generate(input_ids, generate_kwargs)
+
+    def unwrap(self):
+        """`with engine.unwrap() as model:` the Hugging Face model, to call directly (forward,
+        generate with your own arguments); ranks must call it alike where forwards gather."""
+        self.model.eval()
+        return self._unwrapped()
+
+
+    # ---- checkpoints (checkpointing.py) ----
+    def save(self, path, async_save: bool | None = None) -> Path:
+        """Write model, optimizer, scheduler, step, RNG and data position under `path`, atomically;
+        `latest` beside it moves to it and `checkpoint.keep_last` applies. With
+        `checkpoint.async_save` (or `async_save=True`) it returns once this rank's state is in host
+        memory; the files are written and published in the background."""
+        return self.checkpoints.save(path, async_save)
+
+    def load(self, path, trust: bool = False) -> dict:
+        """Verify and restore what `save` wrote, whichever backend and world size wrote it; `path`
+        may be a directory of checkpoints (its `latest`). Returns the manifest."""
+        return self.checkpoints.load(path, trust)
+
+    def maybe_save(self) -> Path | None:
+        """Save into checkpoint.dir/step-NNNNNNNN when checkpoint.every divides the step (not after
+        a preemption save: that one is the step's)."""
+        return None if self.preemption.pending is not None else self.checkpoints.maybe_save()
+
+    def resume(self) -> dict | None:
+        """With `checkpoint.resume: auto`, load checkpoint.dir's latest complete checkpoint if there
+        is one; call it after prepare() and after creating the data loaders."""
+        return self.checkpoints.resume()
+
+    def wait_for_save(self) -> None:
+        """Block until an async save in flight is published (its error, if any, is raised here)."""
+        self.checkpoints.wait()
+
+    def register_for_checkpointing(self, obj, name: str | None = None,
+                                   per_rank: bool = False) -> str:
+        """Save `obj.state_dict()` with every checkpoint and restore it with `obj.load_state_dict`
+        on load/resume: one shared copy (the main rank's), or each rank's own (`per_rank`).
+        Returns its name in the checkpoint (user_state.py)."""
+        return self.user_state.register(obj, name, per_rank)
