@@ -178,7 +178,8 @@ class BackendDescriptor:
     engine: str  # "module:callable" taking the Spec, returning an Engine
     extra: str = ""  # the pip extra that installs its dependency ("" for none)
     packages: tuple[str, ...] = ()  # distributions whose versions a checkpoint records
-    tensor_parallel: bool = False  # reads topology.tp > 1 (none does yet)
+    # reads topology.tp > 1 (the backend's translate refuses the modes it cannot split in)
+    tensor_parallel: bool = False
     # Short names for common configurations of this backend (name -> spec overrides), which
     # `polyshard bench/parity --backends` and every cross-backend test take: fsdp1, zero2, xla1...
     variants: dict[str, dict] = field(default_factory=dict)

@@ -22,6 +22,7 @@ DESCRIPTOR = BackendDescriptor(
     }),
     translate=translate,
     engine="backends.fsdp.engine:make_engine",
+    tensor_parallel=True,  # FSDP2 only: translate refuses tp with fsdp.version 1
     variants={"fsdp2": {"fsdp": {"version": 2}}, "fsdp1": {"fsdp": {"version": 1}}},
     plan=PlanModel(plan.model_states, plan.comm, plan.transient),
     # accelerate and transformers import torch_xla whenever it is installed, and accelerate then

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from backends.fsdp.layout import edge_units
+from backends.fsdp.tp import apply_tp, clip_grad_norm_by_mesh, resolve_plan
 from backends.fsdp.translate import translate
 from parallel.checkpoint.sink import Sink
 from parallel.checkpoint.dcp_state import read_model_optim, write_model_optim
@@ -75,6 +76,8 @@ class _TorchFSDP(ModuleStateTensors, Engine):
         return self._no_sync() if not last else super()._sync_context(last)
 
     def _grad_norm_and_clip(self) -> torch.Tensor:
+        if self.dims.tp > 1:  # gradients on two meshes: (dp, tp) for the split, dp for the rest
+            return clip_grad_norm_by_mesh(self.model.parameters(), self.spec.grad_clip)
         return clip_grad_norm(self.model.parameters(), self.spec.grad_clip)
 
     def _optimizer_step(self):
@@ -167,13 +170,17 @@ class FSDP2Engine(_TorchFSDP):
         elif self.spec.fsdp.sync_module_states:
             model.to(self.device)
             broadcast_from_rank0(chain(model.parameters(), model.buffers()))
-        # torchtitan's order: activation checkpointing, then compile, then fully_shard, each on
+        # torchtitan's order: the tensor-parallel split first (fully_shard then shards its shards
+        # again over the data-parallel dims), activation checkpointing, compile, fully_shard, each on
         # what sits at the unit's place (the checkpoint wrapper when there is one). fully_shard on
         # the wrapper keeps FSDP's hooks outside the recomputed region (a unit's parameters are
         # gathered once for backward and its recomputation) and outside the compiled graph (dynamo
         # skips FSDP's hooks: inside, they were a graph break before any code of the block, and the
         # block ran eagerly, measured in docs/compile.md). Compile on the wrapper compiles the
         # recomputation too. nn.Module.compile works in place and fully_shard keeps the object.
+        if self.dims.tp > 1:
+            apply_tp(model, self.device_mesh["tp"],
+                     resolve_plan(model, self.dims.tp, self.spec.topology.tp_plan))
         if self.spec.checkpoint_activations:
             apply_ac(model, self.units)
         self.units = at_unit_places(model, self.units)

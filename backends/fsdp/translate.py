@@ -36,6 +36,10 @@ def translate(spec: Spec) -> dict:
     low = spec.precision if spec.precision in LOW else None
     reduce = spec.grad_reduce_dtype
     mixed = {"param_dtype": low, "reduce_dtype": reduce} if low or reduce != "fp32" else None
+    if spec.topology.tp > 1 and spec.fsdp.version == 1:
+        raise SpecError([("topology.tp", f"{spec.topology.tp} with fsdp.version: 1: FSDP1's flat "
+                          "parameters cannot hold DTensor shards of a tensor-parallel split; use "
+                          "fsdp.version: 2 (fully_shard over the data-parallel dims, TP innermost)")])
     if spec.fsdp.version == 2:
         kwargs = {"reshard_after_forward": spec.shard in ("full", "hybrid")}
         origins = {"reshard_after_forward": "shard"}
@@ -46,7 +50,10 @@ def translate(spec: Spec) -> dict:
             kwargs["offload_policy"] = {"pin_memory": spec.pin_memory}
             origins["offload_policy"] = "offload / pin_memory"
         native = merge_native(kwargs, origins, spec.fsdp.native, "fsdp.native")
-        return {"api": "fully_shard", "mesh": list(mesh_shape(spec)), "kwargs": native}
+        out = {"api": "fully_shard", "mesh": list(mesh_shape(spec)), "kwargs": native}
+        if spec.topology.tp > 1:  # parallelize_module over mesh["tp"] first (backends/fsdp/tp.py)
+            out["tp"] = {"size": spec.topology.tp, "plan": spec.topology.tp_plan or "model's own"}
+        return out
     f = spec.fsdp
     if spec.shard in HYBRID_SHARDS and spec.shard_group_size == 1:
         # Measured (docs/fsdp.md): FSDP1 clamps a 1-rank process group to NO_SHARD, and in hybrid

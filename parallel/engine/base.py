@@ -176,7 +176,8 @@ class Engine(EngineCalls):
         """Before sharding: parameter names, tied weights, the param_groups hook's groups, and what
         the model's loss averages over."""
         self.objective = Objective.for_model(model, self._count_fn, self.loss_fn is not None,
-                                             self.spec.loss_weighting, self.dp_size)
+                                             self.spec.loss_weighting, self.dp_size,
+                                             self.dims.tp)
         self.experts = Experts(model, touch=self.dp_size > 1) or None
         if self.tracker.active:  # logged as hyper-parameters; FLOPs per token for MFU
             self._model_facts = {"flops": model_flops(model), "model.class": type(model).__name__,

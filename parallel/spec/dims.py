@@ -23,7 +23,9 @@ class ParallelDims:
         tp = spec.topology.tp
         dp = max(1, spec.world_size // tp)  # a tp that does not divide is the spec's error to report
         if spec.shard in HYBRID:
-            group = spec.topology.shard_group_size or spec.topology.procs_per_node
+            # default: shard inside a host, whose procs_per_node ranks hold procs_per_node / tp
+            # data-parallel ranks (tp is the innermost dimension)
+            group = spec.topology.shard_group_size or max(1, spec.topology.procs_per_node // tp)
             return cls(max(1, dp // group), group, tp)
         if spec.shard == "none":  # replicate everything: every rank its own "shard group" of one
             return cls(dp, 1, tp)

@@ -211,9 +211,10 @@ class Spec(Section):
         if group is not None and self.shard not in HYBRID_SHARDS:
             problems.append(("topology.shard_group_size", f"is only read with a hybrid shard, not "
                              f"shard: {self.shard!r}; remove it or use shard: hybrid"))
-        if self.shard in HYBRID_SHARDS and self.world_size % self.shard_group_size:
+        dp = self.world_size // self.topology.tp  # data-parallel ranks (dims floors a bad group)
+        if self.shard in HYBRID_SHARDS and dp % self.shard_group_size:
             problems.append(("topology.shard_group_size", f"{self.shard_group_size} does not divide "
-                             f"the world size {self.world_size}; pick a divisor of it"))
+                             f"the data-parallel size {dp} (world size / tp); pick a divisor of it"))
         if self.loss_scale != LossScale() and self.precision != "fp16":
             problems.append(("loss_scale", f"loss scaling applies to precision: fp16 only, not "
                              f"{self.precision!r}; remove loss_scale or use precision: fp16"))
@@ -255,7 +256,11 @@ class Spec(Section):
         problems = []
         if self.topology.tp != 1 and not descriptor.tensor_parallel:
             problems.append(("topology.tp", f"{self.topology.tp}: backend {self.backend!r} runs "
-                             "data parallel only; use tp: 1"))
+                             "data parallel only; use tp: 1, or a backend with tensor "
+                             "parallelism (docs/tp.md)"))
+        elif self.topology.tp == 1 and self.topology.tp_plan is not None:
+            problems.append(("topology.tp_plan", "is set but topology.tp is 1, so nothing is "
+                             "split; set tp > 1 or remove tp_plan"))
         elif self.world_size % self.topology.tp:
             problems.append(("topology.tp", f"{self.topology.tp} does not divide the world size "
                              f"{self.world_size}"))

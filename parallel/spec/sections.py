@@ -39,9 +39,21 @@ class Topology(Section):
     ] = None
     tp: Annotated[
         int,
-        Field(ge=1, description="Tensor-parallel degree (reserved: every backend today runs data "
-              "parallel only and refuses tp > 1). Ranks = tp x data-parallel ranks."),
+        Field(ge=1, description="Tensor-parallel degree N: a Megatron column/row split of the "
+              "attention and MLP projections over N ranks, as `tp_plan` (or the model's own tp "
+              "plan) says; embeddings, norms and what the plan leaves out stay whole. TP is the "
+              "innermost mesh dimension (N consecutive ranks, one host), every rank of a TP group "
+              "takes the same micro-batch, and data-parallel ranks = world size / N. Backends that "
+              "cannot split refuse N > 1 naming why (docs/tp.md)."),
     ] = 1
+    tp_plan: Annotated[
+        dict[str, Literal["colwise", "rowwise", "colwise_rep"]] | None,
+        Field(description="With tp > 1: {module path (fnmatch, from the model's root, e.g. "
+              "`model.layers.*.mlp.up_proj`): style}; colwise splits a Linear's outputs, rowwise "
+              "its inputs (then sums over the TP group), colwise_rep splits outputs and gathers "
+              "them whole (an LM head). Unset: the model's own plan (Hugging Face's "
+              "`base_model_tp_plan` and the head class's `_tp_plan`)."),
+    ] = None
     rdzv_endpoint: Annotated[
         str | None,
         Field(pattern=r"^[^:\s]+:\d+$", description="HOST:PORT every node of a multi-node job "

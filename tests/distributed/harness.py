@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -31,8 +32,18 @@ def torchrun(nproc: int, args: list[str], timeout: float = 240, env: dict | None
            str(nproc), *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "USE_TORCH_XLA": "0",
                 "TORCH_CPP_LOG_LEVEL": "ERROR", "PYTHONPATH": str(ROOT), **(env or {})}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env,
-                          cwd=ROOT)
+    # its own session, so a timeout kills the workers too (subprocess.run's kill reaches torchrun
+    # alone, and orphaned ranks kept two cores busy for later tests)
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=full_env, cwd=ROOT, start_new_session=True) as child:
+        try:
+            out, err = child.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            out, err = child.communicate()
+            raise AssertionError(f"timed out after {timeout} s: {' '.join(cmd)}\n{out[-4000:]}\n"
+                                 f"{err[-8000:]}") from None
+    proc = subprocess.CompletedProcess(cmd, child.returncode, out, err)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     return proc
 

@@ -41,8 +41,20 @@ def reference(spec, case, batches):
     return [r["loss"] for r in record], [r["grad_norm"] for r in record]
 
 
-def rank_slice(ids, rank, rows):
-    mine = ids[rank * rows:(rank + 1) * rows]
+def padded(ids, seed):
+    """Right-padded SFT rows of different lengths (4..SEQ real tokens): attention mask 0 and label
+    -100 on the padding, so ranks and micro-batches hold different numbers of targets."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(4, SEQ + 1, (ids.shape[0], 1), generator=g)
+    real = torch.arange(SEQ).expand_as(ids) < lengths
+    return {"input_ids": torch.where(real, ids, 0), "attention_mask": real.long(),
+            "labels": torch.where(real, ids, -100)}
+
+
+def rank_slice(batch, rank, rows):
+    if isinstance(batch, dict):
+        return {k: v[rank * rows:(rank + 1) * rows] for k, v in batch.items()}
+    mine = batch[rank * rows:(rank + 1) * rows]
     return {"input_ids": mine, "labels": mine}
 
 
@@ -51,6 +63,8 @@ def run_case(case, phase, ckpt_root):
     engine = create_engine(spec)
     rows = engine.samples_per_step  # per process: all its devices' samples under SPMD
     batches = global_batches(case["steps"], engine.dp_size, rows)
+    if case.get("padded"):
+        batches = [padded(ids, i) for i, ids in enumerate(batches)]
     out = {}
     if phase == "train":
         out["ref_loss"], out["ref_norm"] = reference(spec, case, batches)
@@ -79,8 +93,9 @@ def run_case(case, phase, ckpt_root):
         # process) must see the loss the engine saw at the next step.
         plain = build_llama(llama_config("tiny"))
         plain.load_state_dict(read_model(Path(ckpt)))
-        ids = batches[case["save_at"]]
-        out["consolidated_loss"] = plain(input_ids=ids, labels=ids).loss.item()
+        whole = batches[case["save_at"]]
+        kwargs = whole if isinstance(whole, dict) else {"input_ids": whole, "labels": whole}
+        out["consolidated_loss"] = plain(**kwargs).loss.item()
     out.update(getattr(engine, "parity_facts", lambda: {})())
     stats = engine.compile_stats()
     if stats is not None:

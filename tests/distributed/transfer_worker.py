@@ -37,10 +37,10 @@ def train(engine, rows, batches, steps):
     return [engine.train_step(rank_slice(batches[s], engine.dp_rank, rows)).loss for s in steps]
 
 
-def save_phase(backends, names, root):
+def save_phase(backends, names, root, optimizers=OPTIMIZERS):
     out = {}
     for name in names:
-        for opt in OPTIMIZERS:
+        for opt in optimizers:
             try:
                 engine, rows = engine_for(backends[name], 0)
                 engine.prepare(build_llama(llama_config("tiny")), optimizer_arg(opt))
@@ -78,13 +78,14 @@ def main():
     p.add_argument("--names", required=True, help="comma-separated backends run in this launch")
     p.add_argument("--root", required=True)
     p.add_argument("--out", required=True)
+    p.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="save: which to train with")
     p.add_argument("--plan", help="load: JSON file {target: [checkpoint names to load]} "
                    "(default: every checkpoint under --root)")
     args = p.parse_args()
     backends, root = json.loads(Path(args.backends).read_text()), Path(args.root)
     names = args.names.split(",")
     if args.phase == "save":
-        results = save_phase(backends, names, root)
+        results = save_phase(backends, names, root, args.optimizers.split(","))
     else:
         plan = json.loads(Path(args.plan).read_text()) if args.plan else None
         results = load_phase(backends, names, root, plan)
@@ -92,7 +93,7 @@ def main():
     if rank == 0:
         spec = load_spec(backends[names[0]])
         batches = global_batches(STEPS, 1, GLOBAL_ROWS)
-        for opt in OPTIMIZERS:
+        for opt in args.optimizers.split(","):
             results[f"reference-{opt}"] = {"loss": reference(spec, {"optimizer": opt}, batches)[0]}
         Path(args.out).write_text(json.dumps(results, indent=1))
     if torch.distributed.is_initialized():

@@ -8,9 +8,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from parallel.spec.dims import ParallelDims
-from parallel.spec.io import load_spec
+from parallel.spec.io import SpecError, load_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -66,3 +67,67 @@ def test_the_mesh_names_every_dimension():
                          timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.splitlines()[-1].split() == ["('dp_replicate',", "'dp_shard',", "'tp')", "2", "1"]
+
+
+def test_hybrid_default_group_is_one_hosts_data_parallel_ranks():
+    """procs_per_node 8 at tp 2 holds 4 data-parallel ranks: the default shard group."""
+    dims = ParallelDims.from_spec(fake(16, 2, "hybrid", None, per_node=8))
+    assert (dims.dp_replicate, dims.dp_shard, dims.tp) == (2, 4, 2)
+
+
+def _tp_problems(data):
+    with pytest.raises(SpecError) as info:
+        load_spec(data)
+    return dict(info.value.problems)
+
+
+@pytest.mark.parametrize("backend,extra,field,words", [
+    ("fsdp", {"fsdp": {"version": 1}}, "topology.tp", ["fsdp.version: 1", "fsdp.version: 2"]),
+    ("deepspeed", {}, "topology.tp", ["'deepspeed'", "tp: 1"]),
+    ("xla_fsdp", {}, "topology.tp", ["'xla_fsdp'", "tp: 1"]),
+])
+def test_backends_that_cannot_split_refuse_tp_naming_why(backend, extra, field, words):
+    got = _tp_problems({"backend": backend, "topology": {"procs_per_node": 4, "tp": 2}, **extra})
+    assert all(w in got[field] for w in words), got
+
+
+def test_tp_rules():
+    assert "does not divide the world size 6" in _tp_problems(
+        {"backend": "fsdp", "topology": {"procs_per_node": 6, "tp": 4}})["topology.tp"]
+    assert "tp is 1" in _tp_problems(
+        {"backend": "fsdp", "topology": {"tp_plan": {"lm_head": "colwise"}}})["topology.tp_plan"]
+    assert "data-parallel size 4" in _tp_problems(
+        {"backend": "fsdp", "shard": "hybrid", "topology": {"procs_per_node": 8, "tp": 2,
+                                                            "shard_group_size": 3}}
+    )["topology.shard_group_size"]
+    with pytest.raises(SpecError):  # a style torch has no ParallelStyle for
+        load_spec({"backend": "fsdp", "topology": {"procs_per_node": 2, "tp": 2,
+                                                   "tp_plan": {"lm_head": "sequence"}}})
+    spec = load_spec({"backend": "fsdp", "topology": {"procs_per_node": 8, "tp": 2}})
+    assert spec.dims.dp_size == 4 and spec.shard_group_size == 4
+
+
+def test_the_plan_is_checked_against_the_model_before_anything_is_split():
+    """backends/fsdp/tp.py's resolve_plan on a real tiny Llama: the model's own plan (the head's
+    from its class), and errors naming the field, the layer, the size and the rule."""
+    from backends.fsdp.tp import resolve_plan
+    from parallel.toy import build_llama, llama_config
+
+    model = build_llama(llama_config("tiny"))  # 4 heads, 2 KV heads, hidden 32, MLP 64, vocab 256
+    plan = resolve_plan(model, 2, None)
+    assert plan["model.layers.*.mlp.down_proj"] == "rowwise" and plan["lm_head"] == "colwise_rep"
+    with pytest.raises(SpecError) as info:
+        resolve_plan(model, 4, None)
+    assert "num_key_value_heads 2" in dict(info.value.problems)["topology.tp"]
+    with pytest.raises(SpecError) as info:
+        resolve_plan(model, 2, {"model.layers.*.mlp.up": "colwise"})
+    assert "matches no Linear layer" in dict(info.value.problems)["topology.tp_plan"]
+    odd = build_llama(llama_config("tiny", intermediate_size=66, num_attention_heads=2,
+                                   num_key_value_heads=2))
+    with pytest.raises(SpecError) as info:
+        resolve_plan(odd, 4, {"model.layers.*.mlp.up_proj": "colwise"})
+    text = info.value.problems[-1][1]
+    assert "up_proj's out_features 66" in text and "tp 4" in text, text
+    with pytest.raises(SpecError) as info:
+        resolve_plan(torch.nn.Sequential(torch.nn.Linear(4, 4)), 2, None)
+    assert "has no tp plan" in dict(info.value.problems)["topology.tp_plan"]

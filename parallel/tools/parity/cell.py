@@ -37,8 +37,9 @@ def one_process(model, optimizer, batches, grad_clip: float | None,
     cls, kwargs = optimizer
     opt = cls(model.parameters(), **kwargs)
     record = []
-    for ids in batches:
-        loss = model(input_ids=ids, labels=ids).loss
+    for batch in batches:  # token ids (their own labels) or the model's keyword arguments
+        loss = model(**(batch if isinstance(batch, dict) else {"input_ids": batch,
+                                                               "labels": batch})).loss
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
         opt.step()
