@@ -165,6 +165,10 @@ class Bench:
 
     native: NativeLoop = _no_native  # `polyshard bench --vs-native`
     comm_counted: bool = True  # False: collectives are compiled into a graph, c10d never sees them
+    # `polyshard dryrun`: spec overrides under which one rank of a world of N is built from a
+    # meta-device model over torch's fake process group (nothing broadcast from rank 0: the fake
+    # group moves no data); None: the backend cannot run that way
+    dryrun: dict | None = None
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ DESCRIPTOR = BackendDescriptor(
         exports={"accelerate": exports.to_accelerate, "hf-trainer": exports.to_hf_trainer},
         accelerate_claims=accelerate.claims,
         accelerate_section=accelerate.section),
-    bench=Bench(native=lambda spec: (f"native_fsdp{spec.fsdp.version}.py",
+    bench=Bench(dryrun={"fsdp": {"sync_module_states": False, "cpu_ram_efficient_loading": False}},
+                native=lambda spec: (f"native_fsdp{spec.fsdp.version}.py",
                                      [f"--stage={NATIVE_STAGE.get(spec.shard, 0)}"])),
 )

@@ -14,7 +14,8 @@ import torch.distributed as dist
 from torch import nn
 
 from backends.fsdp.layout import edge_units
-from backends.fsdp.tp import apply_tp, clip_grad_norm_by_mesh, resolve_plan
+from backends.fsdp.tp import apply_tp, clip_grad_norm_by_mesh
+from parallel.engine.tp_plan import resolve_plan
 from backends.fsdp.translate import translate
 from parallel.checkpoint.sink import Sink
 from parallel.checkpoint.dcp_state import read_model_optim, write_model_optim

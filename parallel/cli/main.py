@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from parallel.cli import ckpt as cli_ckpt, interop as cli_interop
+from parallel.cli import ckpt as cli_ckpt, interop as cli_interop, plan as cli_plan
 from parallel.spec.io import SpecError, dump_spec, json_schema, load_spec
 
 EXAMPLES = {
@@ -21,6 +21,7 @@ EXAMPLES = {
     "export": "polyshard export --to hf-trainer configs/xla-v1-tpu.yaml",
     "bench": "polyshard bench configs/demo.yaml --backends fsdp,deepspeed,xla_fsdp --steps 5",
     "plan": "polyshard plan configs/llama3-8b-fsdp.yaml --model config.json --world 8 --budget 80",
+    "dryrun": "polyshard dryrun configs/tp8-llama3-8b.yaml --model config.json --world 1024",
     "parity": "polyshard parity configs/demo.yaml --backends fsdp,deepspeed,xla_fsdp --steps 5",
 }
 
@@ -73,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 ("context-gib", 0.5, "GiB the CUDA context takes"),
                                 ("fragmentation", 0.10, "allocator fragmentation, a fraction")):
         p.add_argument(f"--{flag}", type=float, default=default, help=f"{what} (default {default})")
+    cli_plan.add_dryrun(command("dryrun", "build one rank of a world of N in this process (fake "
+                                "process group), run a step, and print its measured memory and "
+                                "collectives beside plan's"), _add_spec_args)
     p = command("schema", "write the spec's JSON Schema (for editor completion)")
     p.add_argument("-o", "--output", help="file to write (default: stdout)")
     return parser
@@ -184,7 +188,12 @@ def _explain(args) -> int:
         from parallel.engine.wrap import plan_wrap
         from parallel.toy import meta_model
 
-        plan["wrap_units"] = [name for name, _ in plan_wrap(meta_model(args.model), spec.wrap)]
+        model = meta_model(args.model)
+        plan["wrap_units"] = [name for name, _ in plan_wrap(model, spec.wrap)]
+        if spec.topology.tp > 1:  # the split, checked against the model as prepare checks it
+            from parallel.engine.tp_plan import describe
+
+            plan["tp"] = describe(model, spec.topology.tp, spec.topology.tp_plan)
     print(json.dumps(plan, indent=2))
     return 0
 
@@ -288,13 +297,12 @@ def _bench(args) -> int:
 
 
 def _plan(args) -> int:
-    from parallel.cli.plan import run_plan
-
-    return run_plan(_spec(args), args)
+    return cli_plan.run_plan(_spec(args), args)
 
 
 HANDLERS = {"validate": _validate, "explain": _explain, "launch": _launch, "schema": _schema,
-            "ckpt": cli_ckpt.run, "parity": _parity, "bench": _bench, "plan": _plan, "import": cli_interop.run_import,
+            "ckpt": cli_ckpt.run, "parity": _parity, "bench": _bench, "plan": _plan,
+            "dryrun": lambda args: cli_plan.run_dryrun(_spec(args), args), "import": cli_interop.run_import,
             "export": lambda args: cli_interop.run_export(args, _spec(args))}
 
 if __name__ == "__main__":

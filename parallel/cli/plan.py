@@ -34,7 +34,8 @@ def as_json(spec, args, rows, best, psi, unit, links, margin) -> str:
                 "peak": r.total, "fits": None if args.budget is None else
                 r.total <= args.budget * GiB, "best": r is best}
 
-    return json.dumps({"parameters": psi, "largest_unit": unit, "world": args.world,
+    return json.dumps({"parameters": psi, "tp": spec.topology.tp, "largest_unit": unit,
+                       "world": args.world,
                        "per_node": args.per_node,
                        "micro_batch_size": spec.micro_batch_size, "seq": args.seq,
                        "precision": spec.precision, "budget_gib": args.budget,
@@ -48,7 +49,8 @@ def run_plan(spec, args) -> int:
 
     from parallel.tools.plan import Links, Margin, model_facts, plan
 
-    shapes, cfg, unit = model_facts(args.model, spec.wrap)
+    shapes, cfg, unit = model_facts(args.model, spec.wrap, spec.topology.tp,
+                                     spec.topology.tp_plan)
     budget = args.budget * GiB if args.budget else None
     links = Links(args.intra_gbps, args.inter_gbps, args.pcie_gbps)
     margin = Margin(args.context_gib, args.fragmentation)
@@ -60,7 +62,10 @@ def run_plan(spec, args) -> int:
         return 0 if budget is None or best is not None else 1
     nodes = f"{args.world // args.per_node} node(s) x {args.per_node}" \
         if args.world % args.per_node == 0 else "1 node"
-    table = Table(title=f"per-rank peak, {psi / 1e9:.3g} B parameters, world {args.world} ({nodes}), "
+    tp = spec.topology.tp
+    params = f"{psi / 1e9:.3g} B parameters" + (f" per tensor-parallel rank (tp {tp})" if tp > 1
+                                                   else "")
+    table = Table(title=f"per-rank peak, {params}, world {args.world} ({nodes}), "
                   f"micro-batch {spec.micro_batch_size} x seq {args.seq}, {spec.precision}")
     for col in ("backend", "shard", "offload", "states", "transient", "activations", "margin",
                 "peak GiB", "host GiB/node", "comm ms/step", ""):
@@ -90,4 +95,51 @@ def run_plan(spec, args) -> int:
         console.print(f"[red]nothing fits in {args.budget} GiB per device[/]: "
                       + "; ".join(suggestions(spec, rows)), soft_wrap=True)
         return 1
+    return 0
+
+
+def add_dryrun(p, add_spec_args) -> None:
+    add_spec_args(p)
+    p.add_argument("--model", required=True, help="HF config.json, toy:NAME or module:function "
+                   "(built on the meta device; only this rank's shards get memory)")
+    p.add_argument("--world", type=int, required=True, help="ranks of the job (any number: one "
+                   "process plays one of them over torch's fake process group)")
+    p.add_argument("--rank", type=int, default=1, help="which rank to build (default 1: rank 0 "
+                   "would build the whole model where a real job loads it)")
+    p.add_argument("--seq", type=int, default=16, help="tokens per sample of the two steps run")
+    p.add_argument("--json", action="store_true", help="every number as JSON on stdout")
+
+
+def run_dryrun(spec, args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from parallel.tools.dryrun import run
+
+    if not 0 <= args.rank < args.world:
+        raise SystemExit(f"error: --rank {args.rank}: pick 0 <= rank < --world {args.world}")
+    got = run(spec, args.model, args.world, args.rank, args.seq)
+    if args.json:
+        print(json.dumps({"world": got.world, "rank": got.rank, "tp": got.tp, "seq": args.seq,
+                          "measured": got.measured, "planned": got.planned,
+                          "collectives": got.collectives, "changed": got.changed}, indent=1))
+        return 0
+    console = Console(width=200, soft_wrap=True)
+    table = Table(title=f"rank {got.rank} of {got.world} (tp {got.tp}), measured over a fake "
+                  f"process group beside `polyshard plan`, seq {args.seq}")
+    for col in ("bytes per rank", "measured", "plan", "plan error"):
+        table.add_column(col, justify="right" if col != "bytes per rank" else "left")
+    for key, measured, planned, err in got.rows():
+        table.add_row(key, f"{measured:,}" if measured is not None else "-",
+                      f"{planned:,.0f}" if planned is not None else "-",
+                      f"{err:+.1%}" if err is not None else "-")
+    console.print(table)
+    comm = Table(title="collectives in one step (all-gather: output bytes; reduce-scatter: input)")
+    for col in ("type", "calls", "bytes"):
+        comm.add_column(col, justify="left" if col == "type" else "right")
+    for kind, row in got.collectives.items():
+        comm.add_row(kind, str(row["calls"]), f"{row['bytes']:,}")
+    console.print(comm)
+    console.print(f"changed for the dry run: {got.changed} (values are garbage; memory, shapes "
+                  "and collectives are the job's)", highlight=False)
     return 0

@@ -153,19 +153,21 @@ def offload_seconds(spec, psi: float, links: Links) -> float:
 
 
 def activations(cfg: dict | None, micro_batch: int, seq: int, precision: str,
-                checkpointing: bool) -> float | None:
+                checkpointing: bool, tp: int = 1) -> float | None:
     """Korthikanti et al. per layer, times layers, plus the logits (fp32); with full
     recomputation each layer keeps its input, and one layer's whole activations exist again
     while its backward runs. The 5as/h term is the stored attention scores: eager attention
     keeps them, SDPA / flash attention (transformers' default) recompute them, so it is counted
-    only for `attn_implementation: eager`."""
+    only for `attn_implementation: eager`. Tensor parallelism without sequence parallelism
+    (their eq. 3): 10 of the 34 (norms, dropouts, residuals: whole on every rank) stay, 24 and
+    the scores split over tp; the logits are gathered whole (colwise_rep)."""
     if not cfg:
         return None
     h, a, layers, vocab = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_hidden_layers"], \
         cfg["vocab_size"]
     s, b = seq, micro_batch
     eager = (cfg.get("_attn_implementation") or cfg.get("attn_implementation")) == "eager"
-    full = s * b * h * (34 + (5 * a * s / h if eager else 0))
+    full = s * b * h * (10 + 24 / tp + (5 * a * s / (h * tp) if eager else 0))
     kept = (2 * s * b * h * layers + full) if checkpointing else full * layers
     scale = 2 if precision == "fp32" else 1
     return scale * kept + 4 * s * b * vocab
@@ -216,30 +218,69 @@ def plan(spec, shapes, cfg: dict | None, world: int, seq: int, optimizer: str = 
         est.host_per_node = sum(model_states(s, shapes, optimizer=optimizer, host=True)) * \
             s.topology.procs_per_node
         est.comm_s, est.offload_s = comm_seconds(s, psi, links), offload_seconds(s, psi, links)
+        tp = s.topology.tp  # a ring all-reduce moves 2 (tp - 1) / tp of the bytes, inside a host
+        est.comm_s += 2 * (tp - 1) / tp * tp_comm_bytes(cfg, s, seq) / (links.intra * 1e9)
         rows.append(est)
     fits = [r for r in rows if budget_bytes is not None and r.total <= budget_bytes]
     best = min(fits, key=lambda r: r.step_comm_s, default=None)
     return rows, best
 
 
-def model_facts(source: str, wrap) -> tuple[list[tuple[int, ...]], dict | None, float | None]:
-    """Parameter shapes, the config that sizes activations, and the largest shard unit's
-    parameters (the wrap policy on the model built on the meta device: nothing allocated); a bare
-    parameter count gives neither config nor units."""
+def model_facts(source: str, wrap, tp: int = 1, tp_plan: dict | None = None
+                ) -> tuple[list[tuple[int, ...]], dict | None, float | None]:
+    """One tensor-parallel rank's parameter shapes (all of them at tp 1), the config that sizes
+    activations, and the largest shard unit's parameters on that rank (the wrap policy on the
+    model built on the meta device: nothing allocated); a bare parameter count gives neither
+    config nor units, and no split."""
     try:
         count = float(source)
     except ValueError:
         count = None
     if count is not None:
-        return [(int(count),)], None, None
+        return [(int(count) // tp,)], None, None
+    from parallel.engine.tp_plan import local_shapes
     from parallel.engine.wrap import plan_wrap
     from parallel.toy import meta_model
 
     model = meta_model(source)
-    units = [sum(p.numel() for p in m.parameters()) for _, m in plan_wrap(model, wrap)]
+    local = {name: shape for name, shape, _ in local_shapes(model, tp, tp_plan)}
+    units, inside = [], set()
+    for name, m in plan_wrap(model, wrap):
+        prefix = f"{name}." if name else ""
+        units.append(sum(math.prod(local[prefix + n]) for n, _ in m.named_parameters()))
+        inside.update(prefix + n for n, _ in m.named_parameters())
+    # what no unit holds is gathered by the outer units (FSDP2's edges: the embedding alone, the
+    # final norm with the head): a vocabulary-sized embedding outweighs a block (Llama-3-8B: 525M
+    # against 218M; at tp 8 not split at all), measured by `polyshard dryrun` (docs/tp.md)
+    for name, m in model.named_modules():
+        prefix = f"{name}." if name else ""
+        own = [prefix + n for n, _ in m.named_parameters(recurse=False)]
+        if own and not inside.intersection(own):
+            units.append(sum(math.prod(local[n]) for n in own))
     cfg = model.config.to_dict()  # which attention runs sizes activations; to_dict() leaves it out
     cfg["_attn_implementation"] = getattr(model.config, "_attn_implementation", None)
-    return [tuple(p.shape) for p in model.parameters()], cfg, float(max(units)) if units else None
+    return list(local.values()), cfg, float(max(units)) if units else None
+
+
+def tp_comm_bytes(cfg: dict | None, spec, seq: int, rowwise: int = 2, colwise: int = 5) -> float:
+    """Bytes one rank all-reduces per step for tensor parallelism without sequence parallelism, as
+    torch's DTensor runs it (counted by `polyshard dryrun`): per layer and micro-batch, s x b x h in
+    the compute dtype for each rowwise output in forward (all but the last again in activation
+    checkpointing's recomputation) and each colwise module's input gradient in backward (Hugging Face's Llama-style
+    plan: 2 rowwise, o/down; 5 colwise, q/k/v/gate/up: one all-reduce each, where Megatron fuses
+    q/k/v and gate/up into 2); plus the head's logits gathered whole once forward and its input
+    gradient all-reduced."""
+    tp = spec.topology.tp
+    if tp == 1 or not cfg:
+        return 0.0
+    low = 4 if spec.precision == "fp32" else 2
+    s, b, h = seq, spec.micro_batch_size, cfg["hidden_size"]
+    # activation checkpointing's recomputation stops at the last saved tensor backward needs, so
+    # the block's last rowwise all-reduce is not run again (measured: 9 -> 8 per layer, not 10)
+    again = rowwise - 1 if spec.checkpoint_activations else 0
+    per_layer = (rowwise + again + colwise) * s * b * h * low
+    head = 4 * s * b * cfg["vocab_size"] + s * b * h * low
+    return spec.grad_accum_steps * (cfg["num_hidden_layers"] * per_layer + head)
 
 
 def predict(spec, shapes, cfg: dict | None, seq: int, optimizer: str = "adamw",
@@ -250,7 +291,7 @@ def predict(spec, shapes, cfg: dict | None, seq: int, optimizer: str = "adamw",
     est = Estimate(spec.backend, spec.shard, spec.offload,
                    *model_states(spec, shapes, optimizer=optimizer),
                    activations(cfg, spec.micro_batch_size, seq, spec.precision,
-                               spec.checkpoint_activations))
+                               spec.checkpoint_activations, spec.topology.tp))
     est.gathered, est.buffers = transient(spec, psi, unit or psi)
     return est
 

@@ -110,7 +110,7 @@ def test_tp_rules():
 def test_the_plan_is_checked_against_the_model_before_anything_is_split():
     """backends/fsdp/tp.py's resolve_plan on a real tiny Llama: the model's own plan (the head's
     from its class), and errors naming the field, the layer, the size and the rule."""
-    from backends.fsdp.tp import resolve_plan
+    from parallel.engine.tp_plan import resolve_plan
     from parallel.toy import build_llama, llama_config
 
     model = build_llama(llama_config("tiny"))  # 4 heads, 2 KV heads, hidden 32, MLP 64, vocab 256

@@ -34,7 +34,8 @@ def test_peaks_hold_what_each_shard_level_gathers(capsys, config):
     code, data, rows = rows_of(capsys, "--model", config, "--world", "64", "--seq", "4096",
                                "--budget", "80")
     psi, unit = data["parameters"], data["largest_unit"]
-    assert psi == pytest.approx(8.03e9, rel=1e-3) and unit == pytest.approx(218.1e6, rel=1e-3)
+    # the largest unit FSDP gathers is the embedding (128256 x 4096), not a block (218.1M)
+    assert psi == pytest.approx(8.03e9, rel=1e-3) and unit == 128256 * 4096
     full, grad_op = rows[("fsdp", "full", "none")], rows[("fsdp", "grad_op", "none")]
     # between steps both hold the same shards; SHARD_GRAD_OP keeps every unit gathered (bf16)
     assert full["params"] == grad_op["params"]
@@ -100,3 +101,19 @@ def test_bench_and_plan_take_the_users_own_model_factory(tmp_path, monkeypatch):
     assert 0 < sum(p.numel() for p in model.parameters() if p.requires_grad) < 10_000
     with pytest.raises(ValueError, match="my_job:nothing"):
         build_model("my_job:nothing")
+
+
+def test_plan_splits_by_tp(capsys, config):
+    """tp 8: one rank's shapes after the model's own plan (q/k/v/o/gate/up/down and the head split
+    8 ways, embeddings and norms whole), sharded again over 1024 / 8 data-parallel ranks; only
+    the backends that can split are rows; TP's all-reduces add communication."""
+    code, data, rows = rows_of(capsys, "--model", config, "--world", "1024", "--seq", "16",
+                               "--set", "topology.procs_per_node=8", "--set", "topology.tp=8")
+    layer = 4096 * (4096 + 1024 + 1024 + 4096 + 3 * 14336) // 8 + 2 * 4096
+    whole = 128256 * 4096 + 4096  # embedding, final norm
+    assert data["tp"] == 8 and data["parameters"] == 32 * layer + whole + 128256 * 4096 // 8
+    assert {k[0] for k in rows} == {"fsdp"}
+    code1, data1, rows1 = rows_of(capsys, "--model", config, "--world", "1024", "--seq", "16")
+    assert rows[("fsdp", "full", "none")]["comm_s"] > 0
+    assert rows[("fsdp", "full", "none")]["activations"] < rows1[("fsdp", "full", "none")][
+        "activations"]

@@ -29,7 +29,13 @@ NOT_COLLECTIVES = {"wait_tensor", "wait"}  # waiting on an issued collective is 
 
 
 def group_size(args) -> int:
-    """c10d ops carry their process group as a TorchScript object; a one-rank group moves nothing."""
+    """c10d ops carry their process group as a TorchScript object, functional collectives (what
+    DTensor issues) its registered name last; a one-rank group moves nothing."""
+    if args and isinstance(args[-1], str):
+        try:
+            return torch._C._distributed_c10d._resolve_process_group(args[-1]).size()
+        except (RuntimeError, AttributeError):
+            pass
     for a in args:
         if isinstance(a, torch.ScriptObject):
             try:

@@ -38,12 +38,25 @@ def _nbytes(obj) -> int:
     return 0
 
 
+# functional collectives (DTensor's: tensor parallelism, a DTensor norm), counted by the same rule
+# from their input: all-gather's output is the input times the group
+FUNCTIONAL = {"all_reduce": "all_reduce", "all_reduce_": "all_reduce",
+              "all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
+
+
 def _count(counter: CommCounter, name: str, args) -> None:
-    if name.startswith("c10d::"):
-        kind = COLLECTIVES.get(name.split("::")[1])
+    space, _, op = name.partition("::")
+    if space == "c10d":
+        kind = COLLECTIVES.get(op)
         if kind is not None and len(args) > kind[1] and group_size(args) > 1:
             counter.bytes[kind[0]] += _nbytes(args[kind[1]])
             counter.calls[kind[0]] += 1
+    elif space == "_c10d_functional" and op in FUNCTIONAL and args:
+        size = group_size(args)
+        if size > 1:
+            kind = FUNCTIONAL[op]
+            counter.bytes[kind] += _nbytes(args[0]) * (size if kind == "all_gather" else 1)
+            counter.calls[kind] += 1
 
 
 class CommCounter:

@@ -118,7 +118,7 @@ def bench(spec, names, shards, worlds, options: dict, out_dir: Path, timeout: fl
     args = [f"--{k}={v}" for k, v in options.items()] + [f"--global-rows={rows}"]
     results, launched = {}, {}
     todo = cells(spec, names, shards, worlds)
-    facts = _facts(options["model"], spec.wrap)
+    facts = _facts(options["model"], spec.wrap, spec.topology.tp, spec.topology.tp_plan)
     for i, c in enumerate(todo, 1):
         asked = c.label(c.world)
         if c.data is None:
@@ -156,13 +156,13 @@ def bench(spec, names, shards, worlds, options: dict, out_dir: Path, timeout: fl
     return results
 
 
-def _facts(model: str, wrap):
+def _facts(model: str, wrap, tp: int = 1, tp_plan: dict | None = None):
     """plan's view of the model (shapes, config, largest unit), or None when it cannot be built on
     the meta device (then no planned peak is shown)."""
     from parallel.tools.plan import model_facts
 
     try:
-        return model_facts(model, wrap)
+        return model_facts(model, wrap, tp, tp_plan)
     except Exception:  # noqa: BLE001 - a factory that cannot build on meta: measured only
         return None
 

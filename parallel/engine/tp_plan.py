@@ -1,0 +1,114 @@
+"""The tensor-parallel plan a job splits by, for every backend (`topology.tp`, docs/tp.md): the
+spec's `topology.tp_plan` or the model's own, checked against the model before anything is split,
+and what each style leaves one rank of a parameter (`local_shape`: what `plan` counts and
+`explain` prints). Backends apply it their own way (FSDP2: backends/fsdp/tp.py)."""
+
+from __future__ import annotations
+
+from fnmatch import fnmatch
+
+from torch import nn
+
+from parallel.spec.io import SpecError
+
+
+def hf_tp_plan(model: nn.Module) -> dict[str, str]:
+    """The model's tensor-parallel plan as {module path (fnmatch, from the model's root): style},
+    from transformers' `base_model_tp_plan` (under the base model's attribute) and the head
+    class's `_tp_plan`; {} for a model without one."""
+    config = getattr(model, "config", None)
+    base = getattr(config, "base_model_tp_plan", None) or {}
+    prefix = getattr(model, "base_model_prefix", "")
+    inner = prefix if prefix and hasattr(model, prefix) else ""
+    plan = {f"{inner}.{k}" if inner else k: v for k, v in base.items()}
+    # the head's plan from the class: transformers 4.57's post_init replaces the instance's
+    # `_tp_plan` with the config's base plan (unprefixed), losing {"lm_head": "colwise_rep"}
+    plan.update(getattr(type(model), "_tp_plan", None) or {})
+    return plan
+
+
+def resolve_plan(model: nn.Module, tp: int, spec_plan: dict[str, str] | None) -> dict[str, str]:
+    """The plan a job splits by (the spec's `topology.tp_plan`, else the model's own), after
+    checking that every entry names Linear layers and that what it splits divides by tp: a
+    projection's split side and the attention's head counts (each rank runs heads / tp heads)."""
+    field = "topology.tp_plan" if spec_plan is not None else "topology.tp"
+    plan = spec_plan if spec_plan is not None else hf_tp_plan(model)
+    if not plan:
+        raise SpecError([("topology.tp_plan", f"unset, and {type(model).__name__} has no tp plan of "
+                          "its own (Hugging Face's base_model_tp_plan); give {module path: colwise "
+                          "| rowwise | colwise_rep} for its projections")])
+    problems = []
+    for key, value in _head_counts(model).items():
+        if value % tp:
+            problems.append((field, f"tp {tp} does not divide the model's {key} {value}; pick a "
+                             "divisor"))
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    for pattern, style in plan.items():
+        hits = [(n, m) for n, m in linears.items() if fnmatch(n, pattern)]
+        if not hits:
+            problems.append((field, f"{pattern!r} ({style}) matches no Linear layer of "
+                             f"{type(model).__name__}; module paths start at the model's root"))
+        for name, m in hits[:1]:  # a pattern's layers share their shape
+            size = m.in_features if style == "rowwise" else m.out_features
+            if size % tp:
+                problems.append((field, f"tp {tp} does not divide {name}'s "
+                                 f"{'in' if style == 'rowwise' else 'out'}_features {size} "
+                                 f"({style}); pick a divisor"))
+    if problems:
+        raise SpecError(problems)
+    return dict(plan)
+
+
+def _head_counts(model: nn.Module) -> dict[str, int]:
+    config = getattr(model, "config", None)
+    names = ("num_attention_heads", "num_key_value_heads")
+    return {n: getattr(config, n) for n in names if isinstance(getattr(config, n, None), int)}
+
+
+def local_shape(shape: tuple[int, ...], style: str | None, leaf: str, tp: int) -> tuple[int, ...]:
+    """One TP rank's share of parameter `leaf` ("weight"/"bias") of a Linear split by `style`:
+    colwise and colwise_rep split the outputs (weight dim 0, bias), rowwise the inputs (weight
+    dim 1; its bias is added once after the sum, whole on every rank); None: not split."""
+    if style is None or tp == 1:
+        return tuple(shape)
+    if style == "rowwise":
+        return (shape[0], shape[1] // tp, *shape[2:]) if leaf == "weight" else tuple(shape)
+    return (shape[0] // tp, *shape[1:])
+
+
+def style_of(module_path: str, plan: dict[str, str]) -> str | None:
+    """The style of the first plan entry whose pattern matches `module_path` (parallelize_module's
+    rule), or None."""
+    return next((style for pattern, style in plan.items() if fnmatch(module_path, pattern)), None)
+
+
+def local_shapes(model: nn.Module, tp: int, spec_plan: dict[str, str] | None = None
+                 ) -> list[tuple[str, tuple[int, ...], str | None]]:
+    """(name, one TP rank's shape, style) of every parameter, after resolve_plan's checks."""
+    plan = resolve_plan(model, tp, spec_plan) if tp > 1 else {}
+    out = []
+    for name, p in model.named_parameters():
+        path, _, leaf = name.rpartition(".")
+        style = style_of(path, plan)
+        out.append((name, local_shape(tuple(p.shape), style, leaf, tp), style))
+    return out
+
+
+def describe(model: nn.Module, tp: int, spec_plan: dict[str, str] | None = None) -> dict:
+    """`polyshard explain --model`'s view of the split: per plan entry its style, how many layers
+    it matched and one weight's full and per-rank shapes; and what stays whole on every rank."""
+    plan = resolve_plan(model, tp, spec_plan)
+    entries = {pattern: {"style": style, "modules": 0} for pattern, style in plan.items()}
+    whole = 0
+    for name, shape, style in local_shapes(model, tp, spec_plan):
+        path, _, leaf = name.rpartition(".")
+        pattern = next((p for p in plan if fnmatch(path, p)), None)
+        if pattern is None:
+            whole += 1
+            continue
+        entry = entries[pattern]
+        if leaf == "weight":
+            entry["modules"] += 1
+            entry.setdefault("weight", list(model.get_parameter(name).shape))
+            entry.setdefault("weight_per_rank", list(shape))
+    return {"size": tp, "plan": entries, "whole_parameters": whole}

@@ -1,0 +1,184 @@
+"""`polyshard dryrun`: one rank of a world of N, built for real in this process, beside `plan`.
+
+torch's fake process group (backend "fake", torch.testing's fake_pg) answers every collective at
+once and moves no data, so one process can be rank r of a world of 1024: the engine builds its
+real mesh, tensor-parallel split and FSDP shards of the model (constructed on the meta device, then
+given memory for its shards only), runs real steps, and what the rank holds is measured as `bench`
+measures it (parallel/tools/bench/measure.py): its parameter, gradient and optimizer bytes, the
+peak of its tensors during a step, and its collectives per step (calls and bytes by type). The
+values are garbage (every gather returns what was in memory), so losses mean nothing; memory,
+shapes and collectives are those of the real job. The backend says what it needs changed to run
+this way (its descriptor's `bench.dryrun`: nothing broadcast from rank 0, which the fake group
+cannot carry) and the report says so.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+SEED_STD = 0.02  # weights drawn like transformers' initializer_range: finite activations
+
+
+@dataclass
+class DryRun:
+    world: int
+    rank: int
+    tp: int
+    measured: dict  # params, grads, optimizer, peak: bytes on this rank
+    planned: dict  # the same from `plan`
+    collectives: dict  # {type: {"calls": n, "bytes": b}} in one step
+    changed: dict  # the spec overrides the backend needed
+
+    def rows(self) -> list[tuple[str, int, float, float | None]]:
+        out = []
+        for key in ("params", "grads", "optimizer", "peak"):
+            got, want = self.measured.get(key), self.planned.get(key)
+            err = (want - got) / got if got and want is not None else None
+            out.append((key, got, want, err))
+        return out
+
+
+def world_spec(spec, world: int):
+    """The spec laid out over `world` ranks: procs_per_node kept where it divides (one host's GPUs),
+    the global batch dropped (it is the micro-batch's multiple at this world size)."""
+    from parallel.spec.io import load_spec
+
+    data = spec.model_dump(mode="json", exclude_unset=True)
+    per_node = spec.topology.procs_per_node if world % spec.topology.procs_per_node == 0 else world
+    data["topology"] = {**data.get("topology", {}), "nodes": world // per_node,
+                        "procs_per_node": per_node}
+    data.pop("global_batch_size", None)
+    return load_spec(data)
+
+
+def dryrun_spec(spec, world: int):
+    """world_spec plus the backend's dry-run overrides; SpecError when it has none."""
+    from parallel.registry import get
+    from parallel.spec.io import SpecError, load_spec
+    from parallel.tools.cells import merged
+
+    overrides = get(spec.backend).bench.dryrun
+    if overrides is None:
+        raise SpecError([("backend", f"{spec.backend!r} cannot run over a fake process group "
+                          "(its collectives are compiled or its set-up needs real peers); "
+                          "`polyshard plan` predicts it")])
+    laid = world_spec(spec, world)
+    return load_spec(merged(laid.model_dump(mode="json", exclude_unset=True), overrides)), overrides
+
+
+# c10d ops whose output the fake group leaves as allocated (uninitialised memory: NaN, whose loss
+# the engine would rightly refuse), and the argument holding it; functional ones return theirs
+GATHERS = {"_allgather_base_": 0, "allgather_": 0, "allgather_into_tensor_coalesced_": 0,
+           "_reduce_scatter_base_": 0, "reduce_scatter_": 0, "reduce_scatter_tensor_coalesced_": 0}
+FUNCTIONAL = ("all_gather_into_tensor", "all_gather_into_tensor_coalesced", "reduce_scatter_tensor",
+              "reduce_scatter_tensor_coalesced", "all_to_all_single")
+
+
+class FiniteCollectives(TorchDispatchMode):
+    """Zeros what a fake collective hands back: gathered weights of 0 give finite losses and
+    gradients, so the step runs whole (optimizer state included). One memset per collective; the
+    allocations are the real job's."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if any(issubclass(t, FakeTensor) for t in types):  # DTensor's sharding propagation
+            return func(*args, **(kwargs or {}))  # (as counting.OpWatch: no real op)
+        if any(_handles_ops(t) for t in types):
+            return NotImplemented  # DTensor runs the op (and its collectives) with the mode on
+        out = func(*args, **(kwargs or {}))
+        space, _, op = func._overloadpacket._qualified_op_name.partition("::")
+        if space == "c10d" and op in GATHERS:
+            _zero(args[GATHERS[op]])
+        elif space == "_c10d_functional" and op in FUNCTIONAL:
+            _zero(out)
+        return out
+
+
+def _handles_ops(t: type) -> bool:
+    handler = getattr(t, "__torch_dispatch__", None)
+    return handler is not None and getattr(handler, "__func__", handler) is not \
+        torch._C._disabled_torch_dispatch_impl
+
+
+def _zero(obj) -> None:
+    if isinstance(obj, torch.Tensor):
+        obj.zero_()
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            _zero(item)
+
+
+def join_fake_world(rank: int, world: int, per_node: int) -> None:
+    """This process becomes rank `rank` of `world` over the fake group; the engine then reads the
+    launcher's variables as torchrun would have set them. The fake backend is registered by
+    importing torch's testing module (torch.testing._internal: private, pinned with torch)."""
+    import torch.distributed as dist
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401 (registers backend "fake")
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % per_node))
+    os.environ.pop("MASTER_ADDR", None)
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world)
+
+
+def materialise(model: torch.nn.Module, device) -> None:
+    """Memory for the rank's shards only (the model was built on the meta device), filled with
+    finite values: weights ~ N(0, 0.02), floating buffers in [0, 1) (rotary frequencies)."""
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for p in model.parameters():
+            (p.to_local() if hasattr(p, "to_local") else p).normal_(0.0, SEED_STD)
+        for b in model.buffers():
+            if b.is_floating_point():
+                b.uniform_(0.0, 1.0)
+
+
+def run(spec, source: str, world: int, rank: int, seq: int, optimizer: str = "adamw") -> DryRun:
+    """Build rank `rank` of `world` for `spec` and `source` (a config.json, toy:NAME or a
+    module:function) over the fake group, run two steps, measure the second's collectives and the
+    first's peak, and put plan's prediction beside them."""
+    from parallel.registry import create_engine
+    from parallel.tools.bench.measure import CommCounter, held_bytes, step_peak_bytes
+    from parallel.tools.parity.cell import optimizer_arg
+    from parallel.tools.plan import model_facts, predict
+    from parallel.toy import meta_model
+
+    spec, changed = dryrun_spec(spec, world)
+    join_fake_world(rank, world, spec.topology.procs_per_node)
+    engine = create_engine(spec)
+    model = meta_model(source)
+    vocab = model.config.vocab_size
+    engine.prepare(model, optimizer_arg(optimizer, 1e-4))
+    materialise(engine.model, engine.device)
+    params = list(engine.model.parameters())
+    grads: dict = {}
+    engine.on_gradients.append(lambda e: grads.setdefault("bytes", held_bytes(p.grad for p in params)))
+    g = torch.Generator().manual_seed(rank)
+    rows = spec.micro_batch_size * spec.grad_accum_steps
+
+    def step():
+        ids = torch.randint(0, vocab, (rows, seq), generator=g)
+        engine.train_step({"input_ids": ids, "labels": ids})
+
+    counter = CommCounter()
+    with FiniteCollectives():
+        peak = step_peak_bytes(step)
+        with counter.counting():
+            step()
+    state = [t for s in engine.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+    measured = {"params": held_bytes(params), "grads": grads.get("bytes"),
+                "optimizer": held_bytes(state), "peak": peak["peak"] if peak else None}
+    shapes, cfg, unit = model_facts(source, spec.wrap, spec.topology.tp, spec.topology.tp_plan)
+    est = predict(spec, shapes, cfg, seq, optimizer, unit)
+    planned = {"params": est.params, "grads": est.grads, "optimizer": est.optimizer,
+               "peak": est.total}
+    snap = counter.snapshot()
+    collectives = {k: {"calls": snap["calls"][k], "bytes": snap["bytes"].get(k, 0)}
+                   for k in sorted(snap["calls"])}
+    engine.close()
+    return DryRun(world, rank, spec.topology.tp, measured, planned, collectives, changed)

@@ -1,0 +1,52 @@
+"""`polyshard dryrun`: Llama-3-8B's real config at the world size it trains at (1024 ranks, tp 8
+inside each host, FSDP2 over 128 data-parallel ranks), one rank built and stepped in one process
+over torch's fake process group. Its parameter bytes are plan's exactly (the TP split of the
+model's own plan, then FSDP2's dim-0 shards with their padding), gradients too, and its TP
+all-reduces are those plan counts: a change to either side's layout shows here."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from harness import ROOT
+
+from parallel.spec.io import load_spec
+from parallel.tools.plan import tp_comm_bytes
+
+pytestmark = pytest.mark.distributed
+SPEC, MODEL = "configs/tp8-llama3-8b.yaml", "configs/models/llama3-8b.json"
+SEQ = 16
+
+
+@pytest.mark.timeout(300)
+def test_llama3_8b_at_1024_ranks_tp8_holds_what_plan_says():
+    out = subprocess.run([sys.executable, "-m", "parallel.cli", "dryrun", SPEC, "--model", MODEL,
+                          "--world", "1024", "--seq", str(SEQ), "--json"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stderr[-4000:]
+    got = json.loads(out.stdout[out.stdout.index("{"):])
+    measured, planned = got["measured"], got["planned"]
+    # one rank: q/k/v/o/gate/up/down and the head split 8 ways, embedding and norms whole, each
+    # then dim-0 sharded over 128 ranks (padded up): 11.4M parameters, not 8.03e9 / 1024 = 7.8M
+    h, kv, mlp, vocab, dp = 4096, 1024, 14336, 128256, 128
+    ceil = lambda a: -(-a // dp)  # noqa: E731
+    layer = (ceil(h // 8) * h + ceil(kv // 8) * h * 2 + ceil(h) * (h // 8)
+             + ceil(mlp // 8) * h * 2 + ceil(h) * (mlp // 8) + 2 * ceil(h))
+    by_hand = 4 * (32 * layer + ceil(vocab) * h + ceil(vocab // 8) * h + ceil(h))
+    assert measured["params"] == planned["params"] == by_hand == 45_752_448
+    assert measured["grads"] == planned["grads"] == by_hand  # fp32 gradients of the same shards
+    # AdamW: two fp32 moments per element, plus one 4-byte step counter per parameter tensor
+    assert 0 <= measured["optimizer"] - 2 * by_hand <= 4 * 32 * 9 + 4 * 3
+    assert abs(planned["peak"] - measured["peak"]) / measured["peak"] < 0.25, got
+    # TP's all-reduces: per layer 2 rowwise outputs + 1 recomputed (activation checkpointing) + 5
+    # colwise input gradients, s x b x h in bf16; the head's input gradient; the loss and count
+    spec = load_spec(ROOT / SPEC)
+    sbh = SEQ * spec.micro_batch_size * h * 2
+    tp_reduce = (32 * 8 + 1) * sbh
+    reduces = got["collectives"]["all_reduce"]
+    assert 0 <= reduces["bytes"] - tp_reduce <= 64, reduces
+    logits = 4 * SEQ * spec.micro_batch_size * vocab
+    assert tp_comm_bytes({"hidden_size": h, "vocab_size": vocab, "num_hidden_layers": 32},
+                         spec.model_copy(update={"topology": spec.topology.model_copy(
+                             update={"nodes": 128})}), SEQ) == tp_reduce + logits
