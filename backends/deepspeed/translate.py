@@ -156,6 +156,13 @@ def _native(native: dict | str) -> dict:
             problems.append((f"deepspeed.native.{key}", f"polyshard passes the {key} your script "
                              "gives engine.prepare() to DeepSpeed, which then ignores this block "
                              "silently; remove it and pass the same to prepare()"))
+    tp = native.get("tensor_parallel")
+    if isinstance(tp, dict) and int(tp.get("autotp_size", tp.get("tp_size", 1)) or 1) > 1:
+        # AutoTP wants the same batch on every rank of a TP group and a train_batch_size over
+        # world / tp ranks; polyshard would feed each rank its own slice: a different objective
+        problems.append(("deepspeed.native.tensor_parallel", f"{tp}: DeepSpeed AutoTP is not wired "
+                         "into polyshard's batch and checkpoint layout yet (docs/tp.md); use "
+                         "backend: fsdp with topology.tp, or remove it"))
     zero = native.get("zero_optimization")
     if isinstance(zero, dict):
         problems += schema.zero_key_problems(zero, "deepspeed.native.zero_optimization")

@@ -167,13 +167,17 @@ def _v2(imp: Import, fsdp: dict) -> None:
 
 
 def _parallelism(imp: Import, par: dict) -> None:
-    """accelerate's ND parallelism (FSDP2): replicas x shard groups is hybrid sharding; tensor and
-    context parallelism have no polyshard equivalent yet."""
+    """accelerate's ND parallelism (FSDP2): replicas x shard groups is hybrid sharding; its tp_size
+    is topology.tp (the model's own tp plan, TP innermost, as accelerate's mesh has it); context
+    parallelism has no polyshard equivalent yet."""
     size = {k.removeprefix("parallelism_config_"): v for k, v in par.items()}
-    for axis in ("tp_size", "cp_size"):
-        if int(size.get(axis, 1) or 1) > 1:
-            imp.refuse(f"parallelism_config.parallelism_config_{axis}", f"{size[axis]}: tensor / "
-                       "context parallelism has no polyshard equivalent yet (data parallel only)")
+    if int(size.get("cp_size", 1) or 1) > 1:
+        imp.refuse("parallelism_config.parallelism_config_cp_size", f"{size['cp_size']}: context "
+                   "parallelism has no polyshard equivalent yet")
+    tp = int(size.get("tp_size", 1) or 1)
+    if tp > 1:
+        imp.set("topology.tp", tp, "parallelism_config.parallelism_config_tp_size",
+                detail="split by the model's own tp plan, as accelerate's transformers tp_plan")
     replicas = int(size.get("dp_replicate_size", 1) or 1)
     if replicas > 1:
         shard = imp.spec.get("shard")

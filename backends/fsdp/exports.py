@@ -12,10 +12,27 @@ from parallel.interop.export import (
     trainer_document,
     trainer_layers,
 )
+from parallel.spec.io import SpecError
 from parallel.spec.model import Spec
 
 
+def _tensor_parallel(spec: Spec, tool: str) -> None:
+    """accelerate runs `topology.tp` as its ParallelismConfig's tp_size over FSDP2, splitting by the
+    model's own plan (transformers' tp_plan); what it cannot carry is refused, naming the field."""
+    problems = []
+    if spec.topology.tp_plan is not None:
+        problems.append(("topology.tp_plan", f"{tool} splits by the model's own tp plan; remove "
+                         "tp_plan (or set the model's base_model_tp_plan) to export"))
+    if spec.shard == "none":
+        problems.append(("shard", f"'none' with topology.tp {spec.topology.tp}: {tool} runs tensor "
+                         "parallelism through FSDP2 only; use shard: full or grad_op"))
+    if problems:
+        raise SpecError(problems)
+
+
 def to_accelerate(spec: Spec) -> dict:
+    if spec.topology.tp > 1:
+        _tensor_parallel(spec, "accelerate")
     if spec.shard == "none":  # replicate everything, all-reduce gradients: accelerate's DDP
         kind = "MULTI_GPU" if spec.world_size > 1 else "NO"
         return {**common_accelerate(spec), "distributed_type": kind}
@@ -34,14 +51,22 @@ def to_accelerate(spec: Spec) -> dict:
     # FSDP2 reads the resharding choice, and replicates across groups through parallelism_config
     fsdp["fsdp_reshard_after_forward"] = spec.shard in ("full", "hybrid")
     out = {**common_accelerate(spec), "distributed_type": "FSDP", "fsdp_config": fsdp}
+    dims = spec.dims
     if spec.shard in ("hybrid", "hybrid_grad_op"):
-        group = spec.shard_group_size
-        out["parallelism_config"] = {"parallelism_config_dp_replicate_size": spec.world_size // group,
-                                     "parallelism_config_dp_shard_size": group}
+        out["parallelism_config"] = {"parallelism_config_dp_replicate_size": dims.dp_replicate,
+                                     "parallelism_config_dp_shard_size": dims.dp_shard}
+    if dims.tp > 1:  # accelerate's mesh is (dp_replicate, dp_shard, cp, tp): tp innermost, as ours
+        out.setdefault("parallelism_config", {}).update(
+            parallelism_config_dp_shard_size=dims.dp_shard, parallelism_config_tp_size=dims.tp)
     return out
 
 
 def to_hf_trainer(spec: Spec) -> dict:
+    if spec.topology.tp > 1:
+        raise SpecError([("topology.tp", f"{spec.topology.tp}: TrainingArguments takes tensor "
+                          "parallelism as a ParallelismConfig object, which no file carries; "
+                          "export --to accelerate (parallelism_config) and run the Trainer under "
+                          "accelerate launch with it")])
     config = {"backward_prefetch": spec.fsdp.backward_prefetch.replace("none", "no_prefetch"),
               "forward_prefetch": spec.fsdp.forward_prefetch,
               "use_orig_params": spec.fsdp.use_orig_params,

@@ -82,3 +82,16 @@ def test_native_merges_last_auto_fills_and_conflicts_name_both_values(tmp_path):
         ds(deepspeed={"native": str(path)})
     with pytest.raises(SpecError, match="not a readable DeepSpeed config"):
         ds(deepspeed={"native": str(tmp_path / "missing.json")})
+
+
+def test_autotp_through_native_is_refused_until_wired():
+    """DeepSpeed AutoTP feeds every rank of a TP group one batch and sizes train_batch_size over
+    world / tp; polyshard's loader would give each rank its own slice, another objective, so an
+    imported or written `tensor_parallel.autotp_size` > 1 is refused naming the field."""
+    from parallel.spec.io import SpecError, load_spec
+
+    base = {"backend": "deepspeed", "topology": {"procs_per_node": 4}}
+    with pytest.raises(SpecError) as err:
+        load_spec({**base, "deepspeed": {"native": {"tensor_parallel": {"autotp_size": 2}}}})
+    assert "deepspeed.native.tensor_parallel" in dict(err.value.problems)
+    load_spec({**base, "deepspeed": {"native": {"tensor_parallel": {"autotp_size": 1}}}})

@@ -155,8 +155,29 @@ def test_parallelism_config_is_hybrid_sharding_and_round_trips():
     spec = load_spec(from_accelerate(cfg)[0])
     assert (spec.shard, spec.shard_group_size) == ("hybrid", 4)
     assert export_to("accelerate", spec)["parallelism_config"] == cfg["parallelism_config"]
-    tp = {**cfg, "parallelism_config": {"parallelism_config_tp_size": 2}}
-    assert "parallelism_config.parallelism_config_tp_size" in problems(from_accelerate, tp)
+    cp = {**cfg, "parallelism_config": {"parallelism_config_cp_size": 2}}
+    assert "parallelism_config.parallelism_config_cp_size" in problems(from_accelerate, cp)
+
+
+def test_accelerate_tp_size_is_topology_tp_and_round_trips():
+    """accelerate's tp_size over FSDP2 is topology.tp (its mesh puts tp innermost, as ours), back
+    and forth; what accelerate cannot carry is refused naming the field."""
+    par = {"parallelism_config_dp_shard_size": 4, "parallelism_config_tp_size": 2}
+    cfg = {"distributed_type": "FSDP", "num_processes": 8, "fsdp_config": {"fsdp_version": 2},
+           "parallelism_config": par}
+    spec = load_spec(from_accelerate(cfg)[0])
+    assert (spec.topology.tp, spec.dims.dp_shard, spec.shard) == (2, 4, "full")
+    assert export_to("accelerate", spec)["parallelism_config"] == par
+    hybrid = {**cfg, "num_processes": 16, "num_machines": 2, "parallelism_config": {
+        "parallelism_config_dp_replicate_size": 2, **par}}
+    spec = load_spec(from_accelerate(hybrid)[0])
+    assert (spec.dims.dp_replicate, spec.dims.dp_shard, spec.dims.tp) == (2, 4, 2)
+    assert export_to("accelerate", spec)["parallelism_config"] == hybrid["parallelism_config"]
+    tp_spec = {"backend": "fsdp", "topology": {"procs_per_node": 4, "tp": 2}}
+    assert "topology.tp" in problems(export_to, "hf-trainer", load_spec(tp_spec))
+    own = load_spec({**tp_spec, "topology": {**tp_spec["topology"],
+                                             "tp_plan": {"lm_head": "colwise_rep"}}})
+    assert "topology.tp_plan" in problems(export_to, "accelerate", own)
 
 
 def test_names_accelerate_uses_today():
