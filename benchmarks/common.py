@@ -27,6 +27,8 @@ def args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stage", type=int, default=3, help="ZeRO stage (native_deepspeed); FSDP2: 3 "
                    "reshards after forward (FULL_SHARD), 2 keeps parameters (SHARD_GRAD_OP)")
+    p.add_argument("--tp", type=int, default=1, help="FSDP2: tensor-parallel degree (the innermost "
+                   "mesh dim; a TP group's ranks take the same rows)")
     p.add_argument("--flatten", action="store_true", help="XLA FSDP v1: flatten_parameters")
     p.add_argument("--count", action="store_true", help="count collectives, host reads and store "
                    "calls of every step after the warm-up (not timed)")
@@ -76,38 +78,40 @@ def batches(a):
 IGNORE_INDEX = -100
 
 
-def token_share(mean: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def token_share(mean: torch.Tensor, labels: torch.Tensor, group=None) -> torch.Tensor:
     """torchtitan's loss normalisation (trainer.train_step): this rank's summed loss over the step's
     target tokens of every data-parallel rank, the global count summed on the device (one all-reduce,
     no host sync). HF's causal loss shifts inside the model, so the targets are labels[..., 1:]
-    (torchtitan's labels come shifted). Summed over ranks it is the global batch's mean loss."""
+    (torchtitan's labels come shifted). Summed over ranks it is the global batch's mean loss.
+    `group`: the data-parallel ranks, where tensor-parallel ranks share rows."""
     local = (labels[..., 1:] != IGNORE_INDEX).sum()
     total = local.clone()
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        torch.distributed.all_reduce(total)
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size(group) > 1:
+        torch.distributed.all_reduce(total, group=group)
     return mean * local / total
 
 
-def timed(step, ids, world: int) -> tuple[float, float]:
+def timed(step, ids, world: int, tp: int = 1) -> tuple[float, float]:
     """One step as a logging loop takes it: the step, then its loss summed over ranks (each returns
-    its share) and read back (so asynchronous devices have finished). (seconds, loss)."""
+    its share; a TP group's ranks the same one) and read back (so asynchronous devices have
+    finished). (seconds, loss)."""
     start = time.perf_counter()
     loss = step(ids)
     if torch.distributed.is_initialized() and world > 1:
         torch.distributed.all_reduce(loss := loss.detach().clone())
-    value = float(loss)
+    value = float(loss) / tp
     return time.perf_counter() - start, value
 
 
 def run(a, step, rank: int, world: int):
     """`step(ids) -> this rank's share of the loss`; times each step with the loss read back, as
     polyshard does."""
-    rows = a.global_rows // world
+    rows, dp_rank = a.global_rows // (world // a.tp), rank // a.tp  # tp: the innermost dim
     times, losses, counting = [], [], counter(a)
     for i, ids in enumerate(batches(a)):
-        mine = ids[rank * rows:(rank + 1) * rows]
+        mine = ids[dp_rank * rows:(dp_rank + 1) * rows]
         with counting.step() if counting and i >= a.warmup else nullcontext():
-            elapsed, value = timed(step, mine, world)
+            elapsed, value = timed(step, mine, world, a.tp)
         if a.startup:  # the first step has ended (its loss read back): that is start-up's end
             if rank == 0:
                 with open(a.out, "w") as f:

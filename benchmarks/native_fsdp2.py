@@ -1,24 +1,67 @@
-"""FSDP2 by hand: fully_shard each decoder layer, then the root; AdamW; clip; the same job.
-`build` is the loop's step (polyshard bench --vs-native alternates it with polyshard's in one launch);
-run as a script, it is a whole training job."""
+"""FSDP2 by hand: fully_shard each decoder layer, then the root; AdamW; clip; the same job. With
+--tp N, tensor parallelism first, as torchtitan's parallelize_llama does it (apply_tp, then
+apply_fsdp over the data-parallel mesh dim), on Hugging Face Llama's module names. `build` is the
+loop's step (polyshard bench --vs-native alternates it with polyshard's in one launch); run as a
+script, it is a whole training job."""
 
 import torch
 from common import distributed_main, model, token_share
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 
+def apply_tp(net, tp_mesh):
+    """torchtitan's apply_tp without sequence or loss parallelism: attention and MLP projections
+    column- then row-parallel, the output layer's vocabulary split and its logits gathered."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    for block in net.model.layers:
+        parallelize_module(block, tp_mesh, {
+            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel()})
+    parallelize_module(net, tp_mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
+
+
+def clip_(params, max_norm: float) -> None:
+    """clip_grad_norm_ where gradients live on two meshes ((dp, tp) for the split projections, dp
+    for the rest): torch's stacks per-tensor norms, which DTensor refuses across meshes, so each
+    mesh's norm is made whole and the squares summed."""
+    from torch.distributed.tensor import DTensor
+
+    by_mesh = {}
+    for p in params:
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh, []).append(p)
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in ps]) for ps in by_mesh.values()]
+    norms = [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]
+    total = torch.stack(norms).square().sum().sqrt()
+    for ps in by_mesh.values():
+        torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total)
+
+
 def build(a, rank: int, world: int):
     if a.stage not in (2, 3):
         raise SystemExit("native_fsdp2 runs FULL_SHARD (stage 3) and SHARD_GRAD_OP (stage 2) only")
     net = model(a.model, a.seed)
+    dp_mesh, dp_group = None, None
+    if a.tp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu",
+                                (world // a.tp, a.tp), mesh_dim_names=("dp", "tp"))
+        apply_tp(net, mesh["tp"])
+        dp_mesh, dp_group = mesh["dp"], mesh["dp"].get_group()
     # torchtitan's apply_fsdp_to_decoder: the embedding, [norm, lm_head] kept gathered after
     # forward (backward needs them first), each block, then the root with torch's default
     reshard = a.stage == 3
-    fully_shard(net.model.embed_tokens, reshard_after_forward=reshard)
-    fully_shard([net.model.norm, net.lm_head], reshard_after_forward=False)
+    fully_shard(net.model.embed_tokens, mesh=dp_mesh, reshard_after_forward=reshard)
+    fully_shard([net.model.norm, net.lm_head], mesh=dp_mesh, reshard_after_forward=False)
     for layer in net.model.layers:
-        fully_shard(layer, reshard_after_forward=reshard)
-    fully_shard(net)
+        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard)
+    fully_shard(net, mesh=dp_mesh)
     for module in net.modules():  # torchtitan: the loss is normalised by the global token count
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
@@ -27,10 +70,10 @@ def build(a, rank: int, world: int):
     opt = torch.optim.AdamW(net.parameters(), lr=a.lr, weight_decay=0.1)
 
     def step(ids):
-        loss = token_share(net(input_ids=ids, labels=ids).loss, ids)
+        loss = token_share(net(input_ids=ids, labels=ids).loss, ids, dp_group)
         loss.backward()
         if a.clip:
-            torch.nn.utils.clip_grad_norm_(net.parameters(), a.clip)
+            (clip_ if a.tp > 1 else torch.nn.utils.clip_grad_norm_)(net.parameters(), a.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss

@@ -34,5 +34,7 @@ DESCRIPTOR = BackendDescriptor(
         accelerate_section=accelerate.section),
     bench=Bench(dryrun={"fsdp": {"sync_module_states": False, "cpu_ram_efficient_loading": False}},
                 native=lambda spec: (f"native_fsdp{spec.fsdp.version}.py",
-                                     [f"--stage={NATIVE_STAGE.get(spec.shard, 0)}"])),
+                                     [f"--stage={NATIVE_STAGE.get(spec.shard, 0)}",
+                                      *([f"--tp={spec.topology.tp}"] if spec.topology.tp > 1
+                                        else [])])),
 )

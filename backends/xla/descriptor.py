@@ -44,6 +44,7 @@ DESCRIPTOR = BackendDescriptor(
     engine="backends.xla.engine:make_engine",
     extra="xla",
     packages=("torch_xla",),
+    tensor_parallel=True,  # SPMD (v2) only: the mesh's model axis; translate refuses v1
     variants={"xla1": {"xla": {"fsdp_version": 1}}, "xla2": {"xla": {"fsdp_version": 2}}},
     flat_optimizer=lambda spec: spec.xla.fsdp_version == 1,  # flatten_parameters: one per unit
     plan=PlanModel(plan.model_states, plan.comm, plan.transient),

@@ -39,6 +39,10 @@ def translate(spec: Spec) -> dict:
     _check_preemption_sync(spec)
     x = spec.xla
     settings = {k: v for k, v in x.xla_fsdp_settings.items() if k != "xla_fsdp_grad_ckpt"}
+    if spec.topology.tp > 1 and x.fsdp_version == 1:
+        raise SpecError([("topology.tp", f"{spec.topology.tp} with xla.fsdp_version: 1: XLA FSDP v1 "
+                          "wraps plain tensors per process and has no tensor parallelism; use "
+                          "xla.fsdp_version: 2 (SPMD: TP is the mesh's model axis)")])
     if x.fsdp_version == 2:
         if spec.topology.procs_per_node != 1:
             raise SpecError([("topology.procs_per_node", f"{spec.topology.procs_per_node} with "
@@ -48,7 +52,12 @@ def translate(spec: Spec) -> dict:
             raise SpecError([("shard", f"{spec.shard!r} needs xla.fsdp_version: 1: SPMD FSDPv2 "
                               "shards parameters and lets the compiler schedule the gathers; use "
                               "shard: full")])
-        return {"api": "SpmdFullyShardedDataParallel", "mesh": x.mesh_shape or "all devices x 1",
+        tp = spec.topology.tp
+        if tp > 1 and x.mesh_shape is not None and x.mesh_shape[1:] != [tp]:
+            raise SpecError([("xla.mesh_shape", f"{x.mesh_shape} with topology.tp {tp}: the mesh's "
+                              f"model axis is TP; write [devices / {tp}, {tp}] or leave it unset")])
+        default = "all devices x 1" if tp == 1 else f"devices / {tp} x {tp}"
+        return {"api": "SpmdFullyShardedDataParallel", "mesh": x.mesh_shape or default,
                 "mesh_axes": ["fsdp", "model"], "autocast": DTYPE_NAMES[spec.precision],
                 "activation_checkpointing": spec.checkpoint_activations,
                 "kwargs": {**settings, **x.native}}

@@ -111,6 +111,13 @@ class Engine(EngineCalls):
         shard with torch's DeviceMesh take the slice they shard over)."""
         return self.dims.device_mesh(self.device.type)
 
+    @functools.cached_property
+    def count_group(self):
+        """Where the step's target count is summed: the data-parallel processes (None: all). A
+        tensor-parallel group's ranks hold the same micro-batch; summing over them too would
+        count it tp times (and pay a collective over the TP group where dp is 1)."""
+        return None if self.dims.tp == 1 else pdist.data_parallel_group(self.device_mesh)
+
     def _say(self, message: str) -> None:
         """Where this backend means something other than one process would: kept in `notices`
         (every rank) and printed once (the main rank)."""
@@ -176,8 +183,7 @@ class Engine(EngineCalls):
         """Before sharding: parameter names, tied weights, the param_groups hook's groups, and what
         the model's loss averages over."""
         self.objective = Objective.for_model(model, self._count_fn, self.loss_fn is not None,
-                                             self.spec.loss_weighting, self.dp_size,
-                                             self.dims.tp)
+                                             self.spec.loss_weighting, self.dp_size)
         self.experts = Experts(model, touch=self.dp_size > 1) or None
         if self.tracker.active:  # logged as hyper-parameters; FLOPs per token for MFU
             self._model_facts = {"flops": model_flops(model), "model.class": type(model).__name__,
@@ -276,7 +282,7 @@ class Engine(EngineCalls):
         # loss and gradient are one process's on the global batch. The global count is one small
         # reduction, in flight during the first forward and waited for at the first backward.
         counts = self.objective.counts(micro_batches)
-        total = pdist.PendingSum(counts.sum()) if counts is not None else None
+        total = pdist.PendingSum(counts.sum(), self.count_group) if counts is not None else None
         local = torch.zeros((), device=self.device)
         self.progress.phase = "forward/backward"
         for i, micro in enumerate(micro_batches):
@@ -348,7 +354,7 @@ class Engine(EngineCalls):
         self.model.eval()
         batch = self._to_device(batch)
         counts = self.objective.counts([batch])
-        total = pdist.PendingSum(counts.sum()) if counts is not None else None
+        total = pdist.PendingSum(counts.sum(), self.count_group) if counts is not None else None
         share = self.objective.share(self._loss(batch), 0, counts, total, 1)
         return float(pdist.all_mean(share.detach().float()))
 

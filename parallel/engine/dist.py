@@ -137,17 +137,25 @@ class PendingSum:
     """A sum over ranks in flight: started when made, waited for when first called (on NCCL the
     wait makes the compute stream wait; the host does not)."""
 
-    def __init__(self, value: torch.Tensor):
+    def __init__(self, value: torch.Tensor, group=None):
         self.value, self.work = value, None
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
             self.value = value.clone()
-            self.work = dist.all_reduce(self.value, op=dist.ReduceOp.SUM, async_op=True)
+            self.work = dist.all_reduce(self.value, op=dist.ReduceOp.SUM, group=group,
+                                        async_op=True)
 
     def __call__(self) -> torch.Tensor:
         if self.work is not None:
             self.work.wait()
             self.work = None
         return self.value
+
+
+def data_parallel_group(mesh):
+    """The process group of this rank's data-parallel peers (its TP rank in every replica and
+    shard group): the mesh's (dp_replicate, dp_shard) flattened, as torchtitan flattens its
+    "dp" dims (DeviceMesh._flatten: made once, on every rank, in mesh order)."""
+    return mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
 
 
 def all_mean(value: torch.Tensor) -> torch.Tensor:

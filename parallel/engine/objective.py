@@ -79,21 +79,18 @@ def count_labels(batch) -> torch.Tensor:
 class Objective:
     """Weighs each micro-batch's loss. `count` None: every micro-batch alike (the mean of means)."""
 
-    def __init__(self, count: CountFn | None, data_parallel: int, repeats: int = 1):
+    def __init__(self, count: CountFn | None, data_parallel: int):
         self.count = count
         self.data_parallel = data_parallel  # gradients are averaged over this many processes
-        # processes per micro-batch: the ranks of a tensor-parallel group take the same one, so
-        # the sum of counts over ranks counts each item `repeats` times
-        self.repeats = repeats
 
     @classmethod
     def for_model(cls, model: nn.Module, count_fn: CountFn | None, has_loss_fn: bool,
-                  weighting: str, data_parallel: int, repeats: int = 1) -> Objective:
+                  weighting: str, data_parallel: int) -> Objective:
         if weighting == "micro_batches":
-            return cls(None, data_parallel, repeats)
+            return cls(None, data_parallel)
         if count_fn is not None:
-            return cls(count_fn, data_parallel, repeats)
-        return cls(None if has_loss_fn else label_count(model), data_parallel, repeats)
+            return cls(count_fn, data_parallel)
+        return cls(None if has_loss_fn else label_count(model), data_parallel)
 
     def counts(self, micro_batches: list) -> torch.Tensor | None:
         """Items per micro-batch as one int64 tensor on the batch's device (no host read; exact at
@@ -114,5 +111,4 @@ class Objective:
             return loss / parts
         n = counts[i]
         kept = torch.where(n > 0, loss, torch.zeros_like(loss))
-        weight = n * (self.data_parallel * self.repeats) if self.repeats > 1 else n * self.data_parallel
-        return kept * (weight / total())
+        return kept * (n * self.data_parallel / total())

@@ -20,7 +20,8 @@ class ParallelDims:
 
     @classmethod
     def from_spec(cls, spec) -> ParallelDims:
-        tp = spec.topology.tp
+        # processes only: under SPMD one process's device mesh holds TP (spec.process_tp)
+        tp = getattr(spec, "process_tp", spec.topology.tp)
         dp = max(1, spec.world_size // tp)  # a tp that does not divide is the spec's error to report
         if spec.shard in HYBRID:
             # default: shard inside a host, whose procs_per_node ranks hold procs_per_node / tp

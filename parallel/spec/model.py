@@ -173,6 +173,16 @@ class Spec(Section):
         return ParallelDims.from_spec(self)
 
     @property
+    def process_tp(self) -> int:
+        """Tensor-parallel ranks that are processes: topology.tp, except where one process drives a
+        host's devices (SPMD: its backend knows its devices per process only at run time), whose
+        device mesh holds TP inside the process."""
+        from parallel.registry import get
+
+        spmd = get(self.backend).launch.process_devices(self) is None
+        return 1 if spmd else self.topology.tp
+
+    @property
     def shard_group_size(self) -> int:
         """Ranks that shard one copy of the model (every data-parallel rank unless hybrid)."""
         dims = self.dims  # the default group (procs_per_node) is decided there, once
@@ -211,7 +221,7 @@ class Spec(Section):
         if group is not None and self.shard not in HYBRID_SHARDS:
             problems.append(("topology.shard_group_size", f"is only read with a hybrid shard, not "
                              f"shard: {self.shard!r}; remove it or use shard: hybrid"))
-        dp = self.world_size // self.topology.tp  # data-parallel ranks (dims floors a bad group)
+        dp = self.world_size // self.process_tp  # data-parallel ranks (dims floors a bad group)
         if self.shard in HYBRID_SHARDS and dp % self.shard_group_size:
             problems.append(("topology.shard_group_size", f"{self.shard_group_size} does not divide "
                              f"the data-parallel size {dp} (world size / tp); pick a divisor of it"))
@@ -261,7 +271,7 @@ class Spec(Section):
         elif self.topology.tp == 1 and self.topology.tp_plan is not None:
             problems.append(("topology.tp_plan", "is set but topology.tp is 1, so nothing is "
                              "split; set tp > 1 or remove tp_plan"))
-        elif self.world_size % self.topology.tp:
+        elif self.world_size % self.process_tp:  # SPMD: the runtime checks its devices
             problems.append(("topology.tp", f"{self.topology.tp} does not divide the world size "
                              f"{self.world_size}"))
         for name in descriptor.capabilities.unsupported:  # every field the backend names

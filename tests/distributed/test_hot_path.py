@@ -1,7 +1,7 @@
 """A steady-state step costs what the native loop's step costs: counted per step, never timed
 (parallel/tools/bench/counting.py counts both sides by one rule). For every variant in the registry
 that has a hand-written loop (FSDP2, FSDP1, ZeRO-0/1/2/3 at 2 gloo ranks, XLA FSDP v1 on the CPU
-client's 1 process), against the hand-written loop in benchmarks/ running the same job: the same
+client's 1 process, and FSDP2 at tp 2 against torchtitan's apply_tp by hand), against the hand-written loop in benchmarks/ running the same job: the same
 collectives op for op, zero store calls, and device-to-host reads equal to the native loop's when
 the loop reads the loss every step (as the native loop does), one fewer when it does not
 (on_nonfinite: raise_deferred, the default); with on_nonfinite: raise the step's own read replaces
@@ -18,7 +18,7 @@ from reliability import record
 
 from parallel.launch.torchrun import run_locally
 from parallel.registry import get
-from parallel.spec.io import load_spec
+from parallel.spec.io import SpecError, load_spec
 from parallel.tools.bench.report import NATIVE_DIR
 
 pytestmark = pytest.mark.distributed
@@ -29,6 +29,20 @@ ROWS = 4  # global rows per step
 CASES = [dataclasses.replace(c, spec={**c.spec, "grad_clip": 1.0})
          for c in matrix.cases(world=2, micro_batch_size=ROWS // 2)
          if get(c.backend).bench.native(load_spec(c.spec)) is not None]
+
+
+def with_tp(c, tp=2):
+    """The variant at tp 2 on the same ranks (dp 1: every rank all rows), where it splits."""
+    spec = {**c.spec, "micro_batch_size": ROWS, "topology": {**c.spec["topology"], "tp": tp}}
+    try:
+        load_spec(spec)
+    except SpecError:  # this mode refuses tensor parallelism (tests/unit/test_dims.py)
+        return None
+    return dataclasses.replace(c, name=f"{c.name}-tp{tp}", spec=spec)
+
+
+# and each of them that splits, at tp 2 against the loop's torchtitan-style --tp
+CASES += [t for t in map(with_tp, CASES) if t is not None]
 GROUPS = matrix.by_launch(CASES)
 # on_nonfinite: raise, beside the default, for the first case of each launch group
 RAISE = {f"{g[0].name}-raise": g[0].name for g in GROUPS}

@@ -1,9 +1,10 @@
 """Tensor parallelism (`topology.tp`) through the engine, against one process on the global batch.
 
-Cases come from the registry: every backend whose descriptor says `tensor_parallel` (today FSDP2)
-runs dp 2 x tp 2 on 4 gloo ranks, with padded SFT rows, accumulation, clipping, activation
-checkpointing, HSDP's 3-D mesh and rank-0-only loading, saving after step 3 and resuming in fresh
-processes; then a tp 2 checkpoint moves to tp 1, to another world size and to the other backends."""
+Cases come from the registry: every variant (matrix.cases: fsdp2, fsdp1, zero1-3, xla1, xla2, ...)
+whose spec with tp 2 validates runs dp 2 x tp 2 on 4 ranks or devices, with padded SFT rows,
+accumulation, clipping and activation checkpointing (and what only FSDP2 has: HSDP's 3-D mesh and
+rank-0-only loading), saving after step 3 and resuming in fresh processes; then a tp 2 checkpoint
+moves to tp 1, to another world size and to the other backends."""
 
 import json
 
@@ -11,81 +12,119 @@ import matrix
 import pytest
 from harness import ROOT, case, check_parity, needs_both, run_parity, torchrun
 
-from parallel import registry
+from parallel.spec.io import SpecError, load_spec
 
 pytestmark = pytest.mark.distributed
 
-TP_BACKENDS = [d.name for d in registry.descriptors() if d.tensor_parallel]
+
+def with_tp(c, tp=2, **extra):
+    """A variant's spec (as matrix laid it out on this host) with tensor parallelism."""
+    spec = {**c.spec, "wrap": {"policy": "auto"}, **extra}
+    spec["topology"] = {**c.spec["topology"], "tp": tp}
+    return spec
 
 
-def tp_spec(backend, world=4, tp=2, **extra):
-    return {"backend": backend, "topology": {"procs_per_node": world, "tp": tp},
-            "micro_batch_size": 2, "wrap": {"policy": "auto"}, **extra}
+def tp_variants(world=4):
+    out = []
+    for c in matrix.cases(world=world, micro_batch_size=2):
+        try:
+            load_spec(with_tp(c))
+        except SpecError:  # the backend refuses tp in this mode (FSDP1, ZeRO, XLA v1): unit-tested
+            continue
+        out.append(c)
+    return out
 
 
-def cases(backend):
-    base = tp_spec(backend)
-    return [
-        case("dp2-tp2", base, optimizer="adamw"),
-        case("padded-accum-clip-ac", {**base, "micro_batch_size": 1, "grad_accum_steps": 2,
-                                      "grad_clip": 0.5, "activation_checkpointing": True},
-             optimizer="adamw", padded=True),
-        case("hsdp-3d", {**base, "shard": "hybrid", "topology": {"procs_per_node": 4, "tp": 2,
-                                                                 "shard_group_size": 1}}),
-        *([case("rank0-loading", {**base, "fsdp": {"cpu_ram_efficient_loading": True}},
-                optimizer="adamw", factory=True)] if backend == "fsdp" else []),
-    ]
+VARIANTS = {c.name: c for c in tp_variants()}
+
+
+def cases(c):
+    base = with_tp(c)
+    out = [case("dp2-tp2", base, optimizer="adamw"),
+           case("padded-accum-clip-ac", {**base, "micro_batch_size": 1, "grad_accum_steps": 2,
+                                         "grad_clip": 0.5, "activation_checkpointing": True},
+                optimizer="adamw", padded=True)]
+    if c.name == "fsdp2":  # what only FSDP2 has
+        out += [case("hsdp-3d", {**base, "shard": "hybrid", "topology": {
+                    **base["topology"], "shard_group_size": 1}}),
+                case("rank0-loading", {**base, "fsdp": {"version": 2,
+                                                        "cpu_ram_efficient_loading": True}},
+                     optimizer="adamw", factory=True)]
+    return out
+
+
+def test_the_registry_has_tp_variants():
+    assert {"fsdp2", "xla2"} <= set(VARIANTS), sorted(VARIANTS)
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("backend", TP_BACKENDS)
-def test_tp_matches_one_process_and_resumes(tmp_path, backend):
-    results = run_parity(tmp_path, cases(backend), nproc=4, timeout=300)
-    worst = {name: check_parity(name, res) for name, res in results.items()}
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_tp_matches_one_process_and_resumes(tmp_path, variant):
+    c = VARIANTS[variant]
+    results = run_parity(tmp_path, cases(c), nproc=c.nproc, timeout=300, env=c.env)
+    # XLA SPMD at tp 2 resumed from padded rows with accumulation: the first resumed step is
+    # identical, the second 4.8e-7 off (measured; docs/tp.md; the cause is not pinned down: lost
+    # or stale state shows at 1e-3, as the transfer test below would)
+    spmd = c.spec.get("xla", {}).get("fsdp_version") == 2
+    worst = {name: check_parity(name, res, resume_tol=1e-6 if spmd else 0.0)
+             for name, res in results.items()}
     for name, res in results.items():  # the checkpoint read whole in one process: full shapes
         assert abs(res["train"]["consolidated_loss"] - res["train"]["loss"][3]) <= 1e-5, name
-    print(f"{backend} tp: max |loss - one process| per case: {worst}")
+        if "matrix_specs" in res["train"]:  # SPMD: weights tiled over both mesh axes (2 x 2)
+            assert any("devices=[2,2]" in s for s in res["train"]["matrix_specs"]), res["train"]
+    print(f"{variant} tp: max |loss - one process| per case: {worst}")
 
 
 TRANSFER = ROOT / "tests" / "distributed" / "transfer_worker.py"
-TARGETS = ("fsdp2", "zero2", "xla2")  # data-parallel variants that load the tp checkpoint
+TARGETS = ("fsdp2", "zero2", "xla2")  # data-parallel variants that load the tp checkpoints
 
 
 @needs_both
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("backend", TP_BACKENDS)
-def test_tp_checkpoint_loads_at_tp1_other_worlds_and_backends(tmp_path, backend):
-    """Saved at tp 2 on 2 ranks (dp 1, micro-batch 4): loaded at dp 2 x tp 2 on 4 ranks, at tp 1 on
-    FSDP2, ZeRO-2 and XLA SPMD, with AdamW's moments and step counts: the uninterrupted losses."""
-    chosen = [c for c in matrix.cases(world=2, micro_batch_size=2) if c.name in TARGETS]
-    specs = {c.name: c.spec for c in chosen}
-    specs["tp2"] = tp_spec(backend, world=2, micro_batch_size=4)
-    specs["dp2-tp2"] = tp_spec(backend, world=4)
+@pytest.mark.timeout(900)
+def test_tp_checkpoints_load_at_tp1_other_worlds_and_backends(tmp_path):
+    """Every TP variant saves at tp 2 on 2 ranks or devices (dp 1, micro-batch 4); each checkpoint
+    loads, with AdamW's moments and step counts, into every TP variant at dp 2 x tp 2 (4 ranks or
+    devices: another world size, and the other backend's split) and at tp 1 on FSDP2, ZeRO-2 and
+    XLA SPMD: the uninterrupted run's losses."""
+    sources = {f"{c.name}-tp2": (c, with_tp(c, micro_batch_size=4)) for c in tp_variants(world=2)}
+    targets = [c for c in matrix.cases(world=2, micro_batch_size=2) if c.name in TARGETS]
+    wide = [c for c in tp_variants(world=4)]
+    loaders = {c.name: c.spec for c in targets}
+    loaders.update({f"{c.name}-dp2-tp2": with_tp(c) for c in wide})
+    specs = {**{name: spec for name, (_, spec) in sources.items()}, **loaders}
     (tmp_path / "backends.json").write_text(json.dumps(specs))
     (tmp_path / "ckpt").mkdir()
-    plan = {name: ["tp2-adamw"] for name in specs}
+    plan = {name: [f"{s}-adamw" for s in sources] for name in loaders}
     (tmp_path / "plan.json").write_text(json.dumps(plan))
 
-    def launch(phase, names, nproc, env=None):
+    def launch(phase, names, c):
         out = tmp_path / f"{phase}-{names[0]}.json"
-        torchrun(nproc, [str(TRANSFER), "--phase", phase, "--backends", str(tmp_path / "backends.json"),
-                         "--names", ",".join(names), "--root", str(tmp_path / "ckpt"), "--out",
-                         str(out), "--plan", str(tmp_path / "plan.json"), "--optimizers", "adamw"],
-                 timeout=300, env=env)
+        torchrun(c.nproc, [str(TRANSFER), "--phase", phase, "--backends",
+                           str(tmp_path / "backends.json"), "--names", ",".join(names), "--root",
+                           str(tmp_path / "ckpt"), "--out", str(out), "--plan",
+                           str(tmp_path / "plan.json"), "--optimizers", "adamw"],
+                 timeout=300, env=c.env)
         return json.loads(out.read_text())
 
-    saved = launch("save", ["tp2"], 2)
-    loaded = {}
-    loaded.update(launch("load", ["tp2"], 2))
-    loaded.update(launch("load", ["dp2-tp2"], 4))
-    for group in matrix.by_launch(chosen):
-        loaded.update(launch("load", [c.name for c in group], group[0].nproc, group[0].env))
+    saved, loaded = {}, {}
+    for name, (c, _) in sources.items():
+        saved.update(launch("save", [name], c))
+    for group in matrix.by_launch(targets):
+        loaded.update(launch("load", [c.name for c in group], group[0]))
+    for group in matrix.by_launch(wide):
+        loaded.update(launch("load", [f"{c.name}-dp2-tp2" for c in group], group[0]))
     errors = {k: v["error"] for k, v in {**saved, **loaded}.items() if "error" in v}
     assert not errors, "\n\n".join(f"{k}:\n{v[-3000:]}" for k, v in errors.items())
     ref = saved["reference-adamw"]["loss"]
-    assert max(abs(a - b) for a, b in zip(saved["tp2-adamw"]["loss"], ref[:3])) <= 1e-5
-    for target in specs:
-        res = loaded[f"tp2->{target}-adamw"]
-        assert res["start"] == 3, (target, res)
-        diff = max(abs(a - b) for a, b in zip(res["loss"], ref[3:]))
-        assert diff <= 1e-5, f"tp2 -> {target}: {res['loss']} vs {ref[3:]}"
+    pairs = 0
+    assert len(sources) >= 2 and len(loaders) >= 5, (sources, loaders)
+    for source in sources:
+        assert max(abs(a - b) for a, b in zip(saved[f"{source}-adamw"]["loss"], ref[:3])) <= 1e-5
+        for target in loaders:  # (each source resuming itself: the parity test above)
+            res = loaded[f"{source}->{target}-adamw"]
+            assert res["start"] == 3, (source, target, res)
+            diff = max(abs(a - b) for a, b in zip(res["loss"], ref[3:]))
+            assert diff <= 1e-5, f"{source} -> {target}: {res['loss']} vs {ref[3:]}"
+            pairs += 1
+    assert pairs == len(sources) * len(loaders)
+    print(f"{pairs} tp checkpoint transfers within 1e-5")

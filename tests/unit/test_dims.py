@@ -84,7 +84,7 @@ def _tp_problems(data):
 @pytest.mark.parametrize("backend,extra,field,words", [
     ("fsdp", {"fsdp": {"version": 1}}, "topology.tp", ["fsdp.version: 1", "fsdp.version: 2"]),
     ("deepspeed", {}, "topology.tp", ["'deepspeed'", "tp: 1"]),
-    ("xla_fsdp", {}, "topology.tp", ["'xla_fsdp'", "tp: 1"]),
+    ("xla_fsdp", {}, "topology.tp", ["xla.fsdp_version: 1", "xla.fsdp_version: 2"]),
 ])
 def test_backends_that_cannot_split_refuse_tp_naming_why(backend, extra, field, words):
     got = _tp_problems({"backend": backend, "topology": {"procs_per_node": 4, "tp": 2}, **extra})
@@ -131,3 +131,14 @@ def test_the_plan_is_checked_against_the_model_before_anything_is_split():
     with pytest.raises(SpecError) as info:
         resolve_plan(torch.nn.Sequential(torch.nn.Linear(4, 4)), 2, None)
     assert "has no tp plan" in dict(info.value.problems)["topology.tp_plan"]
+
+
+def test_spmd_tp_is_the_mesh_model_axis_not_processes():
+    """XLA v2 runs one process per host: TP is its mesh's `model` axis, so the process layout has
+    no TP (the batch, the loader and the loss weighting see one data-parallel process) and a
+    written mesh must put tp on that axis."""
+    spec = load_spec({"backend": "xla_fsdp", "xla": {"fsdp_version": 2}, "topology": {"tp": 2}})
+    assert spec.process_tp == 1 and spec.dims.tp == 1 and spec.dims.dp_size == 1
+    assert "[devices / 2, 2]" in _tp_problems(
+        {"backend": "xla_fsdp", "xla": {"fsdp_version": 2, "mesh_shape": [2, 1]},
+         "topology": {"tp": 2}})["xla.mesh_shape"]
