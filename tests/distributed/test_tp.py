@@ -2,8 +2,8 @@
 
 Cases come from the registry: every variant (matrix.cases: fsdp2, fsdp1, zero1-3, xla1, xla2, ...)
 whose spec with tp 2 validates runs dp 2 x tp 2 on 4 ranks or devices, with padded SFT rows,
-accumulation, clipping and activation checkpointing (and what only FSDP2 has: HSDP's 3-D mesh and
-rank-0-only loading), saving after step 3 and resuming in fresh processes; then a tp 2 checkpoint
+accumulation, clipping and activation checkpointing (and what only FSDP2 has: HSDP's 3-D mesh,
+rank-0-only loading and per-block compile; XLA compiles every step anyway), saving after step 3 and resuming in fresh processes; then a tp 2 checkpoint
 moves to tp 1, to another world size and to the other backends."""
 
 import json
@@ -49,7 +49,10 @@ def cases(c):
                     **base["topology"], "shard_group_size": 1}}),
                 case("rank0-loading", {**base, "fsdp": {"version": 2,
                                                         "cpu_ram_efficient_loading": True}},
-                     optimizer="adamw", factory=True)]
+                     optimizer="adamw", factory=True),
+                # torchtitan's order: TP, then compile per block, then fully_shard
+                case("compile-blocks", {**base, "compile": {"enabled": True, "scope": "blocks"}},
+                     optimizer="adamw")]
     return out
 
 
@@ -70,6 +73,9 @@ def test_tp_matches_one_process_and_resumes(tmp_path, variant):
              for name, res in results.items()}
     for name, res in results.items():  # the checkpoint read whole in one process: full shapes
         assert abs(res["train"]["consolidated_loss"] - res["train"]["loss"][3]) <= 1e-5, name
+        stats = res["train"].get("compile")
+        if stats is not None:  # every block ran compiled over DTensors, nothing compiled late
+            assert stats["ran_compiled"] == stats["units"] > 0 and stats["late_graphs"] == 0, stats
         if "matrix_specs" in res["train"]:  # SPMD: weights tiled over both mesh axes (2 x 2)
             assert any("devices=[2,2]" in s for s in res["train"]["matrix_specs"]), res["train"]
     print(f"{variant} tp: max |loss - one process| per case: {worst}")
