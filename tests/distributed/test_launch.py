@@ -43,7 +43,10 @@ def test_launch_fsdp_two_ranks_quietly_and_tracked(tmp_path):
 @pytest.mark.timeout(300)
 def test_launch_verbose_shows_what_quiet_hides(tmp_path):
     text = launch(tmp_path, [f"tracking.dir={tmp_path / 'track'}"], flags=["--verbose"])
-    assert "[Gloo] Rank 1 is connected to 1 peer ranks" in text
+    # gloo's C++ lines from both ranks share stderr unbuffered and may interleave mid-line (seen in
+    # CI: "[Gloo] Rank [Gloo] Rank 10 is connected to  is connected to 11 peer ranks"): count
+    # the pieces, not one rank's whole line
+    assert text.count("[Gloo] Rank") >= 2 and "peer ranks" in text, text[-3000:]
 
 
 @pytest.mark.timeout(300)

@@ -82,7 +82,9 @@ def test_tp_matches_one_process_and_resumes(tmp_path, variant):
 
 
 TRANSFER = ROOT / "tests" / "distributed" / "transfer_worker.py"
-TARGETS = ("fsdp2", "zero2", "xla2")  # data-parallel variants that load the tp checkpoints
+# data-parallel variants that load the tp checkpoints at tp 1 (XLA loads them at tp 2 below: the
+# same reader, kept out to hold the suite's time)
+TARGETS = ("fsdp2", "zero2")
 
 
 @needs_both
@@ -90,8 +92,8 @@ TARGETS = ("fsdp2", "zero2", "xla2")  # data-parallel variants that load the tp 
 def test_tp_checkpoints_load_at_tp1_other_worlds_and_backends(tmp_path):
     """Every TP variant saves at tp 2 on 2 ranks or devices (dp 1, micro-batch 4); each checkpoint
     loads, with AdamW's moments and step counts, into every TP variant at dp 2 x tp 2 (4 ranks or
-    devices: another world size, and the other backend's split) and at tp 1 on FSDP2, ZeRO-2 and
-    XLA SPMD: the uninterrupted run's losses."""
+    devices: another world size, and the other backend's split) and at tp 1 on FSDP2 and ZeRO-2:
+    the uninterrupted run's losses."""
     sources = {f"{c.name}-tp2": (c, with_tp(c, micro_batch_size=4)) for c in tp_variants(world=2)}
     targets = [c for c in matrix.cases(world=2, micro_batch_size=2) if c.name in TARGETS]
     wide = [c for c in tp_variants(world=4)]
@@ -123,7 +125,7 @@ def test_tp_checkpoints_load_at_tp1_other_worlds_and_backends(tmp_path):
     assert not errors, "\n\n".join(f"{k}:\n{v[-3000:]}" for k, v in errors.items())
     ref = saved["reference-adamw"]["loss"]
     pairs = 0
-    assert len(sources) >= 2 and len(loaders) >= 5, (sources, loaders)
+    assert len(sources) >= 2 and len(loaders) >= 4, (sources, loaders)
     for source in sources:
         assert max(abs(a - b) for a, b in zip(saved[f"{source}-adamw"]["loss"], ref[:3])) <= 1e-5
         for target in loaders:  # (each source resuming itself: the parity test above)
