@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from backends.fsdp.layout import edge_units
-from backends.fsdp.tp import apply_tp, clip_grad_norm_by_mesh
+from backends.fsdp.tp import apply_tp
 from parallel.engine.tp_plan import resolve_plan
 from backends.fsdp.translate import translate
 from parallel.checkpoint.sink import Sink
@@ -77,8 +77,6 @@ class _TorchFSDP(ModuleStateTensors, Engine):
         return self._no_sync() if not last else super()._sync_context(last)
 
     def _grad_norm_and_clip(self) -> torch.Tensor:
-        if self.dims.tp > 1:  # gradients on two meshes: (dp, tp) for the split, dp for the rest
-            return clip_grad_norm_by_mesh(self.model.parameters(), self.spec.grad_clip)
         return clip_grad_norm(self.model.parameters(), self.spec.grad_clip)
 
     def _optimizer_step(self):

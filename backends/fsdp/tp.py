@@ -5,7 +5,6 @@ against the model: parallel/engine/tp_plan.py."""
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 STYLES = ("colwise", "rowwise", "colwise_rep")
@@ -35,27 +34,3 @@ def apply_tp(model: nn.Module, tp_mesh, plan: dict[str, str]) -> None:
     # tensors that cannot join a scatter (measured: the default scatter hung ranks 0-1 of 4).
     parallelize_module(model, tp_mesh, {path: parallel_style(s) for path, s in plan.items()},
                        src_data_rank=None)
-
-
-def clip_grad_norm_by_mesh(params, max_norm: float | None) -> torch.Tensor:
-    """The global gradient norm (and clipping to max_norm) when gradients live on different meshes:
-    with TP + FSDP2 the split projections are DTensors over (dp_shard, tp) and the rest over
-    dp_shard alone, and torch's clip_grad_norm_ stacks the per-tensor norms, which DTensor refuses
-    across meshes (measured: "All operands in aten.stack.default must have the same mesh").
-    Each mesh's norm is reduced in full over its own mesh, then the squares are summed."""
-    from torch.distributed.tensor import DTensor
-
-    groups: dict = {}
-    for p in params:
-        if p.grad is not None:
-            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None,
-                              []).append(p)
-    squares = []
-    for members in groups.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in members], 2.0)
-        squares.append((norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2)
-    total = torch.stack(squares).sum().sqrt() if squares else torch.zeros(())
-    if max_norm is not None:
-        for members in groups.values():
-            torch.nn.utils.clip_grads_with_norm_(members, max_norm, total)
-    return total

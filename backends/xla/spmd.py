@@ -103,15 +103,15 @@ class XlaSpmdEngine(_Xla):
             rowwise = style == "rowwise"
             xs.mark_sharding(module.weight, self.mesh,
                              ("fsdp", "model") if rowwise else ("model", "fsdp"))
-            split.add(module.weight)
+            split.add(id(module.weight))
             if module.bias is not None and not rowwise:
                 xs.mark_sharding(module.bias, self.mesh, ("model",))
-                split.add(module.bias)
+                split.add(id(module.bias))
         # The rest (embeddings, norms) over both axes: FSDPv2 would shard it over `fsdp` and
         # replicate it over `model`, and torch_xla 2.9's SPMD save planner drops such partly
         # replicated tensors (measured: no entry at all for the embedding and norms)
         for p in model.parameters():
-            if p not in split and p.dim() > 0:
+            if id(p) not in split and p.dim() > 0:
                 xs.mark_sharding(p, self.mesh, (("fsdp", "model"),) + (None,) * (p.dim() - 1))
 
     def parity_facts(self) -> dict:

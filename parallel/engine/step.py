@@ -67,15 +67,26 @@ def require_fp32(model: nn.Module) -> None:
 
 def clip_grad_norm(params, max_norm: float | None) -> torch.Tensor:
     """The global gradient 2-norm of `params`, clipped to `max_norm` when set. DTensor gradients
-    (FSDP2) give partial norms per shard: reduced to the full norm before clipping."""
+    (FSDP2) give partial norms per shard: reduced to the full norm before clipping. Gradients on
+    several meshes (TP + FSDP2: the split projections on (dp_shard, tp), the rest on dp_shard)
+    are normed per mesh and the squares summed: torch stacks per-tensor norms, which DTensor
+    refuses across meshes (measured: "All operands in aten.stack.default must have the same
+    mesh"), so each mesh costs one reduction."""
     from torch.distributed.tensor import DTensor
 
-    params = [p for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0, False)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
+    groups: dict = {}
+    for p in params:
+        if p.grad is not None:
+            mesh = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+            groups.setdefault(mesh, []).append(p)
+    norms = []
+    for members in groups.values() or [[]]:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in members], 2.0, False)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    norm = norms[0] if len(norms) == 1 else torch.stack([n ** 2 for n in norms]).sum().sqrt()
     if max_norm is not None:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        for members in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(members, max_norm, norm)
     return norm
 
 

@@ -76,21 +76,32 @@ def local_shape(shape: tuple[int, ...], style: str | None, leaf: str, tp: int) -
     return (shape[0] // tp, *shape[1:])
 
 
+def pattern_of(module_path: str, plan: dict[str, str]) -> str | None:
+    """The first plan entry whose pattern matches `module_path` (parallelize_module's rule), or
+    None: not split."""
+    return next((pattern for pattern in plan if fnmatch(module_path, pattern)), None)
+
+
 def style_of(module_path: str, plan: dict[str, str]) -> str | None:
-    """The style of the first plan entry whose pattern matches `module_path` (parallelize_module's
-    rule), or None."""
-    return next((style for pattern, style in plan.items() if fnmatch(module_path, pattern)), None)
+    pattern = pattern_of(module_path, plan)
+    return None if pattern is None else plan[pattern]
 
 
 def local_shapes(model: nn.Module, tp: int, spec_plan: dict[str, str] | None = None
                  ) -> list[tuple[str, tuple[int, ...], str | None]]:
-    """(name, one TP rank's shape, style) of every parameter, after resolve_plan's checks."""
+    """(name, one TP rank's shape, matched plan entry) of every parameter, after resolve_plan's
+    checks."""
     plan = resolve_plan(model, tp, spec_plan) if tp > 1 else {}
+    return _split(model, tp, plan)
+
+
+def _split(model: nn.Module, tp: int, plan: dict[str, str]):
     out = []
     for name, p in model.named_parameters():
         path, _, leaf = name.rpartition(".")
-        style = style_of(path, plan)
-        out.append((name, local_shape(tuple(p.shape), style, leaf, tp), style))
+        pattern = pattern_of(path, plan)
+        style = None if pattern is None else plan[pattern]
+        out.append((name, local_shape(tuple(p.shape), style, leaf, tp), pattern))
     return out
 
 
@@ -100,14 +111,11 @@ def describe(model: nn.Module, tp: int, spec_plan: dict[str, str] | None = None)
     plan = resolve_plan(model, tp, spec_plan)
     entries = {pattern: {"style": style, "modules": 0} for pattern, style in plan.items()}
     whole = 0
-    for name, shape, style in local_shapes(model, tp, spec_plan):
-        path, _, leaf = name.rpartition(".")
-        pattern = next((p for p in plan if fnmatch(path, p)), None)
+    for name, shape, pattern in _split(model, tp, plan):
         if pattern is None:
             whole += 1
-            continue
-        entry = entries[pattern]
-        if leaf == "weight":
+        elif name.endswith(".weight"):
+            entry = entries[pattern]
             entry["modules"] += 1
             entry.setdefault("weight", list(model.get_parameter(name).shape))
             entry.setdefault("weight_per_rank", list(shape))

@@ -18,7 +18,6 @@ import os
 from dataclasses import dataclass
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 SEED_STD = 0.02  # weights drawn like transformers' initializer_range: finite activations
 
@@ -78,31 +77,21 @@ FUNCTIONAL = ("all_gather_into_tensor", "all_gather_into_tensor_coalesced", "red
               "reduce_scatter_tensor_coalesced", "all_to_all_single")
 
 
-class FiniteCollectives(TorchDispatchMode):
-    """Zeros what a fake collective hands back: gathered weights of 0 give finite losses and
-    gradients, so the step runs whole (optimizer state included). One memset per collective; the
-    allocations are the real job's."""
+def finite_collectives():
+    """A dispatch mode that zeros what a fake collective hands back: gathered weights of 0 give
+    finite losses and gradients, so the step runs whole (optimizer state included). One memset per
+    collective; the allocations are the real job's. DTensor's collectives are seen too
+    (counting.OpWatch steps aside for tensor subclasses, as for counting)."""
+    from parallel.tools.bench.counting import OpWatch
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch._subclasses.fake_tensor import FakeTensor
-
-        if any(issubclass(t, FakeTensor) for t in types):  # DTensor's sharding propagation
-            return func(*args, **(kwargs or {}))  # (as counting.OpWatch: no real op)
-        if any(_handles_ops(t) for t in types):
-            return NotImplemented  # DTensor runs the op (and its collectives) with the mode on
-        out = func(*args, **(kwargs or {}))
-        space, _, op = func._overloadpacket._qualified_op_name.partition("::")
+    def zero_output(name: str, args, out) -> None:
+        space, _, op = name.partition("::")
         if space == "c10d" and op in GATHERS:
             _zero(args[GATHERS[op]])
         elif space == "_c10d_functional" and op in FUNCTIONAL:
             _zero(out)
-        return out
 
-
-def _handles_ops(t: type) -> bool:
-    handler = getattr(t, "__torch_dispatch__", None)
-    return handler is not None and getattr(handler, "__func__", handler) is not \
-        torch._C._disabled_torch_dispatch_impl
+    return OpWatch(after=zero_output)
 
 
 def _zero(obj) -> None:
@@ -166,7 +155,7 @@ def run(spec, source: str, world: int, rank: int, seq: int, optimizer: str = "ad
         engine.train_step({"input_ids": ids, "labels": ids})
 
     counter = CommCounter()
-    with FiniteCollectives():
+    with finite_collectives():
         peak = step_peak_bytes(step)
         with counter.counting():
             step()

@@ -51,9 +51,9 @@ class OpWatch(TorchDispatchMode):
     DTensor runs the op with the mode still active, and its collectives (a norm's all-reduce
     inside clip_grad_norm_) are seen too, as torch's CommDebugMode does."""
 
-    def __init__(self, on_op):
+    def __init__(self, on_op=None, after=None):
         super().__init__()
-        self.on_op = on_op
+        self.on_op, self.after = on_op, after  # after(name, args, out): once the op has run
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch._subclasses.fake_tensor import FakeTensor
@@ -65,8 +65,13 @@ class OpWatch(TorchDispatchMode):
             return func(*args, **(kwargs or {}))
         if any(_subclass_dispatch(t) for t in types):
             return NotImplemented
-        self.on_op(func._overloadpacket._qualified_op_name, args)
-        return func(*args, **(kwargs or {}))
+        name = func._overloadpacket._qualified_op_name
+        if self.on_op is not None:
+            self.on_op(name, args)
+        out = func(*args, **(kwargs or {}))
+        if self.after is not None:
+            self.after(name, args, out)
+        return out
 
 
 def _subclass_dispatch(t: type) -> bool:
