@@ -11,12 +11,16 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from backends.deepspeed.autotp import Split, with_plan
 from backends.deepspeed.fragments import load_sharded, sharded_state
 from backends.deepspeed.state import (
     is_zero,
+    load_plain,
     load_unfused,
     master_names,
     partitions,
+    plain_state,
+    save_per_parameter,
     unfused_state,
     zero_state,
 )
@@ -25,6 +29,7 @@ from parallel.checkpoint.sink import Sink
 from parallel.checkpoint import portable as ps
 from parallel.checkpoint.dcp_state import read_model_optim, write_model_optim
 from parallel.engine.base import Engine
+from parallel.engine.tp_plan import resolve_plan, split_shapes
 from parallel.engine.step import OptimizerArg, build_optimizer, require_fp32
 from parallel.engine.wrap import apply_ac, plan_wrap
 from parallel.spec.io import SpecError
@@ -79,6 +84,7 @@ class DeepSpeedEngine(Engine):
         self.config = translate(spec)["config"]
         self.ds = None
         self._hf_zero3 = None  # HfDeepSpeedConfig, held while the engine lives (ZeRO-3)
+        self.split: Split | None = None  # what AutoTP split (topology.tp > 1)
 
     def _prepare(self, model, optimizer: OptimizerArg):
         import deepspeed
@@ -115,6 +121,12 @@ class DeepSpeedEngine(Engine):
             self._hf_zero3 = register_with_transformers(known)
         require_fp32(model)
         self.config = fill_model_autos(self.config, model)
+        expected = None
+        if self.dims.tp > 1:  # the plan checked against the model, then AutoTP splits by it
+            plan = resolve_plan(model, self.dims.tp, self.spec.topology.tp_plan)
+            self.config = with_plan(self.config, plan)
+            expected = {ps.clean_name(n): shape
+                        for n, shape, _ in split_shapes(model, self.dims.tp, plan)}
         self._record_params(model)
         # DeepSpeed does not wrap: the wrap policy only picks the units activation checkpointing
         # recomputes, so a model without _no_split_modules needs no policy unless that is on.
@@ -132,6 +144,10 @@ class DeepSpeedEngine(Engine):
             model=model, optimizer=client,
             model_parameters=[p for p in model.parameters() if p.requires_grad],
             config=self.config, dist_init_required=False)
+        if expected is not None:
+            names = {id(p): ps.clean_name(n) for n, p in self.ds.module.named_parameters()}
+            self.split = Split(self.ds.module, names)
+            self.split.check(self.ds.module, expected, names)
         if self.spec.compile.enabled and self.spec.compile.scope == "model":
             # DeepSpeed's own call: it compiles ds.module in place and records that it did
             # (DeepCompile, compiled autograd and its nvtx switch hang off that record).
@@ -204,8 +220,9 @@ class DeepSpeedEngine(Engine):
         norm = None
         if not self.ds.zero_optimization() and self.spec.precision == "fp32":
             # Plain data parallel in fp32 records no norm; the gradients are whole and reduced here.
-            grads = [p.grad for p in self.ds.module.parameters() if p.grad is not None]
-            norm = torch.nn.utils.get_total_norm(grads, 2.0)
+            params = list(self.ds.module.parameters())
+            norm = (self.split.grad_norm(params) if self.split else
+                    torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
         skipped = self.ds.skipped_steps
         self.ds.step()
         recorded = self.ds.get_global_grad_norm()
@@ -218,22 +235,27 @@ class DeepSpeedEngine(Engine):
     # the bf16 optimizer), one fp32 copy per parameter (FP16_UnfusedOptimizer, ZeRO-0 with bf16 or
     # fp16), or the parameters themselves (ZeRO-0 fp32, the client optimizer): one path each.
     def _save_model_optim(self, sink: Sink) -> None:
-        if is_zero(self.optimizer) and self.spec.state_dict == "sharded":
+        sharded, split = self.spec.state_dict == "sharded", self.split
+        if is_zero(self.optimizer) and sharded:
             # each rank writes the ranges its partition holds, in place: O(model / N) per rank
-            ps.save_state(sharded_state(self.ds), sink)
+            ps.save_state(sharded_state(self.ds, split), sink)
         elif is_zero(self.optimizer):  # full: rank 0 writes everything, gathered one at a time
-            ps.save_state(zero_state(self.ds, lambda i: self.is_main), sink)
-        elif master_names(self.ds):
-            ps.save_state(unfused_state(self.ds), sink)  # replicated: DCP writes each entry once
+            ps.save_state(zero_state(self.ds, lambda i: self.is_main, split=split), sink)
+        elif master_names(self.ds) or split is not None:  # ZeRO-0: whole on every dp rank
+            state = unfused_state(self.ds) if master_names(self.ds) else plain_state(
+                self.ds, self.optimizer)
+            save_per_parameter(sink, state, split, sharded, self.is_main)
         else:
-            write_model_optim(sink, self.ds.module, self.optimizer, self.spec.state_dict == "sharded",
-                              self.rank, on_cpu=self.device.type == "cpu")
+            write_model_optim(sink, self.ds.module, self.optimizer, sharded, self.rank,
+                              on_cpu=self.device.type == "cpu")
 
     def _load_model_optim(self, path: Path, manifest: dict) -> None:
         if is_zero(self.optimizer):  # whatever wrote it: each rank reads its ranges in place
-            load_sharded(self.ds, path)
+            load_sharded(self.ds, path, self.split)
         elif master_names(self.ds):
-            load_unfused(self.ds, path)
+            load_unfused(self.ds, path, self.split)
+        elif self.split is not None:
+            load_plain(self.ds, self.optimizer, path, self.split)
         else:
             read_model_optim(path, self.ds.module, self.optimizer)
 
@@ -267,10 +289,11 @@ class DeepSpeedEngine(Engine):
 
     def gather_model(self) -> dict:
         if is_zero(self.optimizer):
-            return zero_state(self.ds, lambda i: True, with_optimizer=False)["model"]
-        if master_names(self.ds):
-            return unfused_state(self.ds)["model"]
-        return {ps.clean_name(k): v.detach().cpu() for k, v in self.ds.module.state_dict().items()}
+            return zero_state(self.ds, lambda i: True, with_optimizer=False, split=self.split)["model"]
+        model = (unfused_state(self.ds)["model"] if master_names(self.ds) else
+                 {ps.clean_name(k): v.detach().cpu() for k, v in self.ds.module.state_dict().items()})
+        return model if self.split is None else self.split.state({"model": model},
+                                                                 self.split.whole)["model"]
 
     def close(self) -> None:
         # ZeRO-3 prefetches the next parameters after each forward (generate's last one included):

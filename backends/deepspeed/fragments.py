@@ -23,8 +23,9 @@ from parallel.checkpoint.chunks import FlatRange
 from .state import _flat_keys, _frozen, _init_zero_state, _with_aliases, partitions, relink
 
 
-def _ranges(zero, p, flat, keys: list[str]) -> tuple[FlatRange, dict[str, FlatRange]]:
-    """This rank's range of parameter `p`: its fp32 master and each optimizer entry, as views."""
+def _ranges(zero, p, flat, keys: list[str], box=None) -> tuple[FlatRange, dict[str, FlatRange]]:
+    """This rank's range of parameter `p`: its fp32 master and each optimizer entry, as views
+    (`box`: where AutoTP's shard, which the range is of, sits in the whole tensor)."""
     if hasattr(p, "ds_id"):  # ZeRO-3: this rank's slice of the parameter, padding dropped
         _, offset, _ = zero.grad_position[zero.get_param_id(p)]
         size, rank = p.partition_numel(), dist.get_rank(group=zero.dp_process_group)
@@ -37,29 +38,35 @@ def _ranges(zero, p, flat, keys: list[str]) -> tuple[FlatRange, dict[str, FlatRa
         mapping, shape = p._hp_mapping, p.shape
         if mapping is None:  # none of this parameter is in this rank's partition
             start, empty = 0, flat.new_empty(0)
-            return FlatRange(empty, 0, shape), {k: FlatRange(empty, 0, shape) for k in keys}
+            return (FlatRange(empty, 0, shape, box),
+                    {k: FlatRange(empty, 0, shape, box) for k in keys})
         start = mapping.lp_fragment_address.start
         master = mapping.hp_fragment.view(-1)
         entries = {k: mapping.get_optim_state_fragment(k).view(-1) for k in keys}
-    return (FlatRange(master.detach(), start, shape),
-            {k: FlatRange(v.detach(), start, shape) for k, v in entries.items()})
+    return (FlatRange(master.detach(), start, shape, box),
+            {k: FlatRange(v.detach(), start, shape, box) for k, v in entries.items()})
 
 
-def _frozen_part(p, rank: int):
+def _frozen_part(p, rank: int, box=None):
     """A frozen parameter as this rank holds it: ZeRO-3 partitions it (this rank's slice of
-    `ds_tensor`); ZeRO-1/2 keep it whole on every rank."""
+    `ds_tensor`); ZeRO-1/2 keep it whole on every rank (AutoTP's shard of it: `box`)."""
     if hasattr(p, "ds_id"):
         size = p.partition_numel()
         start = rank * size
         n = max(0, min(size, p.ds_numel - start))
         return FlatRange(p.ds_tensor.data.view(-1)[:n], start, p.ds_shape)
-    return p.data
+    return p.data if box is None else FlatRange(p.data.view(-1), 0, p.shape, box)
 
 
-def sharded_state(ds) -> dict:
-    """The portable state of a ZeRO engine, each rank holding views of only what it owns."""
+def sharded_state(ds, split=None) -> dict:
+    """The portable state of a ZeRO engine, each rank holding views of only what it owns. Under
+    tensor parallelism each TP rank's data-parallel group partitions its own shards (written as
+    blocks of the whole tensors); what AutoTP left whole is the same on every TP rank and written
+    by the first."""
     zero = ds.optimizer
     base, rank, world = zero.optimizer, dist.get_rank(), dist.get_world_size()
+    boxes, tp_rank = (split.boxes, split.rank) if split else ({}, 0)
+    dp, dp_rank = dist.get_world_size(zero.dp_process_group), dist.get_rank(zero.dp_process_group)
     names = {id(p): ps.clean_name(n) for n, p in ds.module.named_parameters()}
     relink(zero)
     model, state = {}, {}
@@ -69,21 +76,24 @@ def sharded_state(ds) -> dict:
         for p in lps:
             name = names[id(p)]
             groups[group]["params"].append(name)
-            model[name], state[name] = _ranges(zero, p, flat, keys)
-            if step is not None and model[name].start == 0 and model[name].data.numel():
+            if tp_rank and name not in boxes:  # whole on every TP rank: the first writes it
+                continue
+            model[name], state[name] = _ranges(zero, p, flat, keys, boxes.get(name))
+            first = model[name].start == 0 and not any(boxes[name].origin if name in boxes else ())
+            if step is not None and first and model[name].data.numel():
                 # one scalar per parameter, written by the rank holding its first element
                 state[name]["step"] = torch.as_tensor(step, dtype=torch.float32).clone()
     trained = {n for g in groups for n in g["params"]}
     for i, (name, p) in enumerate(_frozen(ds, trained).items()):
-        part = _frozen_part(p, rank)
-        if isinstance(part, FlatRange) or i % world == rank:  # whole ones: written round robin
-            model[name] = part
+        part = _frozen_part(p, rank, boxes.get(name))
+        if hasattr(p, "ds_id") or (i % dp == dp_rank if name in boxes else i % world == rank):
+            model[name] = part  # whole ones (and TP shards per dp group): written round robin
     if rank == 0:
         model.update(ps.buffers(ds.module))  # buffers are never partitioned
     return {"model": _with_aliases(ds, model), "optim": {"state": state, "param_groups": groups}}
 
 
-def load_sharded(ds, path: Path) -> None:
+def load_sharded(ds, path: Path, split=None) -> None:
     """Read each rank's ranges in place: fp32 masters and optimizer entries, then the model's
     weights from the masters (ZeRO-1/2: DeepSpeed's own all-gather of the partitions; ZeRO-3: each
     rank's slice), the shared step counts and the groups' hyper-parameters."""
@@ -91,6 +101,7 @@ def load_sharded(ds, path: Path) -> None:
     base, rank = zero.optimizer, dist.get_rank()
     _init_zero_state(zero)  # a fresh optimizer has no state for the ranges to point at
     relink(zero)
+    boxes = split.boxes if split else {}
     names = {id(p): ps.clean_name(n) for n, p in ds.module.named_parameters()}
     model, state, members, reader = {}, {}, [], ps.open_state(path)
     for group, lps, flat in partitions(zero):
@@ -98,12 +109,12 @@ def load_sharded(ds, path: Path) -> None:
         members.append((group, flat, [names[id(p)] for p in lps]))
         for p in lps:
             name = names[id(p)]
-            model[name], state[name] = _ranges(zero, p, flat, keys)
+            model[name], state[name] = _ranges(zero, p, flat, keys, boxes.get(name))
             if "step" in base.state.get(flat, {}):
                 state[name]["step"] = torch.zeros(())
     trained = set(model)
     for name, p in _frozen(ds, trained).items():
-        model[name] = _frozen_part(p, rank)  # every rank reads what it holds, in place
+        model[name] = _frozen_part(p, rank, boxes.get(name))  # every rank reads what it holds
     buffers = ps.buffers(ds.module)
     model.update({k: torch.empty_like(v) for k, v in buffers.items()})
     template = {"model": _with_aliases(ds, model),

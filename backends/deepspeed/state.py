@@ -61,7 +61,45 @@ def unfused_state(ds) -> dict:
             "optim": ps.optim_by_name(base, names)}
 
 
-def load_unfused(ds, path: Path) -> None:
+def plain_state(ds, optimizer) -> dict:
+    """ZeRO-0 in fp32 under tensor parallelism: the client optimizer steps the module's own
+    parameters, which AutoTP split (their TP shards, by name)."""
+    names = {id(p): ps.clean_name(n) for n, p in ds.module.named_parameters()}
+    model = {names[id(p)]: p.detach() for p in ds.module.parameters()}
+    return {"model": _with_aliases(ds, {**model, **ps.buffers(ds.module)}),
+            "optim": ps.optim_by_name(optimizer, names)}
+
+
+def save_per_parameter(sink, state: dict, split, sharded: bool, is_main: bool) -> None:
+    """State held whole on every data-parallel rank (ZeRO-0): written once by DCP; under tensor
+    parallelism each rank's TP shards as blocks of the whole tensors, or (state_dict: full)
+    gathered over the TP group and written by the main rank."""
+    if split is None:
+        ps.save_state(state, sink)
+    elif sharded:
+        ps.save_state(split.state(state, split.piece), sink)
+    else:
+        whole = split.state(state, split.whole)  # collective: every rank gathers
+        if is_main:
+            ps.save_state(whole, sink, collective=False)
+
+
+def load_plain(ds, optimizer, path: Path, split) -> None:
+    """plain_state's inverse: each rank reads its TP shards in place."""
+    reader = ps.open_state(path)
+    ps.init_optimizer_state(optimizer)
+    names = {id(p): ps.clean_name(n) for n, p in ds.module.named_parameters()}
+    live = plain_state(ds, optimizer)
+    template = split.state(live, split.piece)
+    template["optim"]["param_groups"] = ps.groups_template(path, reader)
+    ps.load_state(template, path, reader=reader)  # into the parameters and the optimizer's tensors
+    merged = ps.merge_groups(optimizer.param_groups, template["optim"]["param_groups"],
+                             [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups])
+    for group, new in zip(optimizer.param_groups, merged):
+        group.update(new)
+
+
+def load_unfused(ds, path: Path, split=None) -> None:
     names, base, reader = master_names(ds), ds.optimizer.optimizer, ps.open_state(path)
     ps.init_optimizer_state(base)
     masters = [m for group in ds.optimizer.fp32_groups for m in group]
@@ -72,7 +110,8 @@ def load_unfused(ds, path: Path) -> None:
                     **{k: torch.empty_like(v) for k, v in ps.buffers(ds.module).items()}}),
                 "optim": {"state": ps.optim_by_name(base, names)["state"],
                           "param_groups": ps.groups_template(path, reader)}}
-    ps.load_state(template, path, reader=reader)
+    reading = template if split is None else split.state(template, split.piece)  # in place
+    ps.load_state(reading, path, reader=reader)
     for m in masters:
         m.data.copy_(template["model"][names[id(m)]])
     for n, p in frozen.items():
@@ -82,7 +121,7 @@ def load_unfused(ds, path: Path) -> None:
             p.data.copy_(m.data)
     ds.module.load_state_dict({k: template["model"][k] for k in ps.buffers(ds.module)}, strict=False)
     base.load_state_dict(ps.optim_for_torch(base, template["optim"]["state"],
-                                         template["optim"]["param_groups"], names))
+                                         reading["optim"]["param_groups"], names))
 
 
 def partitions(zero) -> list[tuple[int, list, torch.Tensor]]:
@@ -123,10 +162,12 @@ def relink(zero) -> None:
         zero._lazy_init_hp_params_optimizer_state()
 
 
-def zero_state(ds, mine, with_optimizer: bool = True) -> dict:
+def zero_state(ds, mine, with_optimizer: bool = True, split=None) -> dict:
     """The portable state of a ZeRO engine gathered whole, one parameter at a time (DeepSpeed's
-    fragment API; collective), kept by the rank `mine(i)` picks: for `state_dict: full` (rank 0
-    writes everything) and gather_model(). Sharded saves write in place (fragments.py)."""
+    fragment API over the data-parallel group, then AutoTP's shards over the TP group; collective),
+    kept by the rank `mine(i)` picks: for `state_dict: full` (rank 0 writes everything) and
+    gather_model(). Sharded saves write in place (fragments.py)."""
+    whole = split.whole if split is not None else lambda name, t: t
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     zero, names = ds.optimizer, {id(p): ps.clean_name(n) for n, p in ds.module.named_parameters()}
@@ -139,8 +180,8 @@ def zero_state(ds, mine, with_optimizer: bool = True) -> dict:
         step = base.state.get(flat, {}).get("step") if with_optimizer else None
         for p in lps:
             groups[group]["params"].append(names[id(p)])
-            weight = safe_get_full_fp32_param(p)
-            entries = {k: safe_get_full_optimizer_state(p, k) for k in keys}
+            weight = whole(names[id(p)], safe_get_full_fp32_param(p))
+            entries = {k: whole(names[id(p)], safe_get_full_optimizer_state(p, k)) for k in keys}
             if mine(i):
                 model[names[id(p)]] = weight.detach().cpu()
                 state[names[id(p)]] = {k: v.detach().cpu() for k, v in entries.items()}
@@ -148,7 +189,7 @@ def zero_state(ds, mine, with_optimizer: bool = True) -> dict:
                     state[names[id(p)]]["step"] = torch.as_tensor(step, dtype=torch.float32).clone()
             i += 1
     for name, p in _frozen(ds, {n for g in groups for n in g["params"]}).items():
-        value = _whole(p)  # collective under ZeRO-3
+        value = whole(name, _whole(p))  # collective under ZeRO-3
         if mine(i):
             model[name] = value
         i += 1

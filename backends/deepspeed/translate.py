@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from backends.deepspeed import schema
+from backends.deepspeed.autotp import tensor_parallel_block
 from parallel.spec.io import SpecError
 from parallel.spec.model import Spec
 
@@ -18,9 +19,11 @@ STAGES = {"none": 0, "optimizer": 1, "grad_op": 2, "full": 3, "hybrid": 3}
 def translate(spec: Spec) -> dict:
     """The DeepSpeed config this spec means, with `deepspeed.native` merged last."""
     config, origins = _config(spec)
+    _tensor_parallel(spec, config, origins)
     _deepcompile(spec, config, origins)
     native = _native(spec.deepspeed.native)
     merged = _merge(config, origins, native, "deepspeed.native")
+    _native_tp(spec, merged.get("tensor_parallel"))
     return {"config": merged}
 
 
@@ -43,6 +46,59 @@ def _deepcompile(spec: Spec, config: dict, origins: dict) -> None:
                           "remove deepcompile (compile.enabled still compiles the model)")])
     config["compile"] = {"deepcompile": True}
     origins["compile.deepcompile"] = "deepspeed.deepcompile"
+
+
+def _tensor_parallel(spec: Spec, config: dict, origins: dict) -> None:
+    """topology.tp as AutoTP (backends/deepspeed/autotp.py). DeepSpeed sizes train_batch_size over
+    every rank, a TP group's too (DeepSpeedConfig takes dist.get_world_size() when no mpu is given:
+    measured, it asserts micro x accumulation x world): the same samples counted tp times."""
+    tp = spec.topology.tp
+    if tp == 1:
+        return
+    if STAGES[spec.shard] == 3:
+        raise SpecError([("topology.tp", f"{tp} with shard {spec.shard!r} (ZeRO-3): AutoTP with "
+                          "ZeRO-3 is not measured against one process here (docs/tp.md); use "
+                          "shard: grad_op or optimizer (ZeRO-2/1) with tp, or backend: fsdp")])
+    if spec.deepspeed.deepcompile:
+        raise SpecError([("deepspeed.deepcompile", "with topology.tp: DeepCompile's AutoTP pass is "
+                          "not measured here (it needs CUDA); remove deepcompile or set tp: 1")])
+    dims = spec.dims  # each sample once per TP rank: DeepSpeed's count, not the global batch
+    config["train_batch_size"] = spec.micro_batch_size * spec.grad_accum_steps * dims.dp_size * tp
+    config["tensor_parallel"] = tensor_parallel_block(tp, spec.topology.tp_plan)
+    origins.update({"tensor_parallel.autotp_size": "topology.tp",
+                    "tensor_parallel.vocab_parallel_lm_head": "topology.tp_plan",
+                    "tensor_parallel.partition_config": "topology.tp_plan",
+                    "train_batch_size": "micro_batch_size x grad_accum_steps x world size (DeepSpeed "
+                                        "counts a TP group's ranks too)"})
+
+
+# tensor_parallel keys that choose the split (or the head's loss): under topology.tp the split is
+# the plan's (topology.tp_plan, or the model's own), on every backend alike.
+SPLIT_KEYS = ("partition_config", "preset_model", "injection_policy_tuple", "kernel_inject",
+              "replace_with_kernel_inject", "vocab_parallel_ce_backend")
+
+
+def _native_tp(spec: Spec, block) -> None:
+    """AutoTP written under deepspeed.native: its size is topology.tp (polyshard then feeds a TP
+    group one batch and counts its targets once); what picks the split is topology.tp_plan."""
+    if not isinstance(block, dict):
+        return
+    inner = block.get("tp", block.get("tensor_parallel")) or {}
+    size = int(block.get("autotp_size") or 0)
+    if spec.topology.tp == 1 and (size > 1 or int(inner.get("tp_size", 1) or 1) > 1):
+        raise SpecError([("deepspeed.native.tensor_parallel", f"{block}: AutoTP is topology.tp in "
+                          f"polyshard (every rank of a TP group then takes the same batch); set "
+                          f"topology.tp: {max(size, int(inner.get('tp_size', 1) or 1))} and remove "
+                          "it here")])
+    problems = [(f"deepspeed.native.tensor_parallel.{k}", f"{block[k]!r} picks AutoTP's split; under "
+                 "topology.tp the split is topology.tp_plan's (or the model's own plan), the same "
+                 "on every backend: write the plan there") for k in SPLIT_KEYS
+                if block.get(k) not in (None, "torch", False)]
+    if int(inner.get("tp_grain_size", 1) or 1) != 1:
+        problems.append(("deepspeed.native.tensor_parallel.tp.tp_grain_size", f"{inner['tp_grain_size']}"
+                         ": uneven shards change the split; remove it"))
+    if problems:
+        raise SpecError(problems)
 
 
 def _zero(spec: Spec) -> tuple[dict, dict]:
@@ -156,13 +212,6 @@ def _native(native: dict | str) -> dict:
             problems.append((f"deepspeed.native.{key}", f"polyshard passes the {key} your script "
                              "gives engine.prepare() to DeepSpeed, which then ignores this block "
                              "silently; remove it and pass the same to prepare()"))
-    tp = native.get("tensor_parallel")
-    if isinstance(tp, dict) and int(tp.get("autotp_size", tp.get("tp_size", 1)) or 1) > 1:
-        # AutoTP wants the same batch on every rank of a TP group and a train_batch_size over
-        # world / tp ranks; polyshard would feed each rank its own slice: a different objective
-        problems.append(("deepspeed.native.tensor_parallel", f"{tp}: DeepSpeed AutoTP is not wired "
-                         "into polyshard's batch and checkpoint layout yet (docs/tp.md); use "
-                         "backend: fsdp with topology.tp, or remove it"))
     zero = native.get("zero_optimization")
     if isinstance(zero, dict):
         problems += schema.zero_key_problems(zero, "deepspeed.native.zero_optimization")

@@ -14,6 +14,7 @@ plain tensors nothing; a ZeRO-2 rank's save held 0.45 of the whole model + optim
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
@@ -61,13 +62,34 @@ def exact_view(view: torch.Tensor) -> torch.Tensor:
                                                                       view.stride())
 
 
+@dataclass(frozen=True)
+class Box:
+    """Where a rank's local tensor sits in the full one: a tensor-parallel shard is the block of
+    `full` shape starting at `origin` (a column split: rows [o, o + n) of the weight)."""
+
+    full: tuple[int, ...]
+    origin: tuple[int, ...]
+
+    @classmethod
+    def split(cls, full, dim: int, sizes, index: int) -> Box:
+        """Part `index` of `full` split along `dim` into `sizes`."""
+        origin = [0] * len(full)
+        origin[dim] = sum(sizes[:index])
+        return cls(tuple(full), tuple(origin))
+
+
 class FlatRange:
     """`data` (1-D, this rank's storage) holds elements [start, start + data.numel()) of the
-    flattened tensor of full `shape`. Save and load it with DCP like a DTensor shard."""
+    flattened tensor of `shape`, which is the whole tensor, or with `box` the block of the whole
+    tensor a tensor-parallel rank holds. Save and load it with DCP like a DTensor shard."""
 
-    def __init__(self, data: torch.Tensor, start: int, shape):
-        self.data, self.start, self.shape = data, start, torch.Size(shape)
-        self._blocks = blocks(tuple(self.shape), start, data.numel())
+    def __init__(self, data: torch.Tensor, start: int, shape, box: Box | None = None):
+        self.data, self.start = data, start
+        self.shape = torch.Size(box.full if box else shape)  # what DCP stores: the whole tensor
+        origin = box.origin if box else (0,) * len(self.shape)
+        # blocks of the local tensor, moved to where it sits in the whole one
+        self._blocks = [(tuple(o + b for o, b in zip(off, origin)), size, at)
+                        for off, size, at in blocks(tuple(shape), start, data.numel())]
         self._views = {off: exact_view(data[at:at + math.prod(size)].view(size))
                        for off, size, at in self._blocks}
 

@@ -92,10 +92,11 @@ def local_shapes(model: nn.Module, tp: int, spec_plan: dict[str, str] | None = N
     """(name, one TP rank's shape, matched plan entry) of every parameter, after resolve_plan's
     checks."""
     plan = resolve_plan(model, tp, spec_plan) if tp > 1 else {}
-    return _split(model, tp, plan)
+    return split_shapes(model, tp, plan)
 
 
-def _split(model: nn.Module, tp: int, plan: dict[str, str]):
+def split_shapes(model: nn.Module, tp: int, plan: dict[str, str]):
+    """(name, one TP rank's shape, matched plan entry) of every parameter under a resolved plan."""
     out = []
     for name, p in model.named_parameters():
         path, _, leaf = name.rpartition(".")
@@ -111,7 +112,7 @@ def describe(model: nn.Module, tp: int, spec_plan: dict[str, str] | None = None)
     plan = resolve_plan(model, tp, spec_plan)
     entries = {pattern: {"style": style, "modules": 0} for pattern, style in plan.items()}
     whole = 0
-    for name, shape, pattern in _split(model, tp, plan):
+    for name, shape, pattern in split_shapes(model, tp, plan):
         if pattern is None:
             whole += 1
         elif name.endswith(".weight"):
