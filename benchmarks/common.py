@@ -27,8 +27,8 @@ def args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stage", type=int, default=3, help="ZeRO stage (native_deepspeed); FSDP2: 3 "
                    "reshards after forward (FULL_SHARD), 2 keeps parameters (SHARD_GRAD_OP)")
-    p.add_argument("--tp", type=int, default=1, help="FSDP2: tensor-parallel degree (the innermost "
-                   "mesh dim; a TP group's ranks take the same rows)")
+    p.add_argument("--tp", type=int, default=1, help="FSDP2, DeepSpeed: tensor-parallel degree (the "
+                   "innermost mesh dim; a TP group's ranks take the same rows)")
     p.add_argument("--flatten", action="store_true", help="XLA FSDP v1: flatten_parameters")
     p.add_argument("--count", action="store_true", help="count collectives, host reads and store "
                    "calls of every step after the warm-up (not timed)")

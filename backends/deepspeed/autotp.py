@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from parallel.checkpoint.chunks import Box, FlatRange
 
-# polyshard's styles (backends/fsdp/tp.py: STYLES) as AutoTP layer specs. colwise_rep gathers the
+# polyshard's styles (parallel/engine/tp_plan.py: STYLES) as AutoTP layer specs. colwise_rep gathers the
 # output whole on every rank, as torch's ColwiseParallel(output_layouts=Replicate()) does.
 SPECS = {"colwise": {"partition_type": "column"},
          "colwise_rep": {"partition_type": "column", "gather_output": True},

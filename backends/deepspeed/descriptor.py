@@ -38,5 +38,7 @@ DESCRIPTOR = BackendDescriptor(
                  "deepspeed-universal":
                      "backends.deepspeed.native_checkpoint:read_deepspeed_universal"},
         writers={"deepspeed-universal": "backends.deepspeed.universal:write_universal"}),
-    bench=Bench(native=lambda spec: ("native_deepspeed.py", [f"--stage={STAGES[spec.shard]}"])),
+    bench=Bench(native=lambda spec: ("native_deepspeed.py", [
+        f"--stage={STAGES[spec.shard]}",
+        *([f"--tp={spec.topology.tp}"] if spec.topology.tp > 1 else [])])),
 )

@@ -75,6 +75,21 @@ def check_arch_list(value: str) -> None:
                            "it (DeepSpeed then asks the GPU)")
 
 
+def keep_clipped_norm(ds) -> None:
+    """ZeRO-0 in fp32 clips inside `ds.step()` (DeepSpeedEngine.clip_fp32_gradients: its
+    clip_grad_norm_, which sums AutoTP's shards over the TP group through `ds.mpu`) and drops the
+    norm it computed. This instance keeps it as `ds.clipped_norm`, so reporting the norm costs no
+    second norm and no second all-reduce (the same call as DeepSpeed's, its result kept)."""
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    def clip():
+        ds.clipped_norm = clip_grad_norm_(parameters=ds.module.parameters(),
+                                          max_norm=ds.gradient_clipping(), mpu=ds.mpu)
+
+    ds.clipped_norm = None
+    ds.clip_fp32_gradients = clip
+
+
 class DeepSpeedEngine(Engine):
     name = "deepspeed"
     per_parameter_grads = False  # ZeRO steps flat fp32 partitions (ZeRO-0: see state.py)
@@ -123,7 +138,7 @@ class DeepSpeedEngine(Engine):
         self.config = fill_model_autos(self.config, model)
         expected = None
         if self.dims.tp > 1:  # the plan checked against the model, then AutoTP splits by it
-            plan = resolve_plan(model, self.dims.tp, self.spec.topology.tp_plan)
+            plan = resolve_plan(model, self.dims.tp, self.spec.topology.tp_plan, self._say)
             self.config = with_plan(self.config, plan)
             expected = {ps.clean_name(n): shape
                         for n, shape, _ in split_shapes(model, self.dims.tp, plan)}
@@ -144,6 +159,8 @@ class DeepSpeedEngine(Engine):
             model=model, optimizer=client,
             model_parameters=[p for p in model.parameters() if p.requires_grad],
             config=self.config, dist_init_required=False)
+        if not self.ds.zero_optimization() and self.spec.precision == "fp32" and self.spec.grad_clip:
+            keep_clipped_norm(self.ds)
         if expected is not None:
             names = {id(p): ps.clean_name(n) for n, p in self.ds.module.named_parameters()}
             self.split = Split(self.ds.module, names)
@@ -218,13 +235,17 @@ class DeepSpeedEngine(Engine):
 
     def _optimizer_step(self):
         norm = None
-        if not self.ds.zero_optimization() and self.spec.precision == "fp32":
-            # Plain data parallel in fp32 records no norm; the gradients are whole and reduced here.
+        plain = not self.ds.zero_optimization() and self.spec.precision == "fp32"
+        if plain and not self.spec.grad_clip:
+            # Plain data parallel in fp32 records no norm; the gradients are reduced (AutoTP's
+            # shards: their squares summed over the TP group, one scalar all-reduce).
             params = list(self.ds.module.parameters())
             norm = (self.split.grad_norm(params) if self.split else
                     torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
         skipped = self.ds.skipped_steps
         self.ds.step()
+        if plain and self.spec.grad_clip:
+            norm = self.ds.clipped_norm  # the one DeepSpeed's clipping just computed
         recorded = self.ds.get_global_grad_norm()
         if recorded is not None:  # a tensor under ZeRO: kept on the device until someone asks
             norm = (recorded.detach().clone() if isinstance(recorded, torch.Tensor)

@@ -179,7 +179,7 @@ class FSDP2Engine(_TorchFSDP):
         # recomputation too. nn.Module.compile works in place and fully_shard keeps the object.
         if self.dims.tp > 1:
             apply_tp(model, self.device_mesh["tp"],
-                     resolve_plan(model, self.dims.tp, self.spec.topology.tp_plan))
+                     resolve_plan(model, self.dims.tp, self.spec.topology.tp_plan, self._say))
         if self.spec.checkpoint_activations:
             apply_ac(model, self.units)
         self.units = at_unit_places(model, self.units)

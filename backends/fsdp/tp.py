@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from torch import nn
 
-STYLES = ("colwise", "rowwise", "colwise_rep")
+from parallel.engine.tp_plan import STYLES
 
 
 def parallel_style(style: str):

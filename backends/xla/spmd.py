@@ -94,7 +94,7 @@ class XlaSpmdEngine(_Xla):
 
         from parallel.engine.tp_plan import resolve_plan, style_of
 
-        plan = resolve_plan(model, self.spec.topology.tp, self.spec.topology.tp_plan)
+        plan = resolve_plan(model, self.spec.topology.tp, self.spec.topology.tp_plan, self._say)
         split = set()
         for path, module in model.named_modules():
             style = style_of(path, plan)

@@ -11,6 +11,10 @@ from torch import nn
 
 from parallel.spec.io import SpecError
 
+# The styles every backend splits by (the spec's topology.tp_plan takes these): colwise splits a
+# Linear's outputs, rowwise its inputs, colwise_rep its outputs gathered whole (an LM head).
+STYLES = ("colwise", "rowwise", "colwise_rep")
+
 
 def hf_tp_plan(model: nn.Module) -> dict[str, str]:
     """The model's tensor-parallel plan as {module path (fnmatch, from the model's root): style},
@@ -27,12 +31,34 @@ def hf_tp_plan(model: nn.Module) -> dict[str, str]:
     return plan
 
 
-def resolve_plan(model: nn.Module, tp: int, spec_plan: dict[str, str] | None) -> dict[str, str]:
+def resolve_plan(model: nn.Module, tp: int, spec_plan: dict[str, str] | None,
+                 say=None) -> dict[str, str]:
     """The plan a job splits by (the spec's `topology.tp_plan`, else the model's own), after
     checking that every entry names Linear layers and that what it splits divides by tp: a
-    projection's split side and the attention's head counts (each rank runs heads / tp heads)."""
+    projection's split side and the attention's head counts (each rank runs heads / tp heads).
+    An entry whose weight is tied to a module the plan keeps whole (a head tied to the input
+    embedding) stays whole: dropped from the model's own plan (`say` tells it), refused in yours."""
     field = "topology.tp_plan" if spec_plan is not None else "topology.tp"
     plan = spec_plan if spec_plan is not None else hf_tp_plan(model)
+    unknown = {k: v for k, v in plan.items() if v not in STYLES}
+    if unknown:  # the model's own (Mixtral's experts: local_colwise, gather, ...)
+        raise SpecError([(field, f"{type(model).__name__}'s tp plan has entries in styles polyshard "
+                          f"does not split by: {dict(list(unknown.items())[:4])} (it splits "
+                          f"{', '.join(STYLES)}); give topology.tp_plan for the projections to "
+                          "split (what it leaves out stays whole)")])
+    tied = _tied_to_whole(model, plan)
+    if tied and spec_plan is not None:
+        raise SpecError([(field, f"{pattern!r} splits {names[0]}, whose weight is also "
+                          f"{names[1]}, which the plan keeps whole: one weight cannot be split for "
+                          "one module and whole for the other; remove the entry (the head then "
+                          "stays whole on every TP rank) or untie the weights")
+                         for pattern, names in tied.items()])
+    if tied:
+        plan = {k: v for k, v in plan.items() if k not in tied}
+        if say is not None:
+            say(f"topology.tp: {', '.join(n[0] for n in tied.values())} stays whole on every TP "
+                f"rank: its weight is tied to {', '.join(n[1] for n in tied.values())}, which the "
+                "model's plan keeps whole (one process's tie, kept; docs/tp.md)")
     if not plan:
         raise SpecError([("topology.tp_plan", f"unset, and {type(model).__name__} has no tp plan of "
                           "its own (Hugging Face's base_model_tp_plan); give {module path: colwise "
@@ -57,6 +83,20 @@ def resolve_plan(model: nn.Module, tp: int, spec_plan: dict[str, str] | None) ->
     if problems:
         raise SpecError(problems)
     return dict(plan)
+
+
+def _tied_to_whole(model: nn.Module, plan: dict[str, str]) -> dict[str, tuple[str, str]]:
+    """{plan entry: (the weight it splits, a name of the same weight the plan keeps whole)}."""
+    from parallel.engine.params import tied_groups
+
+    out = {}
+    for names in tied_groups(model):
+        owners = {n: pattern_of(n.rpartition(".")[0], plan) for n in names}
+        split = [n for n, pattern in owners.items() if pattern is not None]
+        whole = [n for n, pattern in owners.items() if pattern is None]
+        if split and whole:
+            out.setdefault(owners[split[0]], (split[0], whole[0]))
+    return out
 
 
 def _head_counts(model: nn.Module) -> dict[str, int]:

@@ -33,10 +33,15 @@ def global_batches(steps, world, rows, seed=1234):
     return [torch.randint(0, 256, (world * rows, SEQ), generator=g) for _ in range(steps)]
 
 
+def tiny(case):
+    """The case's model: the tiny Llama, with the case's config overrides (e.g. tied embeddings)."""
+    return build_llama(llama_config("tiny", **case.get("model", {})))
+
+
 def reference(spec, case, batches):
     """What one process computes on the global batch: the numbers every backend must reproduce."""
     torch.manual_seed(spec.seed)
-    record = one_process(build_llama(llama_config("tiny")), optimizer_arg(case["optimizer"]),
+    record = one_process(tiny(case), optimizer_arg(case["optimizer"]),
                          batches, spec.grad_clip)
     return [r["loss"] for r in record], [r["grad_norm"] for r in record]
 
@@ -69,11 +74,11 @@ def run_case(case, phase, ckpt_root):
     if phase == "train":
         out["ref_loss"], out["ref_norm"] = reference(spec, case, batches)
         torch.manual_seed(spec.seed)
-        factory = lambda: build_llama(llama_config("tiny"))  # noqa: E731
+        factory = lambda: tiny(case)  # noqa: E731
     else:
         def factory():  # different weights: only a working load() can reproduce the losses
             torch.manual_seed(spec.seed + 99)
-            return build_llama(llama_config("tiny"))
+            return tiny(case)
     engine.prepare(factory if case.get("factory") else factory(), optimizer_arg(case["optimizer"]))
     ckpt = f"{ckpt_root}/{case['name']}"
     start = 0
@@ -87,11 +92,11 @@ def run_case(case, phase, ckpt_root):
         norms.append(result.grad_norm)
         if phase == "train" and engine.step == case["save_at"]:
             engine.save(ckpt)
-    out.update(loss=losses, norm=norms, start=start)
+    out.update(loss=losses, norm=norms, start=start, notices=engine.notices)
     if phase == "train" and engine.is_main:
         # A plain PyTorch model with the checkpoint's weights of step save_at (read whole, in one
         # process) must see the loss the engine saw at the next step.
-        plain = build_llama(llama_config("tiny"))
+        plain = tiny(case)
         plain.load_state_dict(read_model(Path(ckpt)))
         whole = batches[case["save_at"]]
         kwargs = whole if isinstance(whole, dict) else {"input_ids": whole, "labels": whole}

@@ -1,10 +1,11 @@
 """Tensor parallelism (`topology.tp`) through the engine, against one process on the global batch.
 
-Cases come from the registry: every variant (matrix.cases: fsdp2, fsdp1, zero1-3, xla1, xla2, ...)
-whose spec with tp 2 validates runs dp 2 x tp 2 on 4 ranks or devices, with padded SFT rows,
-accumulation, clipping and activation checkpointing (and what only FSDP2 has: HSDP's 3-D mesh,
-rank-0-only loading and per-block compile; XLA compiles every step anyway), saving after step 3 and resuming in fresh processes; then a tp 2 checkpoint
-moves to tp 1, to another world size and to the other backends."""
+Cases come from the registry: every variant (matrix.cases: fsdp2, fsdp1, zero0-3, xla1, xla2, ...)
+whose spec with tp 2 validates (FSDP2, ZeRO-0/1/2 through AutoTP, XLA SPMD) runs dp 2 x tp 2 on 4
+ranks or devices, with padded SFT rows, accumulation, clipping and activation checkpointing, and a
+head tied to its embedding (and what only FSDP2 has: HSDP's 3-D mesh, rank-0-only loading and
+per-block compile; XLA compiles every step anyway), saving after step 3 and resuming in fresh
+processes; then a tp 2 checkpoint moves to tp 1, to another world size and to the other backends."""
 
 import json
 
@@ -36,11 +37,15 @@ def tp_variants(world=4):
 
 
 VARIANTS = {c.name: c for c in tp_variants()}
+# variants that launch alike share one launch pair (train, resume): FSDP2 and ZeRO-0/1/2 at 4 ranks
+GROUPS = {"+".join(c.name for c in group): group for group in matrix.by_launch(tp_variants())}
 
 
 def cases(c):
     base = with_tp(c)
     out = [case("dp2-tp2", base, optimizer="adamw"),
+           # the head tied to the embedding stays whole (the model's plan would split it)
+           case("tied-head", base, model={"tie_word_embeddings": True}),
            case("padded-accum-clip-ac", {**base, "micro_batch_size": 1, "grad_accum_steps": 2,
                                          "grad_clip": 0.5, "activation_checkpointing": True},
                 optimizer="adamw", padded=True)]
@@ -53,24 +58,28 @@ def cases(c):
                 # torchtitan's order: TP, then compile per block, then fully_shard
                 case("compile-blocks", {**base, "compile": {"enabled": True, "scope": "blocks"}},
                      optimizer="adamw")]
-    return out
+    return [{**one, "name": f"{c.name}-{one['name']}"} for one in out]
 
 
 def test_the_registry_has_tp_variants():
-    assert {"fsdp2", "xla2"} <= set(VARIANTS), sorted(VARIANTS)
+    assert {"fsdp2", "xla2", "zero0", "zero1", "zero2"} <= set(VARIANTS), sorted(VARIANTS)
 
 
-@pytest.mark.timeout(400)
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_tp_matches_one_process_and_resumes(tmp_path, variant):
-    c = VARIANTS[variant]
-    results = run_parity(tmp_path, cases(c), nproc=c.nproc, timeout=300, env=c.env)
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("group", sorted(GROUPS))
+def test_tp_matches_one_process_and_resumes(tmp_path, group):
+    variants = GROUPS[group]
+    results = run_parity(tmp_path, [one for c in variants for one in cases(c)],
+                         nproc=variants[0].nproc, timeout=500, env=variants[0].env)
     # XLA SPMD at tp 2 resumed from padded rows with accumulation: the first resumed step is
     # identical, the second 4.8e-7 off (measured; docs/tp.md; the cause is not pinned down: lost
     # or stale state shows at 1e-3, as the transfer test below would)
-    spmd = c.spec.get("xla", {}).get("fsdp_version") == 2
+    spmd = variants[0].spec.get("xla", {}).get("fsdp_version") == 2
     worst = {name: check_parity(name, res, resume_tol=1e-6 if spmd else 0.0)
              for name, res in results.items()}
+    for c in variants:
+        notices = " ".join(results[f"{c.name}-tied-head"]["train"].get("notices", []))
+        assert "lm_head.weight stays whole" in notices, (c.name, notices)
     for name, res in results.items():  # the checkpoint read whole in one process: full shapes
         assert abs(res["train"]["consolidated_loss"] - res["train"]["loss"][3]) <= 1e-5, name
         stats = res["train"].get("compile")
@@ -78,7 +87,7 @@ def test_tp_matches_one_process_and_resumes(tmp_path, variant):
             assert stats["ran_compiled"] == stats["units"] > 0 and stats["late_graphs"] == 0, stats
         if "matrix_specs" in res["train"]:  # SPMD: weights tiled over both mesh axes (2 x 2)
             assert any("devices=[2,2]" in s for s in res["train"]["matrix_specs"]), res["train"]
-    print(f"{variant} tp: max |loss - one process| per case: {worst}")
+    print(f"{group} tp: max |loss - one process| per case: {worst}")
 
 
 TRANSFER = ROOT / "tests" / "distributed" / "transfer_worker.py"
@@ -115,8 +124,8 @@ def test_tp_checkpoints_load_at_tp1_other_worlds_and_backends(tmp_path):
         return json.loads(out.read_text())
 
     saved, loaded = {}, {}
-    for name, (c, _) in sources.items():
-        saved.update(launch("save", [name], c))
+    for group in matrix.by_launch([c for c, _ in sources.values()]):  # one launch per layout
+        saved.update(launch("save", [f"{c.name}-tp2" for c in group], group[0]))
     for group in matrix.by_launch(targets):
         loaded.update(launch("load", [c.name for c in group], group[0]))
     for group in matrix.by_launch(wide):
