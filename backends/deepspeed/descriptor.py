@@ -23,7 +23,7 @@ DESCRIPTOR = BackendDescriptor(
     packages=("deepspeed",),
     variants={f"zero{stage}": {"shard": shard} for shard, stage in STAGES.items()
               if not shard.startswith("hybrid")},
-    tensor_parallel=True,  # AutoTP with ZeRO-0/1/2 (autotp.py); translate refuses ZeRO-3
+    tensor_parallel=True,  # AutoTP at every ZeRO stage (autotp.py); translate refuses DeepCompile
     flat_optimizer=lambda spec: True,  # ZeRO's flat fp32 partitions (ZeRO-0 too: state.py)
     plan=PlanModel(plan.model_states, plan.comm, plan.transient),
     launch=Launch(env=lambda: {"USE_TORCH_XLA": "0"}),

@@ -3,6 +3,7 @@ shared training step. deepspeed is imported when the engine is built."""
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from contextlib import contextmanager
@@ -294,6 +295,14 @@ class DeepSpeedEngine(Engine):
                  if isinstance(v, torch.Tensor) and v.dim() > 0]
         return {"params": held, "grads": grads, "optimizer": state + masters}
 
+    @functools.cached_property
+    def count_group(self):
+        """AutoTP's data-parallel group, the one ZeRO reduces over (no torch DeviceMesh of our own:
+        its flattened-mesh cache outlives the process group, measured in a second job)."""
+        from deepspeed.utils import groups
+
+        return None if self.dims.tp == 1 else groups.get_data_parallel_group()
+
     @property
     def forward_gathers(self) -> bool:  # only ZeRO-3 partitions the parameters a forward uses
         return STAGES[self.spec.shard] == 3
@@ -302,6 +311,15 @@ class DeepSpeedEngine(Engine):
     def _unwrapped(self):
         # DeepSpeed does not wrap the modules: ZeRO-3's hooks on them gather in any forward
         yield self.ds.module
+
+    def _destroy_process_group(self) -> None:
+        # DeepSpeed keeps the groups it made (AutoTP's TP and data-parallel groups, its clone of the
+        # world) in module globals; torch's teardown leaves them pointing at destroyed groups, and
+        # the next job in this process failed in them (measured: "Group ... is not registered").
+        # deepspeed.comm's teardown releases them too.
+        import deepspeed.comm
+
+        deepspeed.comm.destroy_process_group()
 
     def native_checkpoint(self):
         """(save, load) as DeepSpeed's docs do it: engine.save_checkpoint / load_checkpoint."""

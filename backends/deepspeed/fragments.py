@@ -47,14 +47,15 @@ def _ranges(zero, p, flat, keys: list[str], box=None) -> tuple[FlatRange, dict[s
             {k: FlatRange(v.detach(), start, shape, box) for k, v in entries.items()})
 
 
-def _frozen_part(p, rank: int, box=None):
-    """A frozen parameter as this rank holds it: ZeRO-3 partitions it (this rank's slice of
-    `ds_tensor`); ZeRO-1/2 keep it whole on every rank (AutoTP's shard of it: `box`)."""
+def _frozen_part(p, dp_rank: int, box=None):
+    """A frozen parameter as this rank holds it: ZeRO-3 partitions it over the data-parallel
+    group (this rank's slice of `ds_tensor`); ZeRO-1/2 keep it whole on every rank (`box`: where
+    AutoTP's shard of it sits in the whole tensor)."""
     if hasattr(p, "ds_id"):
         size = p.partition_numel()
-        start = rank * size
+        start = dp_rank * size
         n = max(0, min(size, p.ds_numel - start))
-        return FlatRange(p.ds_tensor.data.view(-1)[:n], start, p.ds_shape)
+        return FlatRange(p.ds_tensor.data.view(-1)[:n], start, p.ds_shape, box)
     return p.data if box is None else FlatRange(p.data.view(-1), 0, p.shape, box)
 
 
@@ -64,7 +65,7 @@ def sharded_state(ds, split=None) -> dict:
     blocks of the whole tensors); what AutoTP left whole is the same on every TP rank and written
     by the first."""
     zero = ds.optimizer
-    base, rank, world = zero.optimizer, dist.get_rank(), dist.get_world_size()
+    base, rank = zero.optimizer, dist.get_rank()
     boxes, tp_rank = (split.boxes, split.rank) if split else ({}, 0)
     dp, dp_rank = dist.get_world_size(zero.dp_process_group), dist.get_rank(zero.dp_process_group)
     names = {id(p): ps.clean_name(n) for n, p in ds.module.named_parameters()}
@@ -85,9 +86,10 @@ def sharded_state(ds, split=None) -> dict:
                 state[name]["step"] = torch.as_tensor(step, dtype=torch.float32).clone()
     trained = {n for g in groups for n in g["params"]}
     for i, (name, p) in enumerate(_frozen(ds, trained).items()):
-        part = _frozen_part(p, rank, boxes.get(name))
-        if hasattr(p, "ds_id") or (i % dp == dp_rank if name in boxes else i % world == rank):
-            model[name] = part  # whole ones (and TP shards per dp group): written round robin
+        if tp_rank and name not in boxes:  # whole on every TP rank: the first writes it
+            continue
+        if hasattr(p, "ds_id") or i % dp == dp_rank:  # ZeRO-1/2 hold it whole: round robin
+            model[name] = _frozen_part(p, dp_rank, boxes.get(name))
     if rank == 0:
         model.update(ps.buffers(ds.module))  # buffers are never partitioned
     return {"model": _with_aliases(ds, model), "optim": {"state": state, "param_groups": groups}}
@@ -98,7 +100,7 @@ def load_sharded(ds, path: Path, split=None) -> None:
     weights from the masters (ZeRO-1/2: DeepSpeed's own all-gather of the partitions; ZeRO-3: each
     rank's slice), the shared step counts and the groups' hyper-parameters."""
     zero = ds.optimizer
-    base, rank = zero.optimizer, dist.get_rank()
+    base, dp_rank = zero.optimizer, dist.get_rank(zero.dp_process_group)
     _init_zero_state(zero)  # a fresh optimizer has no state for the ranges to point at
     relink(zero)
     boxes = split.boxes if split else {}
@@ -114,7 +116,7 @@ def load_sharded(ds, path: Path, split=None) -> None:
                 state[name]["step"] = torch.zeros(())
     trained = set(model)
     for name, p in _frozen(ds, trained).items():
-        model[name] = _frozen_part(p, rank, boxes.get(name))  # every rank reads what it holds
+        model[name] = _frozen_part(p, dp_rank, boxes.get(name))  # every rank reads what it holds
     buffers = ps.buffers(ds.module)
     model.update({k: torch.empty_like(v) for k, v in buffers.items()})
     template = {"model": _with_aliases(ds, model),

@@ -23,7 +23,7 @@ def translate(spec: Spec) -> dict:
     _deepcompile(spec, config, origins)
     native = _native(spec.deepspeed.native)
     merged = _merge(config, origins, native, "deepspeed.native")
-    _native_tp(spec, merged.get("tensor_parallel"))
+    _native_tp(spec, merged.get("tensor_parallel"), "train_batch_size" in native)
     return {"config": merged}
 
 
@@ -49,27 +49,21 @@ def _deepcompile(spec: Spec, config: dict, origins: dict) -> None:
 
 
 def _tensor_parallel(spec: Spec, config: dict, origins: dict) -> None:
-    """topology.tp as AutoTP (backends/deepspeed/autotp.py). DeepSpeed sizes train_batch_size over
-    every rank, a TP group's too (DeepSpeedConfig takes dist.get_world_size() when no mpu is given:
-    measured, it asserts micro x accumulation x world): the same samples counted tp times."""
+    """topology.tp as AutoTP (backends/deepspeed/autotp.py). train_batch_size is left out: under
+    AutoTP DeepSpeed 0.19.8 checks it against different worlds in one job (measured: micro x
+    accumulation x every rank at initialize, x data-parallel ranks in ZeRO-3's parameter
+    conversion), and derives it right on each path when absent, as its AutoTP tutorial leaves it."""
     tp = spec.topology.tp
     if tp == 1:
         return
-    if STAGES[spec.shard] == 3:
-        raise SpecError([("topology.tp", f"{tp} with shard {spec.shard!r} (ZeRO-3): AutoTP with "
-                          "ZeRO-3 is not measured against one process here (docs/tp.md); use "
-                          "shard: grad_op or optimizer (ZeRO-2/1) with tp, or backend: fsdp")])
     if spec.deepspeed.deepcompile:
         raise SpecError([("deepspeed.deepcompile", "with topology.tp: DeepCompile's AutoTP pass is "
                           "not measured here (it needs CUDA); remove deepcompile or set tp: 1")])
-    dims = spec.dims  # each sample once per TP rank: DeepSpeed's count, not the global batch
-    config["train_batch_size"] = spec.micro_batch_size * spec.grad_accum_steps * dims.dp_size * tp
+    del config["train_batch_size"]
     config["tensor_parallel"] = tensor_parallel_block(tp, spec.topology.tp_plan)
     origins.update({"tensor_parallel.autotp_size": "topology.tp",
                     "tensor_parallel.vocab_parallel_lm_head": "topology.tp_plan",
-                    "tensor_parallel.partition_config": "topology.tp_plan",
-                    "train_batch_size": "micro_batch_size x grad_accum_steps x world size (DeepSpeed "
-                                        "counts a TP group's ranks too)"})
+                    "tensor_parallel.partition_config": "topology.tp_plan"})
 
 
 # tensor_parallel keys that choose the split (or the head's loss): under topology.tp the split is
@@ -78,9 +72,14 @@ SPLIT_KEYS = ("partition_config", "preset_model", "injection_policy_tuple", "ker
               "replace_with_kernel_inject", "vocab_parallel_ce_backend")
 
 
-def _native_tp(spec: Spec, block) -> None:
+def _native_tp(spec: Spec, block, batch_given: bool) -> None:
     """AutoTP written under deepspeed.native: its size is topology.tp (polyshard then feeds a TP
     group one batch and counts its targets once); what picks the split is topology.tp_plan."""
+    if spec.topology.tp > 1 and batch_given:
+        raise SpecError([("deepspeed.native.train_batch_size", "under AutoTP DeepSpeed checks it "
+                          "against different world sizes in one job (docs/tp.md), so polyshard "
+                          "leaves it to DeepSpeed to derive; remove it (global_batch_size states "
+                          "the batch)")])
     if not isinstance(block, dict):
         return
     inner = block.get("tp", block.get("tensor_parallel")) or {}

@@ -398,4 +398,4 @@ class Engine(EngineCalls):
         self.tracker.close()
         if dist.is_initialized():
             dist.barrier()
-            dist.destroy_process_group()
+            self._destroy_process_group()

@@ -89,14 +89,18 @@ def _attempt_store(rank: int, world: int, timeout: timedelta):
     """After an elastic restart, a store namespaced by the attempt. torchrun's agent store outlives
     the workers, and gloo publishes each rank's address under the same key every attempt: a
     restarted rank could read the dead previous rank's address and fail to connect (measured:
-    "connectFullMesh failed ... Connection refused" on most restarts). None: the default store."""
+    "connectFullMesh failed ... Connection refused" on most restarts). Likewise by the process
+    group's generation in this worker: a second job after close() read the first group's keys and
+    hung (measured); each rank counts its own joins in the store, and ranks join in step, so the
+    counts agree. None: the default store."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None or "MASTER_ADDR" not in os.environ:
         return None
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                           is_master=rank == 0 and not agent, timeout=timeout)
-    return dist.PrefixStore(f"polyshard/attempt_{attempt}/", store)
+    generation = store.add(f"polyshard/attempt_{attempt}/joins/{rank}", 1)
+    return dist.PrefixStore(f"polyshard/attempt_{attempt}/group_{generation}/", store)
 
 
 def free_port() -> int:

@@ -118,6 +118,11 @@ class BackendHooks(ABC):
                               synced=self.world_size > 1 and self.forward_gathers, **kwargs)
         return out.cpu()
 
+    def _destroy_process_group(self) -> None:
+        """The job's process group, torn down at close; a backend whose library keeps groups of
+        its own past it tears those down too."""
+        torch.distributed.destroy_process_group()
+
     def native_checkpoint(self):
         """(save(path), load(path)) of this backend's own checkpointing, as its docs write it, for
         `polyshard bench --save` to compare with; None where there is none to compare."""

@@ -1,7 +1,7 @@
 """Tensor parallelism (`topology.tp`) through the engine, against one process on the global batch.
 
 Cases come from the registry: every variant (matrix.cases: fsdp2, fsdp1, zero0-3, xla1, xla2, ...)
-whose spec with tp 2 validates (FSDP2, ZeRO-0/1/2 through AutoTP, XLA SPMD) runs dp 2 x tp 2 on 4
+whose spec with tp 2 validates (FSDP2, ZeRO-0/1/2/3 through AutoTP, XLA SPMD) runs dp 2 x tp 2 on 4
 ranks or devices, with padded SFT rows, accumulation, clipping and activation checkpointing, and a
 head tied to its embedding (and what only FSDP2 has: HSDP's 3-D mesh, rank-0-only loading and
 per-block compile; XLA compiles every step anyway), saving after step 3 and resuming in fresh
@@ -37,7 +37,7 @@ def tp_variants(world=4):
 
 
 VARIANTS = {c.name: c for c in tp_variants()}
-# variants that launch alike share one launch pair (train, resume): FSDP2 and ZeRO-0/1/2 at 4 ranks
+# variants that launch alike share one launch pair (train, resume): FSDP2 and ZeRO-0-3 at 4 ranks
 GROUPS = {"+".join(c.name for c in group): group for group in matrix.by_launch(tp_variants())}
 
 
@@ -49,6 +49,8 @@ def cases(c):
            case("padded-accum-clip-ac", {**base, "micro_batch_size": 1, "grad_accum_steps": 2,
                                          "grad_clip": 0.5, "activation_checkpointing": True},
                 optimizer="adamw", padded=True)]
+    if c.name == "zero3":  # built partitioned under zero.Init, then split by AutoTP
+        out.append(case("zero-init", base, optimizer="adamw", factory=True))
     if c.name == "fsdp2":  # what only FSDP2 has
         out += [case("hsdp-3d", {**base, "shard": "hybrid", "topology": {
                     **base["topology"], "shard_group_size": 1}}),
@@ -62,7 +64,7 @@ def cases(c):
 
 
 def test_the_registry_has_tp_variants():
-    assert {"fsdp2", "xla2", "zero0", "zero1", "zero2"} <= set(VARIANTS), sorted(VARIANTS)
+    assert {"fsdp2", "xla2", "zero0", "zero1", "zero2", "zero3"} <= set(VARIANTS), sorted(VARIANTS)
 
 
 @pytest.mark.timeout(600)

@@ -83,7 +83,6 @@ def _tp_problems(data):
 
 @pytest.mark.parametrize("backend,extra,field,words", [
     ("fsdp", {"fsdp": {"version": 1}}, "topology.tp", ["fsdp.version: 1", "fsdp.version: 2"]),
-    ("deepspeed", {"shard": "full"}, "topology.tp", ["ZeRO-3", "shard: grad_op"]),
     ("deepspeed", {"shard": "grad_op", "deepspeed": {"deepcompile": True, "native": {}},
                    "compile": {"enabled": True}}, "deepspeed.deepcompile", ["topology.tp"]),
     ("xla_fsdp", {}, "topology.tp", ["xla.fsdp_version: 1", "xla.fsdp_version: 2"]),

@@ -112,9 +112,9 @@ def test_plan_splits_by_tp(capsys, config):
     layer = 4096 * (4096 + 1024 + 1024 + 4096 + 3 * 14336) // 8 + 2 * 4096
     whole = 128256 * 4096 + 4096  # embedding, final norm
     assert data["tp"] == 8 and data["parameters"] == 32 * layer + whole + 128256 * 4096 // 8
-    # FSDP2 and DeepSpeed ZeRO-0/1/2 (AutoTP) split; ZeRO-3 with tp is refused, XLA v1 cannot
+    # FSDP2 and DeepSpeed (AutoTP, every ZeRO stage) split; XLA v1 cannot
     assert {k[0] for k in rows} == {"fsdp", "deepspeed"}
-    assert {k[1] for k in rows if k[0] == "deepspeed"} == {"none", "optimizer", "grad_op"}
+    assert {k[1] for k in rows if k[0] == "deepspeed"} >= {"none", "optimizer", "grad_op", "full"}
     code1, data1, rows1 = rows_of(capsys, "--model", config, "--world", "1024", "--seq", "16")
     assert rows[("fsdp", "full", "none")]["comm_s"] > 0
     assert rows[("fsdp", "full", "none")]["activations"] < rows1[("fsdp", "full", "none")][
