@@ -57,11 +57,32 @@ def deepspeed_section(imp: Import, ds: dict, cfg: dict, base) -> None:
         _from_file(imp, ds, base)
     else:
         _from_plugin(imp, ds)
+    sizes = {k: v for k, v in (cfg.get("parallelism_config") or {}).items() if v not in (None, 1)}
+    if sizes:  # ParallelismConfig._validate_accelerator raises for DEEPSPEED (accelerate 1.11)
+        imp.problems.append(("parallelism_config", f"{sizes}: accelerate refuses a "
+                             "ParallelismConfig with distributed_type DEEPSPEED (FSDP2 and "
+                             "multi-device only); DeepSpeed's tensor parallelism is its config's "
+                             "tensor_parallel.autotp_size"))
+    _autotp_world(imp)
     stage3 = imp.spec.get("shard") in ("full", "hybrid")
     flag = ds.get("zero3_init_flag")
     imp.set("deepspeed.zero_init", bool(stage3 if flag is None else flag and stage3),
             "deepspeed_config.zero3_init_flag", "mapped" if flag is not None else "default",
             "zero.Init" + (" (absent: on at ZeRO-3, accelerate's default)" if flag is None else ""))
+
+
+def _autotp_world(imp: Import) -> None:
+    """accelerate 1.11 runs AutoTP over a 1-D mesh of the first autotp_size ranks
+    (backends/deepspeed/exports.py: _accelerate_tp): with more processes the others fail."""
+    tp = imp.spec.get("topology", {}).get("tp", 1)
+    topology = {**imp.spec.get("topology", {}), **(imp.given_value("topology") or {})}
+    world = topology.get("nodes", 1) * topology.get("procs_per_node", 1)
+    if tp > 1 and world != tp:
+        imp.problems.append(("deepspeed_config.deepspeed_config_file", f"tensor_parallel.autotp_size"
+                             f" {tp} on {world} processes: accelerate 1.11 builds its TP mesh over "
+                             f"the first {tp} ranks only and the others fail; it runs AutoTP with "
+                             "autotp_size = num_processes (polyshard launch runs data parallelism "
+                             "beside it: import the DeepSpeed file itself)"))
 
 
 def _from_plugin(imp: Import, ds: dict) -> None:

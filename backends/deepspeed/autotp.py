@@ -10,6 +10,7 @@ AutoTP leaves unmatched layers alone)."""
 from __future__ import annotations
 
 import fnmatch
+import re
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,47 @@ def partition_config(plan: dict[str, str]) -> dict:
     return {"use_default_specs": False, "strict_mode": False,
             "layer_specs": [{"patterns": [weight_regex(path)], **SPECS[style]}
                             for path, style in plan.items()]}
+
+
+# regex pieces a module-path pattern can be read back from: .* is fnmatch's *, . its ?, \. a dot
+_TOKEN = re.compile(r"\.\*|\\\.|\[[A-Za-z0-9_]+\]|[A-Za-z0-9_]|\.")
+STYLE_OF = {("column", False): "colwise", ("column", True): "colwise_rep", ("row", False): "rowwise"}
+
+
+def fnmatch_of(regex: str) -> str:
+    """The module path pattern whose weight `regex` matches as AutoTP matches (re.match on the
+    parameter name), where one reads back exactly: polyshard's own (weight_regex) and
+    hand-written ones like `.*\\.o_proj\\.weight$`; ValueError naming the regex otherwise."""
+    body = re.sub(r"\\\.weight(\$|\\Z)$", "", regex)
+    if body == regex:
+        raise ValueError(f"{regex!r} does not end in \\.weight$ (a weight's full name)")
+    if body.startswith("(?s:") and body.endswith(")"):
+        body = body[4:-1]
+    tokens = _TOKEN.findall(body)
+    if "".join(tokens) != body:
+        raise ValueError(f"{regex!r} uses regex syntax a module path pattern cannot say")
+    # token by token: each piece means in fnmatch what it meant in the regex
+    return "".join({".*": "*", "\\.": ".", ".": "?"}.get(t, t) for t in tokens)
+
+
+def plan_of(config: dict) -> dict[str, str]:
+    """AutoTP's partition_config as topology.tp_plan, where it is one: column or row splits of
+    whole weights by patterns that read back; ValueError naming what has no equivalent."""
+    extra = {k: v for k, v in config.items() if k not in ("layer_specs", "use_default_specs",
+                                                          "strict_mode", "tp_size")}
+    if extra or config.get("strict_mode"):
+        raise ValueError(f"{extra or {'strict_mode': True}}: polyshard splits what the plan names "
+                         "and leaves every other layer whole, with no head or embedding rules")
+    plan = {}
+    for spec in config.get("layer_specs", []):
+        other = {k: v for k, v in spec.items()
+                 if k not in ("patterns", "partition_type", "gather_output") and v not in (None, False)}
+        key = (str(spec.get("partition_type", "column")).lower(), bool(spec.get("gather_output")))
+        if other or key not in STYLE_OF:
+            raise ValueError(f"layer spec {spec}: only whole column (gather_output: colwise_rep) "
+                             "and row splits have a topology.tp_plan style")
+        plan.update({fnmatch_of(p): STYLE_OF[key] for p in spec.get("patterns", [])})
+    return plan
 
 
 def tensor_parallel_block(tp: int, plan: dict[str, str] | None) -> dict:

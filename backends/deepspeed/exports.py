@@ -7,11 +7,23 @@ import json
 
 from backends.deepspeed.translate import translate
 from parallel.interop.export import common_accelerate, trainer_args, trainer_document
-from parallel.spec.io import load_spec
+from parallel.spec.io import SpecError, load_spec
 from parallel.spec.model import Spec
 
 
+def _accelerate_tp(spec: Spec, tool: str) -> None:
+    """accelerate 1.11 runs DeepSpeed's AutoTP over a mesh of the first tp ranks only
+    (`init_device_mesh(device, (tp,))` in _prepare_deepspeed; measured at 4 ranks, tp 2: ranks 2-3
+    fail with IndexError), so under it AutoTP runs with tp = the world size, no data parallelism."""
+    if spec.topology.tp > 1 and spec.dims.dp_size > 1:
+        raise SpecError([("topology.tp", f"{spec.topology.tp} with {spec.dims.dp_size} data-parallel "
+                          f"ranks: {tool} runs DeepSpeed's AutoTP over the first tp ranks only "
+                          "(accelerate 1.11 builds a 1-D TP mesh; the other ranks fail), so only tp "
+                          "= world size exports; run this one with polyshard launch")])
+
+
 def to_accelerate(spec: Spec) -> dict:
+    _accelerate_tp(spec, "accelerate")
     config = translate(spec)["config"]
     name = "deepspeed_config.json"
     common = common_accelerate(spec)
@@ -29,4 +41,5 @@ def to_deepspeed(spec: Spec) -> dict:
 
 
 def to_hf_trainer(spec: Spec) -> dict:
+    _accelerate_tp(spec, "HF Trainer (through accelerate)")
     return trainer_document({**trainer_args(spec), "deepspeed": to_deepspeed(spec)})

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from backends.deepspeed import schema
+from backends.deepspeed.import_tp import tensor_parallel_section
 from backends.deepspeed.import_zero import zero_section
 from parallel.interop.accelerate import Import, Report
 
@@ -91,6 +92,7 @@ def import_into(imp: Import, cfg: Any, caller: str = "polyshard") -> None:
         elif key not in HANDLED:
             _native(imp, key, value)
     _batch(imp, cfg)
+    tensor_parallel_section(imp, cfg.get("tensor_parallel"))
     _clipping(imp, cfg)
     _precision(imp, cfg)
     zero_section(imp, cfg.get("zero_optimization"))
@@ -322,6 +324,7 @@ def _python_hint(block: str, value) -> str:
 
 DEEPSPEED_ONLY = {"torch_adam", "adam_w_mode"}  # DeepSpeed's switches, no torch arguments
 HANDLED = {"train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
+           "tensor_parallel",
            "gradient_clipping", "fp16", "bf16", "bfloat16", "zero_optimization",
            "communication_data_type", "optimizer", "scheduler", "zero_allow_untested_optimizer",
            "zero_force_ds_cpu_optimizer"}

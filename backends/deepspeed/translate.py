@@ -23,7 +23,7 @@ def translate(spec: Spec) -> dict:
     _deepcompile(spec, config, origins)
     native = _native(spec.deepspeed.native)
     merged = _merge(config, origins, native, "deepspeed.native")
-    _native_tp(spec, merged.get("tensor_parallel"), "train_batch_size" in native)
+    _native_tp(spec, native.get("tensor_parallel"), "train_batch_size" in native)
     return {"config": merged}
 
 

@@ -98,14 +98,16 @@ def run(args) -> int:
 
 def _inspect(path, manifest) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     from parallel.checkpoint.portable import tensor_shapes
 
     console = Console()
-    versions = ", ".join(f"{k} {v}" for k, v in manifest.get("versions", {}).items())
-    console.print(f"[bold]{path}[/]: written by {manifest['backend']} at step {manifest['step']} "
-                  f"on {manifest['world_size']} rank(s); {versions}")
+    # names and versions come from the checkpoint: text, never markup (a crafted '[/x]' raised)
+    versions = escape(", ".join(f"{k} {v}" for k, v in manifest.get("versions", {}).items()))
+    console.print(f"[bold]{escape(str(path))}[/]: written by {escape(str(manifest['backend']))} at "
+                  f"step {manifest['step']} on {manifest['world_size']} rank(s); {versions}")
     if not (path / "state").is_dir():
         model, optim = {}, {}
     else:
@@ -116,14 +118,15 @@ def _inspect(path, manifest) -> None:
         table.add_column(column)
     for name, (shape, dtype) in model.items():
         entries = sorted(k[len(name) + 1:] for k in optim if k.startswith(name + "."))
-        table.add_row(name, str(tuple(shape)), str(dtype).replace("torch.", ""), ", ".join(entries))
+        table.add_row(escape(name), str(tuple(shape)), str(dtype).replace("torch.", ""),
+                      escape(", ".join(entries)))
     console.print(table)
     files = Table(title="files")
     for column in ("file", "bytes", "digest"):
         files.add_column(column)
     for name, info in manifest["files"].items():
         kind = "xxh3_128" if "xxh3_128" in info else "sha256"
-        files.add_row(name, f"{info['size']:,}", f"{kind} {info[kind][:16]}")
+        files.add_row(escape(name), f"{info['size']:,}", f"{kind} {escape(str(info[kind][:16]))}")
     console.print(files)
 
 

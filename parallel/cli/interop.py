@@ -86,16 +86,19 @@ def _merge(into: dict, given: dict) -> None:
 
 def _print_report(source: Path, report) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
+    # the file's own words are text, not markup: '*.[qkv]_proj' is no style tag
     lost = sum(1 for _, outcome, _ in report if outcome == "lost")
-    table = Table(title=f"{source}: {len(report)} fields" + (f", [bold red]{lost} lost[/]" if lost
-                                                              else ""))
+    table = Table(title=f"{escape(str(source))}: {len(report)} fields" + (
+        f", [bold red]{lost} lost[/]" if lost else ""))
     for column in ("field", "outcome", "detail"):
         table.add_column(column, overflow="fold")
     for field, outcome, detail in report:
         style = OUTCOME_STYLE.get(outcome, "")
-        table.add_row(field, f"[{style}]{outcome}[/]" if style else outcome, detail)
+        table.add_row(escape(field), f"[{style}]{outcome}[/]" if style else outcome,
+                      escape(detail))
     Console(stderr=True).print(table)
 
 

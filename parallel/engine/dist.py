@@ -90,9 +90,10 @@ def _attempt_store(rank: int, world: int, timeout: timedelta):
     the workers, and gloo publishes each rank's address under the same key every attempt: a
     restarted rank could read the dead previous rank's address and fail to connect (measured:
     "connectFullMesh failed ... Connection refused" on most restarts). Likewise by the process
-    group's generation in this worker: a second job after close() read the first group's keys and
-    hung (measured); each rank counts its own joins in the store, and ranks join in step, so the
-    counts agree. None: the default store."""
+    group's generation in this worker: a job after another's close() could read the previous
+    group's keys and hang (measured: intermittently, e.g. 1 of 3 runs of two jobs); each rank
+    counts its own joins in the store, and ranks join in step, so the counts agree. None: the
+    default store."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None or "MASTER_ADDR" not in os.environ:
         return None
@@ -158,7 +159,12 @@ class PendingSum:
 def data_parallel_group(mesh):
     """The process group of this rank's data-parallel peers (its TP rank in every replica and
     shard group): the mesh's (dp_replicate, dp_shard) flattened, as torchtitan flattens its
-    "dp" dims (DeviceMesh._flatten: made once, on every rank, in mesh order)."""
+    "dp" dims (DeviceMesh._flatten: made once, on every rank, in mesh order). With one replica
+    group that is the shard dimension's own group: no flattening, whose cache (keyed by the mesh's
+    layout) outlives a destroyed process group and handed a second job in the same process the
+    first one's group (measured)."""
+    if mesh["dp_replicate"].size() == 1:
+        return mesh["dp_shard"].get_group()
     return mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
 
 

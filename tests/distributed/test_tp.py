@@ -147,3 +147,25 @@ def test_tp_checkpoints_load_at_tp1_other_worlds_and_backends(tmp_path):
             pairs += 1
     assert pairs == len(sources) * len(loaders)
     print(f"{pairs} tp checkpoint transfers within 1e-5")
+
+
+SEQUENTIAL = ROOT / "tests" / "distributed" / "sequential_worker.py"
+
+
+@pytest.mark.timeout(300)
+def test_tp_jobs_one_after_another_in_one_process(tmp_path):
+    """A sweep or a notebook kernel runs jobs one after another: each TP variant that launches as
+    torch processes (XLA's runtime is one client per process) runs dp 2 x tp 2 twice, each job
+    closed before the next, all in one process per rank. Measured before: DeepSpeed's AutoTP groups
+    and torch's flattened-mesh cache still pointed at the first job's destroyed process group."""
+    group = next(g for g in matrix.by_launch(tp_variants()) if not g[0].env.get("CPU_NUM_DEVICES"))
+    jobs = {}
+    for c in group:  # at 4 ranks: at 2 (dp 1) nothing of this showed
+        jobs[f"{c.name}-first"] = jobs[f"{c.name}-again"] = with_tp(c)
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    torchrun(group[0].nproc, [str(SEQUENTIAL), "--jobs", str(tmp_path / "jobs.json"), "--out",
+                              str(tmp_path / "out.json")], timeout=240, env=group[0].env)
+    results = json.loads((tmp_path / "out.json").read_text())
+    assert list(results) == list(jobs), results
+    bad = {k: v for k, v in results.items() if not isinstance(v, float) or v > 1e-5}
+    assert not bad, bad

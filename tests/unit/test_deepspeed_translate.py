@@ -84,14 +84,33 @@ def test_native_merges_last_auto_fills_and_conflicts_name_both_values(tmp_path):
         ds(deepspeed={"native": str(tmp_path / "missing.json")})
 
 
-def test_autotp_through_native_is_refused_until_wired():
-    """DeepSpeed AutoTP feeds every rank of a TP group one batch and sizes train_batch_size over
-    world / tp; polyshard's loader would give each rank its own slice, another objective, so an
-    imported or written `tensor_parallel.autotp_size` > 1 is refused naming the field."""
+def test_topology_tp_is_autotp_and_native_keys_cannot_pick_another_split():
+    """topology.tp is AutoTP's size, with polyshard's plan as its partition_config and DeepSpeed
+    left to derive train_batch_size (it checks it against different worlds in one job: docs/tp.md);
+    written under deepspeed.native, AutoTP's size must be topology.tp and its split the plan's."""
     from parallel.spec.io import SpecError, load_spec
 
-    base = {"backend": "deepspeed", "topology": {"procs_per_node": 4}}
-    with pytest.raises(SpecError) as err:
+    base = {"backend": "deepspeed", "shard": "grad_op", "topology": {"procs_per_node": 4}}
+    tp = {**base, "topology": {"procs_per_node": 4, "tp": 2}}
+    config = translate(load_spec(tp))["config"]
+    assert config["tensor_parallel"] == {"autotp_size": 2, "vocab_parallel_lm_head": False}
+    assert "train_batch_size" not in config
+    planned = {**tp, "topology": {**tp["topology"], "tp_plan": {"lm_head": "colwise_rep"}}}
+    spec = translate(load_spec(planned))["config"]["tensor_parallel"]["partition_config"]
+    assert spec["layer_specs"] == [{"patterns": [r"(?s:lm_head)\.weight\Z"],
+                                    "partition_type": "column", "gather_output": True}]
+    with pytest.raises(SpecError) as err:  # AutoTP without topology.tp: one batch per TP group
         load_spec({**base, "deepspeed": {"native": {"tensor_parallel": {"autotp_size": 2}}}})
-    assert "deepspeed.native.tensor_parallel" in dict(err.value.problems)
+    assert "topology.tp: 2" in dict(err.value.problems)["deepspeed.native.tensor_parallel"]
     load_spec({**base, "deepspeed": {"native": {"tensor_parallel": {"autotp_size": 1}}}})
+    for key, value in (("partition_config", {"layer_specs": []}), ("preset_model", "llama"),
+                       ("vocab_parallel_lm_head", True)):
+        with pytest.raises(SpecError) as err:
+            load_spec({**tp, "deepspeed": {"native": {"tensor_parallel": {key: value}}}})
+        assert f"deepspeed.native.tensor_parallel.{key}" in dict(err.value.problems), key
+    with pytest.raises(SpecError, match="deepspeed.native.tensor_parallel.autotp_size"):
+        load_spec({**tp, "deepspeed": {"native": {"tensor_parallel": {"autotp_size": 4}}}})
+    with pytest.raises(SpecError, match="deepspeed.native.train_batch_size"):
+        load_spec({**tp, "deepspeed": {"native": {"train_batch_size": 8}}})
+    kept = load_spec({**tp, "deepspeed": {"native": {"tensor_parallel": {"tp_overlap_comm": True}}}})
+    assert translate(kept)["config"]["tensor_parallel"]["tp_overlap_comm"] is True

@@ -304,3 +304,23 @@ def test_model_configs_are_local_bounded_and_run_no_code(tmp_path, capsys):
     assert code == 2 and "auto_map" in err, err
     code, err = cli(capsys, "plan", spec, "--model", "meta-llama/Llama-3.1-8B", "--world", 8)
     assert code == 2 and "never downloads" in err, err
+
+
+def test_names_in_a_checkpoint_are_text_not_markup(ckpt, capsys):
+    """rich reads '[...]' as markup: a crafted closing tag raised MarkupError (a traceback), any
+    other tag restyled the table. inspect prints the checkpoint's own words as they are."""
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["backend"] = "evil[/x][bold]"
+    manifest["versions"] = {"torch[/y]": "2.9"}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    assert cli(capsys, "ckpt", "inspect", ckpt)[0] == 0  # MarkupError before the fix
+
+
+def test_an_import_report_prints_patterns_as_written(tmp_path, capsys):
+    """'*.[qkv]_proj' in a DeepSpeed partition_config is a pattern, not a rich style tag."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "tensor_parallel": {
+        "autotp_size": 2, "partition_config": {"layer_specs": [
+            {"patterns": [r".*\.[qkv]_proj\.weight$"], "partition_type": "column"}]}}}))
+    code, err = cli(capsys, "import", "deepspeed", path, "--set", "topology.procs_per_node=2")
+    assert code == 0 and "*.[qkv]_proj" in err, err
