@@ -112,6 +112,7 @@ class Split:
         self.rank = dist.get_rank(group=self.group)
         self.boxes = {names[id(p)]: box for p in module.parameters()
                       if (box := self._box(p)) is not None}
+        self.split_ids = {id(p) for p in module.parameters() if names[id(p)] in self.boxes}
 
     def _box(self, p) -> Box | None:
         meta = getattr(p, META, None)
@@ -169,8 +170,9 @@ class Split:
         split, whole = [], []
         for p in params:
             if p.grad is not None:
-                (split if getattr(p, META, None) and self._box(p) else whole).append(p.grad)
-        squares = torch.stack([torch.nn.utils.get_total_norm(g, 2.0) ** 2 if g else
-                               torch.zeros(()) for g in (split, whole)])
+                (split if id(p) in self.split_ids else whole).append(p.grad)
+        device = (split or whole)[0].device
+        squares = torch.stack([torch.nn.utils.get_total_norm(g, 2.0).to(device) ** 2 if g else
+                               torch.zeros((), device=device) for g in (split, whole)])
         dist.all_reduce(squares[0:1], group=self.group)
         return squares.sum().sqrt()
