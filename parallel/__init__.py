@@ -1,5 +1,12 @@
 """polyshard: one training-strategy spec for torch FSDP, DeepSpeed ZeRO and PyTorch/XLA FSDP.
 
+Layers, each importing only those below it: cli/ (the command) -> launch/ (processes) and tools/
+(bench, parity, plan, dryrun) -> registry.py (which backends exist; assembles the spec) -> the
+backends (backends/) -> the core: spec/ (the spec and its rules), engine/ (the engine every backend
+implements), checkpoint/ (the portable format), dist.py (the process group), descriptor.py (what a
+backend declares), interop/ (other tools' files: kits, and dispatchers that pick a backend),
+files.py (bounded readers), envinfo.py (facts of the host), toy.py (the demo's model and data).
+
 Importing this package needs neither deepspeed nor torch_xla: backends load lazily through the registry.
 Its names load on first use, so a process that imports only `parallel.launch.agent` (torchrun's agent
 under `polyshard launch`) does not pay for pydantic and the spec (about 0.1 s of every launch)."""
@@ -25,11 +32,15 @@ def create_engine(spec):
 
 
 def __getattr__(name: str):
-    if name == "Spec":
-        from parallel.spec.model import Spec
+    if name == "Spec":  # the spec with every registered backend's section (parallel/registry.py)
+        from parallel.registry import spec_class
 
-        return Spec
-    if name in ("SpecError", "dump_spec", "load_spec"):
+        return spec_class()
+    if name == "SpecError":
+        from parallel.spec.errors import SpecError
+
+        return SpecError
+    if name in ("dump_spec", "load_spec"):
         from parallel.spec import io
 
         return getattr(io, name)

@@ -23,6 +23,17 @@ class Unsupported:
 
 
 @dataclass(frozen=True)
+class Options:
+    """The backend's own section of the spec: `spec.<section>`, a pydantic model of its package
+    (backends/<name>/options.py) that the registry adds to the spec. Knobs that exist on this
+    backend only; everything the backends share is a neutral field."""
+
+    section: str  # the spec field: fsdp, deepspeed, xla
+    model: type  # a parallel.spec.sections.Section subclass, every field documented
+    description: str  # one line, the section's description in the schema and the README
+
+
+@dataclass(frozen=True)
 class Capabilities:
     # spec field (dotted: "checkpoint.async_save") -> {value: Unsupported}; a value absent from the
     # map is supported. The spec checks every field named here (a name that is no spec field fails
@@ -103,8 +114,10 @@ class AccelerateSection(Protocol):
 
 
 class ConfigImporter(Protocol):
-    def __call__(self, path, lossy: bool, given: set) -> tuple[dict, Any]:
-        """A backend's own config file -> (spec dict, report): `polyshard import KIND FILE`."""
+    def __call__(self, path, lossy: bool, given: dict, validate: Callable[[dict], Any]
+                 ) -> tuple[dict, Any]:
+        """A backend's own config file -> (spec dict, report): `polyshard import KIND FILE`;
+        `validate`: the spec validation the result must pass (the dispatcher's load_spec)."""
 
 
 def _one_device(spec) -> int:
@@ -179,11 +192,15 @@ class BackendDescriptor:
     # The spec -> the backend's own arguments, as plain data (`polyshard explain`). It is also the
     # backend's validation rule: a SpecError raised here fails spec validation everywhere.
     translate: Translate
-    engine: str  # "module:callable" taking the Spec, returning an Engine
+    engine: str  # "module:callable" taking (Spec, packages=...), returning an Engine
     extra: str = ""  # the pip extra that installs its dependency ("" for none)
     packages: tuple[str, ...] = ()  # distributions whose versions a checkpoint records
-    # reads topology.tp > 1 (the backend's translate refuses the modes it cannot split in)
-    tensor_parallel: bool = False
+    # its own section of the spec (None: it has no knobs of its own)
+    options: Options | None = None
+    # the dimensions beyond data parallelism it implements (parallel/spec/dims.py MODEL_DIMS: tp,
+    # cp, pp, ep): the spec refuses any other above 1, naming it; the backend's translate refuses
+    # the modes it cannot split in
+    dimensions: frozenset[str] = frozenset()
     # Short names for common configurations of this backend (name -> spec overrides), which
     # `polyshard bench/parity --backends` and every cross-backend test take: fsdp1, zero2, xla1...
     variants: dict[str, dict] = field(default_factory=dict)

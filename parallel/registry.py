@@ -9,7 +9,9 @@ Adding a backend: a package `backends/<name>/` with a `descriptor.py`, and its l
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
+import sys
 
 from backends.deepspeed.descriptor import DESCRIPTOR as DEEPSPEED
 from backends.fsdp.descriptor import DESCRIPTOR as FSDP
@@ -28,6 +30,33 @@ def unregister(name: str) -> None:
     _DESCRIPTORS.pop(name, None)
 
 
+def spec_class():
+    """The Spec specs are validated with: parallel/spec/model.py's fields and rules, each registered
+    backend's own section (its descriptor's `options`), and this registry as the lookup of the
+    backends' rules. Assembled once per set of sections (a backend registered with a section of
+    its own gets a class with it)."""
+    return _assemble(tuple(d.options for d in _DESCRIPTORS.values() if d.options is not None))
+
+
+@functools.cache
+def _assemble(options: tuple) -> type:
+    from pydantic import Field, create_model
+
+    from parallel.spec.model import Spec
+
+    sections = {o.section: (o.model, Field(o.model(), description=o.description)) for o in options}
+    cls = create_model("Spec", __base__=Spec, __module__=__name__, **sections)
+    cls.backends = sys.modules[__name__]  # get(name): the descriptors registered at validation
+    cls.sections = tuple(sections)
+    return cls
+
+
+def __getattr__(name: str):
+    if name == "Spec":  # `parallel.registry.Spec`, where pickle looks an assembled class up
+        return spec_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def names() -> list[str]:
     return list(_DESCRIPTORS)
 
@@ -38,7 +67,7 @@ def descriptors() -> list[BackendDescriptor]:
 
 def get(name: str) -> BackendDescriptor:
     if name not in _DESCRIPTORS:
-        from parallel.spec.io import SpecError
+        from parallel.spec.errors import SpecError
 
         hint = difflib.get_close_matches(name, names(), n=1, cutoff=0.6)
         raise SpecError([("backend", f"{name!r} is no backend" + (f"; did you mean {hint[0]!r}?"
@@ -76,9 +105,10 @@ def load(descriptor: BackendDescriptor, ref: str):
 
 
 def create_engine(spec):
-    """The Engine for `spec.backend`."""
+    """The Engine for `spec.backend`; its checkpoints record the versions of the backend's
+    packages."""
     descriptor = get(spec.backend)
-    return load(descriptor, descriptor.engine)(spec)
+    return load(descriptor, descriptor.engine)(spec, packages=descriptor.packages)
 
 
 def explain(spec) -> dict:
@@ -150,7 +180,7 @@ def config_import_kinds() -> list[str]:
 
 def exporter(fmt: str, backend: str):
     """spec -> data in format `fmt`: the backend's own export, else a format any spec converts to."""
-    from parallel.spec.io import SpecError
+    from parallel.spec.errors import SpecError
 
     descriptor = get(backend)
     if fmt in descriptor.interop.exports:
@@ -181,12 +211,18 @@ def _checkpoint_io(kind: str, table: str):
 
 
 def checkpoint_reader(kind: str):
-    """src dir -> (portable state, steps, world size): a backend's native checkpoint format in."""
+    """src dir -> (portable state, steps, world size): torch DCP's layout, or a backend's native
+    checkpoint format, in."""
+    if kind == "dcp":
+        from parallel.checkpoint.importers import read_dcp
+
+        return read_dcp
     return _checkpoint_io(kind, "readers")
 
 
 def checkpoint_kinds() -> list[str]:
-    return [k for d in descriptors() for k in d.checkpoints.readers]
+    """What `polyshard ckpt import` reads: torch DCP, and every backend's native formats."""
+    return ["dcp", *(k for d in descriptors() for k in d.checkpoints.readers)]
 
 
 def checkpoint_writer(kind: str):

@@ -65,7 +65,7 @@ def model_config(source: str):
     from transformers import AutoConfig
 
     from parallel.files import FileError, load_json
-    from parallel.spec.io import SpecError
+    from parallel.spec.errors import SpecError
 
     path = Path(source)
     path = path / "config.json" if path.is_dir() else path

@@ -14,17 +14,69 @@ os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 "
                       "--xla_llvm_disable_expensive_passes=true")
 sys.path.insert(0, str(Path(__file__).parent))  # reliability.py
 
+import pytest  # noqa: E402
+
 import reliability  # noqa: E402
+
+# Each test file's time budget in `make test` (seconds: setup + call + teardown of its tests, as
+# --durations reads them): a tests/distributed file states its own (BUDGET_S = N, module level), a
+# unit file may; `make test` (POLYSHARD_BUDGETS=1) fails the run naming every file over its budget,
+# so the 25-minute suite stays that way file by file. `make test-full` runs the full matrices
+# (tests marked `full`) without budgets.
+UNIT_BUDGET_S = 60.0
+ENFORCED = os.environ.get("POLYSHARD_BUDGETS") == "1"
+
+
+BUDGETS = pytest.StashKey[dict]()
+
+
+def pytest_configure(config):
+    config.stash[BUDGETS] = {}
+
+
+def pytest_collection_modifyitems(session, config, items):
+    budgets = config.stash[BUDGETS]
+    for item in items:
+        path = item.nodeid.split("::")[0]
+        if path in budgets:
+            continue
+        declared = getattr(item.module, "BUDGET_S", None)
+        if declared is None and "/distributed/" in path:
+            raise pytest.UsageError(f"{path}: a multi-process test file states its time budget "
+                                    "(BUDGET_S = seconds, module level; tests/conftest.py)")
+        budgets[path] = float(declared if declared is not None else UNIT_BUDGET_S)
 
 
 def pytest_sessionstart(session):
     reliability.reset()
 
 
+def file_seconds(config) -> dict[str, float]:
+    """Every file's time: setup + call + teardown of its tests, from the run's reports (as
+    --durations reads them)."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    times: dict[str, float] = {}
+    for reports in (reporter.stats.values() if reporter else ()):
+        for report in reports:
+            if hasattr(report, "duration") and hasattr(report, "nodeid"):
+                path = report.nodeid.split("::")[0]
+                times[path] = times.get(path, 0.0) + report.duration
+    return times
+
+
+def over_budget(config) -> dict[str, tuple[float, float]]:
+    budgets = config.stash[BUDGETS]
+    return {p: (s, budgets[p]) for p, s in file_seconds(config).items()
+            if p in budgets and s > budgets[p]}
+
+
 def pytest_sessionfinish(session, exitstatus):
     """What the fault and fuzz tests recorded in this run, as a report: runs/reliability.md
     (untracked). The tracked docs/reliability.md is rewritten only on request:
-    POLYSHARD_UPDATE_DOCS=1 make test (and only when the fault tests ran)."""
+    POLYSHARD_UPDATE_DOCS=1 make test (and only when the fault tests ran). Under POLYSHARD_BUDGETS=1
+    a file over its budget fails the run."""
+    if ENFORCED and over_budget(session.config) and session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
     root = Path(__file__).resolve().parents[1]
     target = root / ("docs" if os.environ.get("POLYSHARD_UPDATE_DOCS") == "1" else "runs")
     target.mkdir(exist_ok=True)
@@ -34,16 +86,21 @@ def pytest_sessionfinish(session, exitstatus):
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """Every file's time (setup + call + teardown, from the run's reports, as --durations reads
-    them), slowest first: the suite's 35-minute budget is kept file by file."""
-    times: dict[str, float] = {}
-    for reports in terminalreporter.stats.values():
-        for report in reports:
-            if hasattr(report, "duration") and hasattr(report, "nodeid"):
-                path = report.nodeid.split("::")[0]
-                times[path] = times.get(path, 0.0) + report.duration
+    them) beside its budget, slowest first: the suite's 25-minute budget is kept file by file."""
+    times = file_seconds(config)
     if not times:
         return
-    terminalreporter.section("seconds per test file")
+    budgets = config.stash[BUDGETS]
+    terminalreporter.section("seconds per test file (budget)")
     for path, seconds in sorted(times.items(), key=lambda kv: -kv[1]):
-        terminalreporter.write_line(f"{seconds:8.1f}  {path}")
+        budget = budgets.get(path)
+        flag = "  OVER BUDGET" if budget is not None and seconds > budget else ""
+        terminalreporter.write_line(f"{seconds:8.1f}  ({budget or 0:6.0f})  {path}{flag}")
     terminalreporter.write_line(f"{sum(times.values()):8.1f}  total")
+    over = over_budget(config)
+    if over and ENFORCED:
+        terminalreporter.write_line(
+            "FAILED: over budget: " + "; ".join(f"{p} {s:.0f} s > {b:.0f} s"
+                                               for p, (s, b) in sorted(over.items())) +
+            " (make the file's launches share one, or move a full matrix to make test-full)",
+            red=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from backends.deepspeed.import_zero import SHARD_OF_STAGE, zero_section
 from backends.deepspeed.interop import import_into, read_config
-from parallel.interop.accelerate import Import
+from parallel.interop.importing import Import
 
 PLUGIN_KEYS = {"zero_stage", "offload_optimizer_device", "offload_param_device",
                "offload_optimizer_nvme_path", "offload_param_nvme_path",
@@ -145,7 +145,7 @@ def _from_file(imp: Import, ds: dict, base) -> None:
     except (OSError, ValueError) as err:
         imp.problems.append(("deepspeed_config.deepspeed_config_file", f"{name!r}: {err}"))
         return
-    inner = Import(imp.lossy, {**imp.given, "precision": imp.spec.get("precision")})
+    inner = Import(imp.lossy, {**imp.given, "precision": imp.spec.get("precision")}, imp.validate)
     import_into(inner, config, caller="accelerate")  # "auto" precision: mixed_precision decides
     imp.problems += [(f"deepspeed_config_file: {p}", m) for p, m in inner.problems]
     imp.report += [(f"deepspeed_config_file: {f}", o, d) for f, o, d in inner.report]

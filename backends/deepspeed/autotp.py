@@ -3,7 +3,7 @@
 
 DeepSpeed 0.19.8 picks its split from, in order, `tensor_parallel.partition_config`, the model's
 Hugging Face tp plan, then name heuristics. polyshard always hands it the plan it resolved and checked
-(parallel/engine/tp_plan.py: the spec's `topology.tp_plan` or the model's own) as a partition_config,
+(parallel/engine/model/tp_plan.py: the spec's `topology.tp_plan` or the model's own) as a partition_config,
 so DeepSpeed splits exactly the modules FSDP2 and XLA split, and nothing else (with a partition_config
 AutoTP leaves unmatched layers alone)."""
 
@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from parallel.checkpoint.chunks import Box, FlatRange
 
-# polyshard's styles (parallel/engine/tp_plan.py: STYLES) as AutoTP layer specs. colwise_rep gathers the
+# polyshard's styles (parallel/engine/model/tp_plan.py: STYLES) as AutoTP layer specs. colwise_rep gathers the
 # output whole on every rank, as torch's ColwiseParallel(output_layouts=Replicate()) does.
 SPECS = {"colwise": {"partition_type": "column"},
          "colwise_rep": {"partition_type": "column", "gather_output": True},

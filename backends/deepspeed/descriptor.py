@@ -6,8 +6,9 @@ from __future__ import annotations
 from backends.deepspeed import accelerate, exports, plan
 from backends.deepspeed.interop import from_deepspeed_file
 from backends.deepspeed.translate import STAGES, translate
+from backends.deepspeed.options import DeepSpeedOptions
 from parallel.descriptor import (BackendDescriptor, Bench, Capabilities, Checkpoints, Interop,
-                                 Launch, PlanModel, Unsupported)
+                                 Launch, Options, PlanModel, Unsupported)
 
 DESCRIPTOR = BackendDescriptor(
     name="deepspeed",
@@ -23,7 +24,9 @@ DESCRIPTOR = BackendDescriptor(
     packages=("deepspeed",),
     variants={f"zero{stage}": {"shard": shard} for shard, stage in STAGES.items()
               if not shard.startswith("hybrid")},
-    tensor_parallel=True,  # AutoTP at every ZeRO stage (autotp.py); translate refuses DeepCompile
+    # AutoTP at every ZeRO stage (autotp.py); translate refuses DeepCompile with it
+    dimensions=frozenset({"tp"}),
+    options=Options("deepspeed", DeepSpeedOptions, "DeepSpeed only knobs."),
     flat_optimizer=lambda spec: True,  # ZeRO's flat fp32 partitions (ZeRO-0 too: state.py)
     plan=PlanModel(plan.model_states, plan.comm, plan.transient),
     launch=Launch(env=lambda: {"USE_TORCH_XLA": "0"}),

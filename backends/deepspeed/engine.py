@@ -3,17 +3,24 @@ shared training step. deepspeed is imported when the engine is built."""
 
 from __future__ import annotations
 
-import functools
 import os
-import re
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from torch import nn
 
-from backends.deepspeed.autotp import Split, with_plan
+from backends.deepspeed.autotp import Split
 from backends.deepspeed.fragments import load_sharded, sharded_state
+from backends.deepspeed.parallelize import (
+    apply_autotp_plan,
+    apply_zero,
+    build_model,
+    check_arch_list,
+    checked_split,
+    keep_clipped_norm,
+    known_config,
+    start_deepspeed,
+)
 from backends.deepspeed.state import (
     is_zero,
     load_plain,
@@ -29,143 +36,52 @@ from backends.deepspeed.translate import STAGES, fill_model_autos, translate
 from parallel.checkpoint.sink import Sink
 from parallel.checkpoint import portable as ps
 from parallel.checkpoint.dcp_state import read_model_optim, write_model_optim
-from parallel.engine.base import Engine
-from parallel.engine.tp_plan import resolve_plan, split_shapes
-from parallel.engine.step import OptimizerArg, build_optimizer, require_fp32
-from parallel.engine.wrap import apply_ac, plan_wrap
-from parallel.spec.io import SpecError
+from parallel.engine.core.engine import Engine
+from parallel.engine.model.tp_plan import resolve_plan
+from parallel.engine.core.step import OptimizerArg, build_optimizer, require_fp32
+from parallel.engine.model.wrap import apply_ac, plan_wrap
+from parallel.spec.errors import SpecError
 from parallel.spec.model import Spec
-
-
-def _reinit_partitioned(model: nn.Module) -> None:
-    """Hugging Face models initialise their weights in `post_init`, which under zero.Init runs on
-    already-partitioned (empty) parameters, so the init is lost (measured: step-1 loss 5.767 instead
-    of 5.548, docs/deepspeed.md). Re-run the model's own `_init_weights` on gathered parameters, in
-    the same module order, so the weights equal those of a plain construction with the same seed."""
-    init = getattr(model, "_init_weights", None)
-    if init is None or any(getattr(p, "_is_hf_initialized", False) for p in model.parameters()):
-        return  # from_pretrained under HfDeepSpeedConfig loaded (and initialised) it already
-    import deepspeed
-
-    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=0):
-        model.apply(init)
-
-
-def register_with_transformers(config: dict):
-    """ZeRO-3 as Hugging Face expects it (HfDeepSpeedConfig): `is_deepspeed_zero3_enabled()` is then
-    true, so `generate` keeps ranks in step (synced_gpus) and from_pretrained partitions. transformers
-    holds a weak reference: the engine keeps the object until close(). None without transformers."""
-    try:
-        from transformers.integrations import HfDeepSpeedConfig
-    except ImportError:
-        return None
-    return HfDeepSpeedConfig(config)
-
-
-def check_arch_list(value: str) -> None:
-    """DeepCompile builds a CUDA op on first use, and DeepSpeed 0.19.8's JIT builder reads each
-    TORCH_CUDA_ARCH_LIST entry as MAJOR.MINOR[+PTX]: torch's arch-specific '9.0a' (sm_90a) failed
-    deep inside it with "invalid literal for int() with base 10: '0a'" (measured on an H100 image
-    that exports it; with 9.0 the same job ran). Said before DeepSpeed starts building."""
-    bad = [e for e in value.replace(" ", ";").split(";")
-           if e.strip() and not re.fullmatch(r"\d+\.\d+(\+PTX)?", e.strip())]
-    if bad:
-        raise RuntimeError(f"TORCH_CUDA_ARCH_LIST={value!r}: deepspeed.deepcompile builds DeepSpeed's "
-                           f"op, whose builder reads each entry as MAJOR.MINOR[+PTX], and {bad} are "
-                           "not; export the list without arch suffixes (e.g. 9.0 for 9.0a) or unset "
-                           "it (DeepSpeed then asks the GPU)")
-
-
-def keep_clipped_norm(ds) -> None:
-    """ZeRO-0 in fp32 clips inside `ds.step()` (DeepSpeedEngine.clip_fp32_gradients: its
-    clip_grad_norm_, which sums AutoTP's shards over the TP group through `ds.mpu`) and drops the
-    norm it computed. This instance keeps it as `ds.clipped_norm`, so reporting the norm costs no
-    second norm and no second all-reduce (the same call as DeepSpeed's, its result kept)."""
-    from deepspeed.runtime.utils import clip_grad_norm_
-
-    def clip():
-        ds.clipped_norm = clip_grad_norm_(parameters=ds.module.parameters(),
-                                          max_norm=ds.gradient_clipping(), mpu=ds.mpu)
-
-    ds.clipped_norm = None
-    ds.clip_fp32_gradients = clip
 
 
 class DeepSpeedEngine(Engine):
     name = "deepspeed"
     per_parameter_grads = False  # ZeRO steps flat fp32 partitions (ZeRO-0: see state.py)
 
-    def __init__(self, spec: Spec):
-        super().__init__(spec)
+    def __init__(self, spec: Spec, **context):
+        super().__init__(spec, **context)
         self.config = translate(spec)["config"]
         self.ds = None
         self._hf_zero3 = None  # HfDeepSpeedConfig, held while the engine lives (ZeRO-3)
         self.split: Split | None = None  # what AutoTP split (topology.tp > 1)
 
     def _prepare(self, model, optimizer: OptimizerArg):
-        import deepspeed
-
-        # deepspeed.comm wraps the process group the Engine created. zero.Init reads its world size
-        # from there: before deepspeed.initialize it would see 1 and reject the batch sizes.
-        deepspeed.init_distributed(dist_init_required=False)
-        # deepspeed.initialize asserts LOCAL_RANK is exported (measured: "DeepSpeed requires the
-        # LOCAL_RANK environment variable" in a plain `python` process or a notebook); the engine
-        # knows it already (torchrun's, Slurm's SLURM_LOCALID, or 0 for one process started by hand)
-        os.environ.setdefault("LOCAL_RANK", str(self.ctx.local_rank))
-        if self.spec.deepspeed.deepcompile and self.device.type != "cuda":
-            raise SpecError([("deepspeed.deepcompile", f"needs CUDA: DeepSpeed "
-                              f"{deepspeed.__version__} enables DeepCompile on the cuda accelerator "
-                              f"only, and this process runs on {self.device.type}; set "
-                              "deepcompile: false (compile.enabled still compiles the model)")])
+        start_deepspeed(self.ctx.local_rank, self.spec.deepspeed.deepcompile, self.device, self.say)
         zero3 = STAGES[self.spec.shard] == 3
-        # the model-sized "auto" values are filled after construction; zero.Init reads none
-        known = {**self.config, "zero_optimization": {
-            k: v for k, v in self.config.get("zero_optimization", {}).items() if v != "auto"}}
-        if not isinstance(model, nn.Module):
-            if self.spec.deepspeed.zero_init and zero3:
-                # Parameters are partitioned as each module is constructed: no rank holds them all.
-                # Registered first, so a factory calling from_pretrained loads the weights into the
-                # partitions as Hugging Face does under ZeRO-3 (without it: "Cannot copy out of
-                # meta tensor")
-                self._hf_zero3 = register_with_transformers(known)
-                with deepspeed.zero.Init(config_dict_or_path=known):
-                    model = model()
-                _reinit_partitioned(model)
-            else:
-                model = model()
-        if zero3 and self._hf_zero3 is None:  # after a plain build: from_pretrained stays as written
-            self._hf_zero3 = register_with_transformers(known)
+        model, self._hf_zero3 = build_model(model, known_config(self.config), zero3,
+                                            self.spec.deepspeed.zero_init)
         require_fp32(model)
-        self.config = fill_model_autos(self.config, model)
-        expected = None
+        self.config, expected = fill_model_autos(self.config, model), None
         if self.dims.tp > 1:  # the plan checked against the model, then AutoTP splits by it
-            plan = resolve_plan(model, self.dims.tp, self.spec.topology.tp_plan, self._say)
-            self.config = with_plan(self.config, plan)
-            expected = {ps.clean_name(n): shape
-                        for n, shape, _ in split_shapes(model, self.dims.tp, plan)}
+            self.config, expected = apply_autotp_plan(self.config, model, self.dims.tp, resolve_plan(
+                model, self.dims.tp, self.spec.topology.tp_plan, self.say))
         self._record_params(model)
         # DeepSpeed does not wrap: the wrap policy only picks the units activation checkpointing
-        # recomputes, so a model without _no_split_modules needs no policy unless that is on.
+        # recomputes and per-block compile compiles, so a model without _no_split_modules needs no
+        # policy unless one of those is on. Checkpointing first, so the wrapper (and its recompute)
+        # is compiled.
         compile_blocks = self.spec.compile.enabled and self.spec.compile.scope == "blocks"
         units = plan_wrap(model, self.spec.wrap) if (self.spec.checkpoint_activations
                                                      or compile_blocks) else []
         if self.spec.checkpoint_activations:
             apply_ac(model, units)
-        if compile_blocks:  # after checkpointing, so the wrapper (and its recompute) is compiled
+        if compile_blocks:
             self._apply_compile(model, units)
-        # Built here and handed over as an instance, so the same checks as on every backend apply
-        # (ZeRO keeps the parameter objects: groups built before prepare need no mapping).
-        client = self._optimizer_over(self._optimizer_factory(optimizer), model)
-        self.ds, ds_optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=client,
-            model_parameters=[p for p in model.parameters() if p.requires_grad],
-            config=self.config, dist_init_required=False)
+        self.ds, ds_optimizer = apply_zero(
+            model, self._optimizer_over(self._optimizer_factory(optimizer), model), self.config)
         if not self.ds.zero_optimization() and self.spec.precision == "fp32" and self.spec.grad_clip:
             keep_clipped_norm(self.ds)
-        if expected is not None:
-            names = {id(p): ps.clean_name(n) for n, p in self.ds.module.named_parameters()}
-            self.split = Split(self.ds.module, names)
-            self.split.check(self.ds.module, expected, names)
+        self.split = checked_split(self.ds, expected) if expected is not None else None
         if self.spec.compile.enabled and self.spec.compile.scope == "model":
             # DeepSpeed's own call: it compiles ds.module in place and records that it did
             # (DeepCompile, compiled autograd and its nvtx switch hang off that record).
@@ -207,6 +123,9 @@ class DeepSpeedEngine(Engine):
                               "with offload: optimizer, or set cpu_adam: false")])
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
+        from backends.deepspeed.ops import announce_builds
+
+        announce_builds(["cpu_adam"], self.say)
         cls, kwargs = optimizer
         return lambda params: DeepSpeedCPUAdam(params, adamw_mode=cls is torch.optim.AdamW, **kwargs)
 
@@ -295,13 +214,13 @@ class DeepSpeedEngine(Engine):
                  if isinstance(v, torch.Tensor) and v.dim() > 0]
         return {"params": held, "grads": grads, "optimizer": state + masters}
 
-    @functools.cached_property
-    def count_group(self):
+    def _data_parallel_group(self):
         """AutoTP's data-parallel group, the one ZeRO reduces over (no torch DeviceMesh of our own:
         its flattened-mesh cache outlives the process group, measured in a second job)."""
         from deepspeed.utils import groups
 
-        return None if self.dims.tp == 1 else groups.get_data_parallel_group()
+        return super()._data_parallel_group() if self.dims.tp == 1 else \
+            groups.get_data_parallel_group()
 
     @property
     def forward_gathers(self) -> bool:  # only ZeRO-3 partitions the parameters a forward uses
@@ -334,13 +253,12 @@ class DeepSpeedEngine(Engine):
         return model if self.split is None else self.split.state({"model": model},
                                                                  self.split.whole)["model"]
 
-    def close(self) -> None:
+    def _release(self) -> None:
         # ZeRO-3 prefetches the next parameters after each forward (generate's last one included):
         # those all-gathers are waited on and released here, while the process group lives, not
         # left to interpreter teardown (gloo work freed there aborts the process: seen once in CI)
         if self.ds is not None and self.spec.shard == "full":
             self.ds.empty_partition_cache()
-        super().close()
         if self._hf_zero3 is not None:  # transformers no longer sees ZeRO-3 once the job is done
             from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
@@ -348,5 +266,5 @@ class DeepSpeedEngine(Engine):
             self._hf_zero3 = None
 
 
-def make_engine(spec: Spec) -> Engine:
-    return DeepSpeedEngine(spec)
+def make_engine(spec: Spec, **context) -> Engine:
+    return DeepSpeedEngine(spec, **context)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 from backends.deepspeed.translate import translate
-from parallel.interop.export import common_accelerate, trainer_args, trainer_document
-from parallel.spec.io import SpecError, load_spec
+from parallel.interop.exporting import common_accelerate, trainer_args, trainer_document
+from parallel.spec.errors import SpecError, validate_as
 from parallel.spec.model import Spec
 
 
@@ -37,7 +37,7 @@ def to_accelerate(spec: Spec) -> dict:
 def to_deepspeed(spec: Spec) -> dict:
     """Any spec as the DeepSpeed config it means (its other fields kept, backend deepspeed)."""
     data = spec.model_dump(mode="json", exclude_unset=True)
-    return translate(load_spec({**data, "backend": "deepspeed"}))["config"]
+    return translate(validate_as(type(spec), {**data, "backend": "deepspeed"}))["config"]
 
 
 def to_hf_trainer(spec: Spec) -> dict:

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from parallel.checkpoint import optim_state
 from parallel.checkpoint import portable as ps
 from parallel.checkpoint.chunks import FlatRange
 
@@ -71,7 +72,7 @@ def sharded_state(ds, split=None) -> dict:
     names = {id(p): ps.clean_name(n) for n, p in ds.module.named_parameters()}
     relink(zero)
     model, state = {}, {}
-    groups = [{**ps.hyperparams(g), "params": []} for g in base.param_groups]
+    groups = [{**optim_state.hyperparams(g), "params": []} for g in base.param_groups]
     for group, lps, flat in partitions(zero):
         keys, step = _flat_keys(base, flat), base.state.get(flat, {}).get("step")
         for p in lps:
@@ -120,16 +121,16 @@ def load_sharded(ds, path: Path, split=None) -> None:
     buffers = ps.buffers(ds.module)
     model.update({k: torch.empty_like(v) for k, v in buffers.items()})
     template = {"model": _with_aliases(ds, model),
-                "optim": {"state": state, "param_groups": ps.groups_template(path, reader)}}
+                "optim": {"state": state, "param_groups": optim_state.groups_template(path, reader)}}
     live = [[] for _ in base.param_groups]  # ZeRO-3's sub-groups collapse into their group
     for group, _, group_names in members:
         live[group] += group_names
     # before anything is read in place: the same groups, or an error naming the parameters that moved
-    merged = ps.merge_groups(base.param_groups, ps.read_groups(path, reader), live)
+    merged = optim_state.merge_groups(base.param_groups, optim_state.read_groups(path, reader), live)
     ps.load_state(template, path, reader=reader)
     ds.module.load_state_dict({k: model[k] for k in buffers}, strict=False)
     for _, flat, group_names in members:
-        step = ps.single_step(state, group_names)
+        step = optim_state.single_step(state, group_names)
         if step is not None and "step" in base.state.get(flat, {}):
             old = base.state[flat]["step"]
             base.state[flat]["step"] = step.to(old) if torch.is_tensor(old) else type(old)(step)

@@ -5,7 +5,7 @@ import."""
 from __future__ import annotations
 
 from backends.deepspeed.autotp import plan_of
-from parallel.interop.accelerate import Import
+from parallel.interop.importing import Import
 
 
 def _whole_number(imp: Import, source: str, value):

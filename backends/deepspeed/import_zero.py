@@ -5,7 +5,7 @@ deepspeed_config (backends/deepspeed/accelerate.py)."""
 from __future__ import annotations
 
 from backends.deepspeed import schema
-from parallel.interop.accelerate import Import
+from parallel.interop.importing import Import
 
 SHARD_OF_STAGE = {0: "none", 1: "optimizer", 2: "grad_op", 3: "full"}
 

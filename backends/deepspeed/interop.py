@@ -18,7 +18,7 @@ from typing import Any
 from backends.deepspeed import schema
 from backends.deepspeed.import_tp import tensor_parallel_section
 from backends.deepspeed.import_zero import zero_section
-from parallel.interop.accelerate import Import, Report
+from parallel.interop.importing import Import, Report
 
 LOGGING = {"steps_per_print", "wall_clock_breakdown", "comms_logger", "tensorboard", "wandb",
            "csv_monitor", "comet", "flops_profiler", "memory_breakdown", "timers", "log_level"}
@@ -28,7 +28,7 @@ def read_config(path: Path) -> Any:
     """A DeepSpeed config file read as DeepSpeed 0.19.8 reads it: hjson (so `//` comments and
     unquoted keys are allowed), duplicate keys refused. Without hjson (it comes with deepspeed), JSON."""
     from parallel.files import FileError, check_depth, read_text
-    from parallel.spec.io import SpecError
+    from parallel.spec.errors import SpecError
 
     try:  # a regular file within the size cap: a FIFO or /dev/zero would hang or fill memory
         text = read_text(path, "a DeepSpeed config")
@@ -62,16 +62,18 @@ def _no_duplicates(pairs):
     return dict(pairs)
 
 
-def from_deepspeed_file(path: Path, lossy: bool = False, given: dict | None = None):
+def from_deepspeed_file(path: Path, lossy: bool, given: dict, validate):
     """`polyshard import deepspeed FILE`: the file read as DeepSpeed reads it, then from_deepspeed."""
-    return from_deepspeed(read_config(path), lossy, given)
+    return from_deepspeed(read_config(path), lossy, given, validate=validate)
 
 
-def from_deepspeed(cfg: Any, lossy: bool = False, given: dict | None = None) -> tuple[dict, Report]:
+def from_deepspeed(cfg: Any, lossy: bool = False, given: dict | None = None, *,
+                   validate) -> tuple[dict, Report]:
     """DeepSpeed config (a dict, as DeepSpeed's hjson reader gives it) -> (spec dict, report).
-    `given`: spec fields set on the command line (they decide "auto" and derived values).
-    Raises SpecError listing every field that cannot keep its meaning."""
-    imp = Import(lossy, given or {})
+    `given`: spec fields set on the command line (they decide "auto" and derived values);
+    `validate`: the spec validation the result must pass (load_spec). Raises SpecError listing every
+    field that cannot keep its meaning."""
+    imp = Import(lossy, given or {}, validate)
     import_into(imp, cfg)
     return imp.finish()
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from parallel.checkpoint.importers import CheckpointImportError, named_groups
-from parallel.checkpoint.portable import clean_name, shared_step
+from parallel.checkpoint.portable import clean_name
+from parallel.checkpoint.optim_state import shared_step
 from parallel.checkpoint.safe import child_name, read_text, torch_load
 
 

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import torch
 
+from parallel.checkpoint import optim_state
 from parallel.checkpoint import portable as ps
-from parallel.engine.params import aliases, tied_groups
+from parallel.engine.model.params import aliases, tied_groups
 
 
 def is_zero(optimizer) -> bool:
@@ -58,7 +59,7 @@ def unfused_state(ds) -> dict:
     model = {names[id(m)]: m.detach().cpu() for group in ds.optimizer.fp32_groups for m in group}
     model.update({n: _whole(p) for n, p in _frozen(ds, set(model)).items()})
     return {"model": _with_aliases(ds, {**model, **ps.buffers(ds.module)}),
-            "optim": ps.optim_by_name(base, names)}
+            "optim": optim_state.optim_by_name(base, names)}
 
 
 def plain_state(ds, optimizer) -> dict:
@@ -67,7 +68,7 @@ def plain_state(ds, optimizer) -> dict:
     names = {id(p): ps.clean_name(n) for n, p in ds.module.named_parameters()}
     model = {names[id(p)]: p.detach() for p in ds.module.parameters()}
     return {"model": _with_aliases(ds, {**model, **ps.buffers(ds.module)}),
-            "optim": ps.optim_by_name(optimizer, names)}
+            "optim": optim_state.optim_by_name(optimizer, names)}
 
 
 def save_per_parameter(sink, state: dict, split, sharded: bool, is_main: bool) -> None:
@@ -87,13 +88,13 @@ def save_per_parameter(sink, state: dict, split, sharded: bool, is_main: bool) -
 def load_plain(ds, optimizer, path: Path, split) -> None:
     """plain_state's inverse: each rank reads its TP shards in place."""
     reader = ps.open_state(path)
-    ps.init_optimizer_state(optimizer)
+    optim_state.init_optimizer_state(optimizer)
     names = {id(p): ps.clean_name(n) for n, p in ds.module.named_parameters()}
     live = plain_state(ds, optimizer)
     template = split.state(live, split.piece)
-    template["optim"]["param_groups"] = ps.groups_template(path, reader)
+    template["optim"]["param_groups"] = optim_state.groups_template(path, reader)
     ps.load_state(template, path, reader=reader)  # into the parameters and the optimizer's tensors
-    merged = ps.merge_groups(optimizer.param_groups, template["optim"]["param_groups"],
+    merged = optim_state.merge_groups(optimizer.param_groups, template["optim"]["param_groups"],
                              [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups])
     for group, new in zip(optimizer.param_groups, merged):
         group.update(new)
@@ -101,15 +102,15 @@ def load_plain(ds, optimizer, path: Path, split) -> None:
 
 def load_unfused(ds, path: Path, split=None) -> None:
     names, base, reader = master_names(ds), ds.optimizer.optimizer, ps.open_state(path)
-    ps.init_optimizer_state(base)
+    optim_state.init_optimizer_state(base)
     masters = [m for group in ds.optimizer.fp32_groups for m in group]
     frozen = _frozen(ds, set(names.values()))
     template = {"model": _with_aliases(ds, {
                     **{names[id(m)]: m.detach().clone().cpu() for m in masters},
                     **{n: torch.empty(p.shape) for n, p in frozen.items()},
                     **{k: torch.empty_like(v) for k, v in ps.buffers(ds.module).items()}}),
-                "optim": {"state": ps.optim_by_name(base, names)["state"],
-                          "param_groups": ps.groups_template(path, reader)}}
+                "optim": {"state": optim_state.optim_by_name(base, names)["state"],
+                          "param_groups": optim_state.groups_template(path, reader)}}
     reading = template if split is None else split.state(template, split.piece)  # in place
     ps.load_state(reading, path, reader=reader)
     for m in masters:
@@ -120,7 +121,7 @@ def load_unfused(ds, path: Path, split=None) -> None:
         for p, m in zip(lps, group):
             p.data.copy_(m.data)
     ds.module.load_state_dict({k: template["model"][k] for k in ps.buffers(ds.module)}, strict=False)
-    base.load_state_dict(ps.optim_for_torch(base, template["optim"]["state"],
+    base.load_state_dict(optim_state.optim_for_torch(base, template["optim"]["state"],
                                          reading["optim"]["param_groups"], names))
 
 
@@ -147,7 +148,7 @@ def _init_zero_state(zero) -> None:
             continue
         params = base.param_groups[group]["params"]
         base.param_groups[group]["params"] = [flat]
-        ps.init_optimizer_state(base)
+        optim_state.init_optimizer_state(base)
         base.param_groups[group]["params"] = params
 
 
@@ -174,7 +175,7 @@ def zero_state(ds, mine, with_optimizer: bool = True, split=None) -> dict:
     base, i = zero.optimizer, 0
     relink(zero)
     model, state = {}, {}
-    groups = [{**ps.hyperparams(g), "params": []} for g in base.param_groups]
+    groups = [{**optim_state.hyperparams(g), "params": []} for g in base.param_groups]
     for group, lps, flat in partitions(zero):
         keys = _flat_keys(base, flat) if with_optimizer else []
         step = base.state.get(flat, {}).get("step") if with_optimizer else None

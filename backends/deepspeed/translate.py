@@ -10,7 +10,7 @@ from pathlib import Path
 
 from backends.deepspeed import schema
 from backends.deepspeed.autotp import tensor_parallel_block
-from parallel.spec.io import SpecError
+from parallel.spec.errors import SpecError
 from parallel.spec.model import Spec
 
 STAGES = {"none": 0, "optimizer": 1, "grad_op": 2, "full": 3, "hybrid": 3}

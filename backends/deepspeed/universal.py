@@ -24,15 +24,12 @@ from pathlib import Path
 
 import torch
 
-from parallel.checkpoint.directory import resolve, verify_checkpoint
+from parallel.checkpoint.directory import resolve
+from parallel.checkpoint.manifest import verify_checkpoint
 from parallel.checkpoint.importers import CheckpointImportError
 from parallel.checkpoint.safe import child_name
-from parallel.checkpoint.portable import (
-    open_state,
-    read_groups,
-    read_tensors,
-    tensor_shapes,
-)
+from parallel.checkpoint.portable import open_state, read_tensors, tensor_shapes
+from parallel.checkpoint.optim_state import read_groups
 
 OPTIM_STATE = "optim.state."
 

@@ -1,6 +1,8 @@
 """torch FSDP: FSDP2 (`fully_shard`, default) and FSDP1 (`FullyShardedDataParallel`).
 
-descriptor.py: everything the rest of polyshard knows about this backend; translate.py: the spec as
-FSDP's arguments (plain data); engine.py: the engines; plan.py: memory and communication model;
-exports.py / accelerate.py: accelerate and HF Trainer files out and in.
+descriptor.py: everything the rest of polyshard knows about this backend; options.py: its section of
+the spec (`fsdp:`); translate.py: the spec as FSDP's arguments (plain data); engine.py: the engines,
+composed from parallelize.py's apply_* steps; layout.py: the shard units at the model's edges;
+plan.py: memory and communication model; exports.py / accelerate.py: accelerate and HF Trainer files
+out and in.
 """

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import difflib
 
-from parallel.interop.accelerate import BY_NUMBER, PREFETCH, STRATEGIES, Import, strategy, wrap_section
+from parallel.interop.importing import BY_NUMBER, PREFETCH, STRATEGIES, Import, strategy, wrap_section
 
 STRATEGY_NAMES = {v: k for k, v in STRATEGIES.items()}
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from backends.fsdp import accelerate, exports, plan
 from backends.fsdp.translate import translate
+from backends.fsdp.options import FsdpOptions
 from parallel.descriptor import (BackendDescriptor, Bench, Capabilities, Interop, Launch,
-                                 PlanModel, Unsupported)
+                                 Options, PlanModel, Unsupported)
 
 NATIVE_STAGE = {"full": 3, "grad_op": 2}  # benchmarks/native_fsdp{1,2}.py: reshard after forward or not
 
@@ -22,7 +23,8 @@ DESCRIPTOR = BackendDescriptor(
     }),
     translate=translate,
     engine="backends.fsdp.engine:make_engine",
-    tensor_parallel=True,  # FSDP2 only: translate refuses tp with fsdp.version 1
+    dimensions=frozenset({"tp"}),  # FSDP2 only: translate refuses tp with fsdp.version 1
+    options=Options("fsdp", FsdpOptions, "torch FSDP only knobs."),
     variants={"fsdp2": {"fsdp": {"version": 2}}, "fsdp1": {"fsdp": {"version": 1}}},
     plan=PlanModel(plan.model_states, plan.comm, plan.transient),
     # accelerate and transformers import torch_xla whenever it is installed, and accelerate then

@@ -3,44 +3,48 @@ translate.py's plain arguments. On CPU the process group is gloo and FSDP1 gets 
 
 from __future__ import annotations
 
-import functools
 from contextlib import contextmanager
-import inspect
-from itertools import chain
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from backends.fsdp.layout import edge_units
-from backends.fsdp.tp import apply_tp
-from parallel.engine.tp_plan import resolve_plan
+from backends.fsdp.parallelize import (
+    apply_forward_prefetch,
+    apply_fsdp1,
+    apply_fsdp2,
+    apply_tp,
+    fill_from_rank0,
+    flat_members,
+    fsdp1_kwargs,
+    fsdp2_kwargs,
+    full_state_of,
+    sync_from_rank0,
+)
 from backends.fsdp.translate import translate
-from parallel.checkpoint.sink import Sink
 from parallel.checkpoint.dcp_state import read_model_optim, write_model_optim
-from parallel.engine.base import Engine
-from parallel.engine.step import OptimizerArg, clip_grad_norm, require_fp32
-from parallel.engine.params import Sharded, clean_name
-from parallel.engine.wrap import apply_ac, at_unit_places, plan_wrap
-from parallel.spec.io import SpecError
+from parallel.checkpoint.sink import Sink
+from parallel.engine.core.engine import Engine
+from parallel.engine.core.step import OptimizerArg, clip_grad_norm, require_fp32
+from parallel.engine.model.tp_plan import resolve_plan
+from parallel.engine.model.wrap import apply_ac, at_unit_places, plan_wrap
+from parallel.spec.errors import SpecError
 from parallel.spec.model import Spec
 from parallel.tools.measurable import ModuleStateTensors
 
 DP = ("dp_replicate", "dp_shard")  # the mesh dims FSDP shards and replicates over (no tp)
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # fp32 / None: no cast
 
 
-def make_engine(spec: Spec) -> Engine:
+def make_engine(spec: Spec, **context) -> Engine:
     """`fsdp.version` picks the implementation; both share checkpoints, clipping and the loop."""
-    return (FSDP2Engine if spec.fsdp.version == 2 else FSDP1Engine)(spec)
+    return (FSDP2Engine if spec.fsdp.version == 2 else FSDP1Engine)(spec, **context)
 
 
 class _TorchFSDP(ModuleStateTensors, Engine):
     name = "fsdp"
 
-    def __init__(self, spec: Spec):
-        super().__init__(spec)
+    def __init__(self, spec: Spec, **context):
+        super().__init__(spec, **context)
         self.plan = translate(spec)  # fail on a contradicting native key before any work
         self.units: list[tuple[str, nn.Module]] = []
         self.scaler = None
@@ -134,41 +138,15 @@ class _TorchFSDP(ModuleStateTensors, Engine):
         return {k: v.detach().cpu() for k, v in state.items()}
 
 
-def broadcast_from_rank0(tensors) -> None:
-    for t in tensors:
-        dist.broadcast(t.data, src=0)
-
-
 class FSDP2Engine(_TorchFSDP):
     def _prepare(self, model, optimizer: OptimizerArg):
-        from torch.distributed.fsdp import (
-            CPUOffloadPolicy,
-            MixedPrecisionPolicy,
-            fully_shard,
-        )
-
         model, lazy = self._materialise(model)
-        kwargs = dict(self.plan["kwargs"])
-        if "mp_policy" in kwargs:
-            mp = kwargs["mp_policy"]
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=DTYPES.get(mp["param_dtype"]),
-                                                       reduce_dtype=DTYPES.get(mp["reduce_dtype"],
-                                                                               torch.float32))
-        if isinstance(kwargs.get("offload_policy"), dict):
-            # pinning needs a CUDA driver; on a CPU-only host there is nothing to pin
-            pin = kwargs["offload_policy"]["pin_memory"] and self.device.type == "cuda"
-            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=pin)
-        _check_kwargs(fully_shard, kwargs)
+        kwargs = fsdp2_kwargs(self.plan["kwargs"], self.device.type)
         # the data-parallel slice of the engine's mesh: 2-D (replicas, shard group), or its shard dim
         mesh = self.device_mesh[DP if len(self.plan["mesh"]) == 2 else "dp_shard"]
-        if lazy:
-            full_sd, buffers = {}, None
-            if self.is_main:  # copies: fully_shard and to_empty below replace the originals
-                full_sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
-                buffers = [b.detach().clone() for b in model.buffers()]
-        elif self.spec.fsdp.sync_module_states:
-            model.to(self.device)
-            broadcast_from_rank0(chain(model.parameters(), model.buffers()))
+        full = full_state_of(model) if lazy and self.is_main else None
+        if not lazy and self.spec.fsdp.sync_module_states:
+            sync_from_rank0(model, self.device)
         # torchtitan's order: the tensor-parallel split first (fully_shard then shards its shards
         # again over the data-parallel dims), activation checkpointing, compile, fully_shard, each on
         # what sits at the unit's place (the checkpoint wrapper when there is one). fully_shard on
@@ -179,53 +157,20 @@ class FSDP2Engine(_TorchFSDP):
         # recomputation too. nn.Module.compile works in place and fully_shard keeps the object.
         if self.dims.tp > 1:
             apply_tp(model, self.device_mesh["tp"],
-                     resolve_plan(model, self.dims.tp, self.spec.topology.tp_plan, self._say))
+                     resolve_plan(model, self.dims.tp, self.spec.topology.tp_plan, self.say))
         if self.spec.checkpoint_activations:
             apply_ac(model, self.units)
         self.units = at_unit_places(model, self.units)
         if self.spec.compile.scope == "blocks":
             self._apply_compile(model, self.units)
-        for _, unit in self.units:  # children first: each unit owns only what no inner unit owns
-            fully_shard(unit, mesh=mesh, **kwargs)
-        # the edges as torchtitan shards them (layout.py), then the root without an explicit
-        # reshard_after_forward: torch keeps it unsharded, so nothing is gathered twice per step
-        blocks_reshard = kwargs.pop("reshard_after_forward")
-        for modules, like_blocks in edge_units(model, self.units):
-            keep = blocks_reshard if like_blocks else self.spec.fsdp.reshard_output
-            fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh,
-                        reshard_after_forward=keep, **kwargs)
-        fully_shard(model, mesh=mesh, **kwargs)
+        apply_fsdp2(model, self.units, mesh, kwargs, self.spec.fsdp.reshard_output)
         if self.spec.compile.scope == "model":
             self._apply_compile(model, [])
         if lazy:
-            self._fill_from_rank0(model, full_sd, buffers)
-        self._set_forward_prefetch(model)
+            fill_from_rank0(model, full, self.device)
+        if self.spec.fsdp.forward_prefetch:
+            apply_forward_prefetch(model, self.units)
         return model, self._optimizer_over(optimizer, model)
-
-    def _fill_from_rank0(self, model, full_sd: dict, buffers) -> None:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-        )
-
-        model.to_empty(device=self.device)
-        set_model_state_dict(model, full_sd, options=StateDictOptions(
-            full_state_dict=True, broadcast_from_rank0=True))
-        for i, b in enumerate(model.buffers()):  # non-persistent buffers are not in state_dict
-            if self.is_main:
-                b.copy_(buffers[i])
-            dist.broadcast(b, src=0)
-
-    def _set_forward_prefetch(self, model: nn.Module) -> None:
-        if not self.spec.fsdp.forward_prefetch:
-            return
-        # Forward runs units in module pre-order. plan_wrap lists them children first, which is
-        # reversed pre-order for class policies but post-order for the size policy: sort, never
-        # reverse (a reversed post-order made each unit prefetch the one that ran before it).
-        position = {id(m): i for i, m in enumerate(model.modules())}
-        forward_order = sorted((m for _, m in self.units), key=lambda m: position[id(m)])
-        for this, nxt in zip(forward_order, forward_order[1:]):
-            this.set_modules_to_forward_prefetch([nxt])
 
     def _no_sync(self):
         return _RequiresGradSync(self.model)
@@ -250,44 +195,11 @@ class FSDP1Engine(_TorchFSDP):
         return self.spec.fsdp.use_orig_params
 
     def _prepare(self, model, optimizer: OptimizerArg):
-        from torch.distributed.fsdp import (
-            BackwardPrefetch,
-            CPUOffload,
-            MixedPrecision,
-            ShardingStrategy,
-        )
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-        from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
-
         model, lazy = self._materialise(model)
-        kwargs = dict(self.plan["kwargs"])
-        kwargs["sharding_strategy"] = ShardingStrategy[kwargs["sharding_strategy"]]
-        if kwargs["backward_prefetch"]:
-            kwargs["backward_prefetch"] = BackwardPrefetch[kwargs["backward_prefetch"]]
-        # torch 2.9's FSDP1 pins offloaded shards, which needs a CUDA driver; on a CPU device the
-        # parameters already live in CPU memory, which is what `offload: params` asks for.
-        on_cpu = self.device.type == "cpu"
-        kwargs["cpu_offload"] = CPUOffload(offload_params=kwargs["cpu_offload"] and not on_cpu)
-        if "mixed_precision" in kwargs:
-            mp = kwargs["mixed_precision"]
-            kwargs["mixed_precision"] = MixedPrecision(
-                param_dtype=DTYPES.get(mp["param_dtype"]),
-                reduce_dtype=DTYPES.get(mp["reduce_dtype"], torch.float32))
-        if self.plan["mesh"]:  # hybrid: the engine's (replicas, shard group) mesh
-            kwargs["device_mesh"] = self.device_mesh[DP]
-        if self.device.type == "cpu" and kwargs["sync_module_states"]:
-            # torch 2.9's FSDP1 rejects sync_module_states for CPU tensors (it broadcasts over the
-            # GPU); on CPU the same broadcast from rank 0 happens here, before wrapping.
-            kwargs["sync_module_states"] = False
-            if lazy and not self.is_main:
-                model.to_empty(device=self.device)
-            broadcast_from_rank0(chain(model.parameters(), model.buffers()))
-        elif lazy and not self.is_main:
-            kwargs["param_init_fn"] = lambda m: m.to_empty(device=self.device, recurse=False)
-        _check_kwargs(FSDP.__init__, kwargs)
-        ids = {id(m) for _, m in self.units}
-        policy = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: id(m) in ids)
-        model = FSDP(model, auto_wrap_policy=policy, device_id=self.device, **kwargs)
+        # hybrid: the engine's (replicas, shard group) mesh
+        mesh = self.device_mesh[DP] if self.plan["mesh"] else None
+        kwargs = fsdp1_kwargs(self.plan["kwargs"], self.device, mesh)
+        model = apply_fsdp1(model, self.units, self.device, kwargs, lazy and not self.is_main)
         # FSDP1 wraps first and checkpoints the original modules inside their FSDP units afterwards
         # (torch's recipe): wrapping a CheckpointWrapper instead would hide the layer class.
         if self.spec.checkpoint_activations:
@@ -341,23 +253,3 @@ def repoint_offloaded(model) -> None:
         flat.data = shard
         if handle._use_orig_params:
             handle._use_sharded_views()
-
-
-def flat_members(model) -> Sharded:
-    """Each parameter FSDP1 trains, with the original names it holds: one per parameter with
-    use_orig_params, every member of its unit for a FlatParameter (its `_fqns`, relative to the
-    module that owns it)."""
-    out = []
-    for name, p in model.named_parameters():
-        fqns, name = getattr(p, "_fqns", None), clean_name(name)
-        prefix = name.rpartition("_flat_param")[0]
-        out.append((p, [prefix + f for f in fqns] if fqns is not None else [name]))
-    return out
-
-
-def _check_kwargs(fn, kwargs: dict) -> None:
-    accepted = set(inspect.signature(fn).parameters)
-    unknown = sorted(set(kwargs) - accepted)
-    if unknown:
-        raise SpecError([(f"fsdp.native.{k}", f"is not an argument of {fn.__qualname__}; accepted: "
-                          f"{', '.join(sorted(accepted - {'self', 'module'}))}") for k in unknown])

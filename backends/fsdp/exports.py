@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from parallel.interop.export import (
+from parallel.interop.exporting import (
     PREFETCH_OF,
     STRATEGY_OF,
     accelerate_wrap,
@@ -12,7 +12,7 @@ from parallel.interop.export import (
     trainer_document,
     trainer_layers,
 )
-from parallel.spec.io import SpecError
+from parallel.spec.errors import SpecError
 from parallel.spec.model import Spec
 
 

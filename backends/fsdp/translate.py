@@ -4,8 +4,9 @@ validation rules (parallel/descriptor.py): every spec that reaches an engine pas
 
 from __future__ import annotations
 
-from parallel.spec.io import SpecError, merge_native
-from parallel.spec.model import HYBRID_SHARDS, Spec
+from parallel.spec.errors import SpecError, merge_native
+from parallel.spec.dims import HYBRID
+from parallel.spec.model import Spec
 
 LOW = ("bf16", "fp16")  # compute dtypes FSDP casts parameters to (fp32: no cast)
 FSDP1_STRATEGY = {"full": "FULL_SHARD", "grad_op": "SHARD_GRAD_OP", "none": "NO_SHARD",
@@ -17,7 +18,7 @@ def mesh_shape(spec: Spec) -> tuple[int, ...]:
     for hybrid, and for `none`, which on FSDP2 is a hybrid mesh whose shard groups have one rank
     (every rank keeps everything, gradients are all-reduced: DDP); the shard group alone otherwise."""
     dims = spec.dims
-    if spec.shard in HYBRID_SHARDS or spec.shard == "none":
+    if spec.shard in HYBRID or spec.shard == "none":
         return (dims.dp_replicate, dims.dp_shard)
     return (dims.dp_shard,)
 
@@ -51,11 +52,11 @@ def translate(spec: Spec) -> dict:
             origins["offload_policy"] = "offload / pin_memory"
         native = merge_native(kwargs, origins, spec.fsdp.native, "fsdp.native")
         out = {"api": "fully_shard", "mesh": list(mesh_shape(spec)), "kwargs": native}
-        if spec.topology.tp > 1:  # parallelize_module over mesh["tp"] first (backends/fsdp/tp.py)
+        if spec.topology.tp > 1:  # parallelize_module over mesh["tp"] first (backends/fsdp/parallelize.py)
             out["tp"] = {"size": spec.topology.tp, "plan": spec.topology.tp_plan or "model's own"}
         return out
     f = spec.fsdp
-    if spec.shard in HYBRID_SHARDS and spec.shard_group_size == 1:
+    if spec.shard in HYBRID and spec.shard_group_size == 1:
         # Measured (docs/fsdp.md): FSDP1 clamps a 1-rank process group to NO_SHARD, and in hybrid
         # mode that group is the shard group, so gradients are never all-reduced across replicas.
         raise SpecError([("topology.shard_group_size", "1 with FSDP1 hybrid sharding silently "
@@ -83,5 +84,5 @@ def translate(spec: Spec) -> dict:
         raise SpecError([("fsdp.use_orig_params", "false with compile.enabled: torch.compile "
                           "needs FSDP1's original parameters; set use_orig_params: true, or "
                           "compile.enabled: false")])
-    mesh = list(mesh_shape(spec)) if spec.shard in HYBRID_SHARDS else None
+    mesh = list(mesh_shape(spec)) if spec.shard in HYBRID else None
     return {"api": "FullyShardedDataParallel", "mesh": mesh, "kwargs": native}

@@ -6,7 +6,7 @@ own arguments; the sharding strategy and wrap policy keep their accelerate meani
 
 from __future__ import annotations
 
-from parallel.interop.accelerate import Import, strategy, wrap_section
+from parallel.interop.importing import Import, strategy, wrap_section
 
 READ = {"xla", "xla_fsdp_v2", "xla_fsdp_grad_ckpt", "xla_fsdp_settings", "fsdp_sharding_strategy",
         "fsdp_auto_wrap_policy", "fsdp_transformer_layer_cls_to_wrap", "fsdp_min_num_params"}

@@ -11,13 +11,13 @@ import threading
 from torch import nn
 
 from backends.xla.translate import translate
-from parallel.engine.base import Engine
-from parallel.engine.guards import NonfiniteWatch
-from parallel.engine.preempt import AgreedFlag
-from parallel.engine.step import require_fp32
-from parallel.engine.params import aliases, retie
-from parallel.engine.wrap import disable_kv_cache, plan_wrap
-from parallel.spec.io import SpecError
+from parallel.engine.core.engine import Engine
+from parallel.engine.watch.nonfinite import NonfiniteWatch
+from parallel.engine.watch.preempt import AgreedFlag
+from parallel.engine.core.step import require_fp32
+from parallel.engine.model.params import aliases, retie
+from parallel.engine.model.wrap import disable_kv_cache, plan_wrap
+from parallel.spec.errors import SpecError
 from parallel.spec.model import Spec
 from parallel.tools.measurable import ModuleStateTensors
 
@@ -49,15 +49,25 @@ def apply_compilation_cache(path: str | None, version: str | None = None) -> Non
         xr.initialize_cache(path)
 
 
+def apply_xla_fsdp(model: nn.Module, units, wrap, checkpoint: bool) -> nn.Module:
+    """Wrap each unit (children first) in place with `wrap` (XLA FSDP v1 or FSDPv2), inside
+    torch_xla's checkpoint_module when `checkpoint` (activation checkpointing), then the root."""
+    from torch_xla.distributed.fsdp import checkpoint_module
+
+    for name, unit in units:
+        model.set_submodule(name, wrap(checkpoint_module(unit) if checkpoint else unit))
+    return wrap(model)
+
+
 class _Xla(ModuleStateTensors, Engine):
     name = "xla_fsdp"
     background_save = False  # its planners and gathers need the device (descriptor: capabilities)
 
-    def __init__(self, spec: Spec):
+    def __init__(self, spec: Spec, **context):
         self.plan = translate(spec)
         apply_compilation_cache(spec.xla.compilation_cache)  # before the runtime's first compile
         self._before_runtime()
-        super().__init__(spec)
+        super().__init__(spec, **context)
         import torch_xla
 
         self.ctx = dataclasses.replace(self.ctx, device=torch_xla.device())
@@ -83,7 +93,7 @@ class _Xla(ModuleStateTensors, Engine):
         require_fp32(model)
         plan = self._record_params(model)
         if self.experts:
-            self._say(f"{self.experts.summary()} route each step's tokens with data-dependent shapes "
+            self.say(f"{self.experts.summary()} route each step's tokens with data-dependent shapes "
                       "(the experts a step hits, the rows each gets), and XLA compiles a graph for "
                       "every new shape: measured on the CPU client with a 2-layer Mixtral, 37 graphs "
                       "a step and 4-12 s a step for ever; on TPUs use a static-shape MoE layer "
@@ -94,15 +104,6 @@ class _Xla(ModuleStateTensors, Engine):
         model = model.to(self.device)
         retie(model, plan.tied)  # .to(xla) gives every module its own copy of a tied weight
         return model, units
-
-    def _wrap_units(self, model: nn.Module, units, wrap) -> nn.Module:
-        """Wrap each unit (children first) in place, then the root."""
-        from torch_xla.distributed.fsdp import checkpoint_module
-
-        for name, unit in units:
-            inner = checkpoint_module(unit) if self.spec.checkpoint_activations else unit
-            model.set_submodule(name, wrap(inner))
-        return wrap(model)
 
     def _aliased(self, model: dict) -> dict:
         """Tied weights under each of their names, as the model's state_dict() has them."""
@@ -116,7 +117,7 @@ class _Xla(ModuleStateTensors, Engine):
         import torch
         import torch_xla.core.xla_model as xm
 
-        from parallel.engine.generate import check_static, library_model, static_generate
+        from parallel.engine.infer.generate import check_static, library_model, static_generate
 
         model = library_model(self.model)
         check_static(model, kwargs)

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from backends.xla import accelerate, exports, plan
 from backends.xla.translate import local_run, translate
+from backends.xla.options import XlaOptions
 from parallel.descriptor import (BackendDescriptor, Bench, Capabilities, Checkpoints, Interop,
-                                 Launch, PlanModel, Unsupported)
-from parallel.launch.envinfo import detect_pjrt_device
+                                 Launch, Options, PlanModel, Unsupported)
+from parallel.envinfo import detect_pjrt_device
 
 NO_HYBRID = "XLA FSDP has no hybrid (replicate x shard) mode"
 
@@ -44,7 +45,8 @@ DESCRIPTOR = BackendDescriptor(
     engine="backends.xla.engine:make_engine",
     extra="xla",
     packages=("torch_xla",),
-    tensor_parallel=True,  # SPMD (v2) only: the mesh's model axis; translate refuses v1
+    dimensions=frozenset({"tp"}),  # SPMD (v2) only: the mesh's model axis; translate refuses v1
+    options=Options("xla", XlaOptions, "PyTorch/XLA only knobs."),
     variants={"xla1": {"xla": {"fsdp_version": 1}}, "xla2": {"xla": {"fsdp_version": 2}}},
     flat_optimizer=lambda spec: spec.xla.fsdp_version == 1,  # flatten_parameters: one per unit
     plan=PlanModel(plan.model_states, plan.comm, plan.transient),

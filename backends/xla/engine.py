@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from parallel.engine.base import Engine
+from parallel.engine.core.engine import Engine
 from parallel.spec.model import Spec
 
 
-def make_engine(spec: Spec) -> Engine:
+def make_engine(spec: Spec, **context) -> Engine:
     if spec.xla.fsdp_version == 2:
         from backends.xla.spmd import XlaSpmdEngine
 
-        return XlaSpmdEngine(spec)
+        return XlaSpmdEngine(spec, **context)
     from backends.xla.v1 import XlaFsdpEngine
 
-    return XlaFsdpEngine(spec)
+    return XlaFsdpEngine(spec, **context)

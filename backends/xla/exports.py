@@ -3,7 +3,7 @@ XLA FSDP: the descriptor states it as an unsupported export."""
 
 from __future__ import annotations
 
-from parallel.interop.export import fsdp_words, trainer_args, trainer_document, trainer_layers
+from parallel.interop.exporting import fsdp_words, trainer_args, trainer_document, trainer_layers
 from parallel.spec.model import Spec
 
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 
 from parallel.checkpoint.importers import CheckpointImportError, named_groups
-from parallel.checkpoint.portable import clean_name, shared_step
+from parallel.checkpoint.portable import clean_name
+from parallel.checkpoint.optim_state import shared_step
 from parallel.checkpoint.safe import torch_load
 
 RANK_FILE = re.compile(r"rank[-_]?(\d+)(?:-of-(\d+))?")

@@ -8,19 +8,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from backends.xla.common import _Xla
+from backends.xla.common import _Xla, apply_xla_fsdp
 from parallel.checkpoint.sink import Sink
-from parallel.checkpoint.portable import (
-    clean_name,
-    groups_template,
-    load_state,
-    open_state,
-    optim_by_name,
-    optim_for_torch,
-    save_state,
-)
-from parallel.engine.step import OptimizerArg, clip_grad_norm
-from parallel.spec.io import SpecError
+from parallel.checkpoint.portable import clean_name, load_state, open_state, save_state
+from parallel.checkpoint.optim_state import groups_template, optim_by_name, optim_for_torch
+from parallel.engine.core.step import OptimizerArg, clip_grad_norm
+from parallel.engine.model.tp_plan import resolve_plan, style_of
+from parallel.spec.errors import SpecError
 
 
 def shard_output(output, mesh) -> None:
@@ -34,6 +28,40 @@ def shard_output(output, mesh) -> None:
         tensor = next((t for t in items if isinstance(t, torch.Tensor)), None)
     if tensor is not None and tensor.dim() > 0:
         xs.mark_sharding(tensor, mesh, ("fsdp",) + (None,) * (tensor.dim() - 1))
+
+
+def tp_shardings(model, plan: dict[str, str]) -> dict[str, tuple]:
+    """topology.tp under SPMD: the plan as a partition spec of each global parameter over the mesh's
+    (fsdp, model) axes, by name (pure: tested on a meta-device model). The compiler inserts TP's
+    collectives. Colwise splits outputs over `model` and FSDPv2's inputs over `fsdp`, rowwise the
+    other way round; a colwise bias follows its outputs, a rowwise one is left to FSDPv2. The rest
+    (embeddings, norms) is sharded over both axes: FSDPv2 would shard it over `fsdp` and replicate
+    it over `model`, and torch_xla 2.9's SPMD save planner drops such partly replicated tensors
+    (measured: no entry at all for the embedding and norms)."""
+    specs, split = {}, set()
+    for path, module in model.named_modules():
+        style = style_of(path, plan)
+        if style is None:
+            continue
+        rowwise = style == "rowwise"
+        specs[f"{path}.weight"] = ("fsdp", "model") if rowwise else ("model", "fsdp")
+        split.add(id(module.weight))
+        if module.bias is not None and not rowwise:
+            specs[f"{path}.bias"] = ("model",)
+            split.add(id(module.bias))
+    for name, p in model.named_parameters():
+        if id(p) not in split and p.dim() > 0:
+            specs.setdefault(name, (("fsdp", "model"),) + (None,) * (p.dim() - 1))
+    return specs
+
+
+def apply_tp(model, mesh, shardings: dict[str, tuple]) -> None:
+    """Mark each parameter with its partition spec (tp_shardings) over `mesh`."""
+    import torch_xla.distributed.spmd as xs
+
+    params = dict(model.named_parameters())
+    for name, spec in shardings.items():
+        xs.mark_sharding(params[name], mesh, spec)
 
 
 class XlaSpmdEngine(_Xla):
@@ -60,7 +88,7 @@ class XlaSpmdEngine(_Xla):
     @contextmanager
     def _unwrapped(self):
         # the parameters are sharded tensors the compiler partitions: the inner model runs as is
-        from parallel.engine.generate import library_model
+        from parallel.engine.infer.generate import library_model
 
         yield library_model(self.model)
 
@@ -81,38 +109,12 @@ class XlaSpmdEngine(_Xla):
 
         model, units = self._build(model)
         if self.spec.topology.tp > 1:  # before FSDPv2, which skips what is already sharded
-            self._apply_tp(model)
-        model = self._wrap_units(model, units, lambda m: FSDPv2(
-            m, mesh=self.mesh, shard_output=shard_output, **self.plan["kwargs"]))
+            plan = resolve_plan(model, self.spec.topology.tp, self.spec.topology.tp_plan, self.say)
+            apply_tp(model, self.mesh, tp_shardings(model, plan))
+        model = apply_xla_fsdp(model, units, lambda m: FSDPv2(
+            m, mesh=self.mesh, shard_output=shard_output, **self.plan["kwargs"]),
+            self.spec.checkpoint_activations)
         return model, self._optimizer_over(optimizer, model)
-
-    def _apply_tp(self, model) -> None:
-        """The plan as shardings of the global weights (the compiler inserts TP's collectives):
-        colwise splits outputs over `model` and FSDPv2's inputs over `fsdp`, rowwise the other way
-        round; a colwise bias follows its outputs, a rowwise one is left to FSDPv2."""
-        import torch_xla.distributed.spmd as xs
-
-        from parallel.engine.tp_plan import resolve_plan, style_of
-
-        plan = resolve_plan(model, self.spec.topology.tp, self.spec.topology.tp_plan, self._say)
-        split = set()
-        for path, module in model.named_modules():
-            style = style_of(path, plan)
-            if style is None:
-                continue
-            rowwise = style == "rowwise"
-            xs.mark_sharding(module.weight, self.mesh,
-                             ("fsdp", "model") if rowwise else ("model", "fsdp"))
-            split.add(id(module.weight))
-            if module.bias is not None and not rowwise:
-                xs.mark_sharding(module.bias, self.mesh, ("model",))
-                split.add(id(module.bias))
-        # The rest (embeddings, norms) over both axes: FSDPv2 would shard it over `fsdp` and
-        # replicate it over `model`, and torch_xla 2.9's SPMD save planner drops such partly
-        # replicated tensors (measured: no entry at all for the embedding and norms)
-        for p in model.parameters():
-            if id(p) not in split and p.dim() > 0:
-                xs.mark_sharding(p, self.mesh, (("fsdp", "model"),) + (None,) * (p.dim() - 1))
 
     def parity_facts(self) -> dict:
         """How the parameters are laid out over the mesh (the tests assert real sharding)."""

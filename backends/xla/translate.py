@@ -4,7 +4,7 @@ job laid out for this host's runtime. Its SpecErrors are the backend's validatio
 
 from __future__ import annotations
 
-from parallel.spec.io import SpecError, merge_native
+from parallel.spec.errors import SpecError, merge_native
 from parallel.spec.model import Spec
 
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
@@ -82,7 +82,7 @@ def local_run(spec: Spec, devices: int | None = None) -> tuple[dict, dict]:
     writes fsdp_version: 1 (or needs v1: grad_op), v1 runs at world size 1 with the whole global
     batch in its micro-batches. The global batch is unchanged either way; `polyshard launch` says
     which in one line. Other devices run the spec as written."""
-    from parallel.launch.envinfo import detect_pjrt_device
+    from parallel.envinfo import detect_pjrt_device
 
     data = spec.model_dump(mode="json", exclude_unset=True)
     if detect_pjrt_device() != "CPU":

@@ -7,23 +7,19 @@ from pathlib import Path
 
 import torch
 
-from backends.xla.common import _Xla
+from backends.xla.common import _Xla, apply_xla_fsdp
 from backends.xla.layout import member_ranges, split_members, v1_layout
 from parallel.checkpoint.sink import Sink
-from parallel.checkpoint.portable import (
-    buffers,
-    clean_name,
+from parallel.checkpoint.portable import buffers, clean_name, load_state, open_state, save_state
+from parallel.checkpoint.optim_state import (
     groups_template,
     hyperparams,
     init_optimizer_state,
-    load_state,
-    open_state,
     merge_groups,
     read_groups,
-    save_state,
     single_step,
 )
-from parallel.engine.step import OptimizerArg
+from parallel.engine.core.step import OptimizerArg
 
 
 class XlaFsdpEngine(_Xla):
@@ -47,7 +43,8 @@ class XlaFsdpEngine(_Xla):
         for key in ("compute_dtype", "buffer_dtype"):
             if isinstance(kwargs.get(key), str):
                 kwargs[key] = getattr(torch, kwargs[key])
-        model = self._wrap_units(model, units, lambda m: XFSDP(m, **kwargs))
+        model = apply_xla_fsdp(model, units, lambda m: XFSDP(m, **kwargs),
+                               self.spec.checkpoint_activations)
         sharded = [(p, [n for n, _ in members]) for p, members in v1_layout(model)]
         return model, self._optimizer_over(optimizer, model, sharded)
 

@@ -12,13 +12,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from parallel.checkpoint.portable import (
-    groups_template,
-    load_state,
-    merge_groups,
-    open_state,
-    save_state,
-)
+from parallel.checkpoint.optim_state import groups_template, merge_groups
+from parallel.checkpoint.portable import load_state, open_state, save_state
 from parallel.checkpoint.sink import Sink
 
 

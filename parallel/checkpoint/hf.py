@@ -19,7 +19,8 @@ from types import MappingProxyType
 
 import torch
 
-from parallel.checkpoint.directory import resolve, verify_checkpoint
+from parallel.checkpoint.directory import resolve
+from parallel.checkpoint.manifest import verify_checkpoint
 from parallel.checkpoint.portable import open_state, read_tensors, tensor_shapes
 
 MAX_SHARD_BYTES = 5_000_000_000  # save_pretrained's default max_shard_size, "5GB"

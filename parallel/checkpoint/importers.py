@@ -1,9 +1,9 @@
 """Checkpoints in and out of the portable format, in one process, without a launcher.
 
 Import (`polyshard ckpt import KIND SRC OUT`): a torch DCP directory (torch's get_state_dict layout, as
-torchtitan, FSDP2 loops and Accelerate write it), or any kind a backend reads (its descriptor's
-checkpoint_readers: DeepSpeed ZeRO, XLA FSDP shard files). Optimizer moments and step counts come
-along.
+torchtitan, FSDP2 loops and Accelerate write it: `read_dcp`), or any kind a backend reads (its
+descriptor's checkpoint_readers: DeepSpeed ZeRO, XLA FSDP shard files; the registry hands the reader
+over). Optimizer moments and step counts come along.
 Export to Hugging Face: parallel/checkpoint/hf.py.
 """
 
@@ -14,18 +14,20 @@ from pathlib import Path
 import torch
 
 from parallel.checkpoint.directory import library_versions, write_checkpoint
-from parallel.checkpoint.portable import clean_name, hyperparams, save_state
+from parallel.checkpoint.portable import clean_name, save_state
+from parallel.checkpoint.optim_state import hyperparams
 
 
 class CheckpointImportError(RuntimeError):
     """A source directory that is not the kind of checkpoint named."""
 
 
-def import_checkpoint(kind: str, src: str | Path, out: str | Path, step: int | None = None,
-                      trust: bool = False) -> Path:
-    """`trust`: unpickle the source's files fully (they may run code); by default they are read as
-    data (parallel/checkpoint/safe.py)."""
-    state, found_step, world = reader(kind)(Path(src), trust=trust)
+def import_checkpoint(read, kind: str, src: str | Path, out: str | Path, step: int | None = None,
+                      trust: bool = False, packages: tuple[str, ...] = ()) -> Path:
+    """`read`: the reader of `kind` (src dir -> (portable state, steps, world size));
+    `trust`: unpickle the source's files fully (they may run code); by default they are read as data
+    (parallel/checkpoint/safe.py); `packages`: distributions whose versions the manifest records."""
+    state, found_step, world = read(Path(src), trust=trust)
     step = found_step if step is None else step
     if step is None:
         raise CheckpointImportError(f"{src}: a {kind} checkpoint records no step count; pass --step N (the "
@@ -36,7 +38,7 @@ def import_checkpoint(kind: str, src: str | Path, out: str | Path, step: int | N
         sink.save_file("trainer.pt", {"step": step, "scheduler": None, "loaders": []})
 
     meta = {"backend": f"import:{kind}", "world_size": world, "step": step, "spec": None,
-            "source": str(Path(src).resolve()), "versions": library_versions()}
+            "source": str(Path(src).resolve()), "versions": library_versions(packages)}
     return write_checkpoint(out, 0, write, meta, writers=1)
 
 
@@ -76,19 +78,3 @@ def read_dcp(src: Path, trust: bool = False):  # noqa: ARG001 - DCP's files are 
         state["optim"] = {"state": {clean_name(k): v for k, v in optim["state"].items()},
                           "param_groups": groups}
     return state, None, 1
-
-
-def reader(kind: str):
-    """The reader of a native checkpoint kind: torch DCP here, the others from the backend that
-    writes them (its descriptor's checkpoint_readers)."""
-    if kind == "dcp":
-        return read_dcp
-    from parallel.registry import checkpoint_reader
-
-    return checkpoint_reader(kind)
-
-
-def kinds() -> list[str]:
-    from parallel.registry import checkpoint_kinds
-
-    return ["dcp", *checkpoint_kinds()]

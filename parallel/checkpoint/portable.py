@@ -32,7 +32,7 @@ from parallel.checkpoint.chunks import RangeLoadPlanner, RangeSavePlanner
 from parallel.checkpoint.sink import Sink
 from parallel.checkpoint.safe import safe_reader_class
 from parallel.files import FileError
-from parallel.engine.params import clean_name  # noqa: F401 - state code names things by it
+from parallel.engine.model.params import clean_name  # noqa: F401 - state code names things by it
 
 STATE_DIR = "state"
 
@@ -50,7 +50,7 @@ class SafeReader(safe_reader_class(dcp.FileSystemReader)):
         return self._index
 
 
-def _dcp_load(template: dict, reader: SafeReader, planner=None, no_dist: bool = True) -> None:
+def dcp_load(template: dict, reader: SafeReader, planner=None, no_dist: bool = True) -> None:
     """dcp.load, with the index checked before DCP sees it (DCP swallows a failing index read and
     then asserts) and a refused entry raised as itself, not inside DCP's CheckpointException."""
     reader.read_metadata()
@@ -94,10 +94,6 @@ def buffers(module) -> dict[str, torch.Tensor]:
             if clean_name(k) not in params}
 
 
-def hyperparams(group: dict) -> dict:
-    return {k: v for k, v in group.items() if k != "params"}
-
-
 def save_state(state: dict, into: Sink | Path, planner=None, collective: bool = True) -> None:
     """Write `state` under the save's directory/state (`into`: the save's Sink, or a directory for a
     one-off write). Collective: every rank calls it with its part (a rank may hold a subset of the
@@ -114,6 +110,13 @@ def save_state(state: dict, into: Sink | Path, planner=None, collective: bool = 
         dcp.save(state, storage_writer=RecordingWriter(sink),
                  planner=planner or RangeSavePlanner(), process_group=sink.group,
                  no_dist=not (collective and dist.is_initialized()))
+
+
+def write_queued(sink: Sink) -> None:
+    """Write a staged save's queued host copies (the background thread, after `save` returned;
+    nothing when the save was not staged)."""
+    for state, planner, collective in sink.take_queued():
+        save_state(state, sink, planner, collective)
 
 
 class RecordingWriter(dcp.FileSystemWriter):
@@ -155,7 +158,7 @@ def load_state(template: dict, path: Path, planner=None, collective: bool = True
             f"{path / STATE_DIR}: holds {len(unread)} entries this run has no place for (e.g. "
             f"{sorted(unread)[:3]}); it was written for another model or optimizer")
     try:
-        _dcp_load(template, reader, planner or RangeLoadPlanner(),
+        dcp_load(template, reader, planner or RangeLoadPlanner(),
                   no_dist=not (collective and dist.is_initialized()))
     except FileError:
         raise
@@ -179,45 +182,6 @@ def _explain_load_failure(path: Path, template: dict, err: Exception) -> str:
                 f"(e.g. {extra[:3]}); it was written for another model or optimizer (an SGD "
                 "checkpoint has momentum_buffer, an Adam one exp_avg/exp_avg_sq)")
     return f"{path / STATE_DIR}: {type(err).__name__}: {err}"
-
-
-def groups_template(path: Path, reader: SafeReader | None = None) -> None:
-    """Placeholder for the stored param_groups, read whole: which hyper-parameters a group holds
-    depends on the optimizer that wrote it, not on this run's."""
-    if "optim.param_groups" not in stored_keys(path, reader):
-        raise PortableStateError(f"{path / STATE_DIR}: no optimizer state (optim.param_groups); "
-                                 "load it with weights only, or resume from a training checkpoint")
-    return None
-
-
-def read_groups(path: Path, reader: SafeReader | None = None) -> list[dict]:
-    """The stored param_groups alone (a small object; every rank reads it, no collective)."""
-    reader = reader or open_state(path)
-    groups_template(path, reader)
-    template = {"optim": {"param_groups": None}}
-    _dcp_load(template, reader)
-    return list(template["optim"]["param_groups"])
-
-
-def merge_groups(live: list[dict], stored: list[dict], names: list[list[str]]) -> list[dict]:
-    """This run's param_groups with every hyper-parameter it knows taken from the checkpoint (lr,
-    betas, weight_decay, momentum, initial_lr...); its own `params` are kept. `names`: the parameter
-    names of each live group. The groups must hold the same parameters as the checkpoint's: a
-    parameter in another group would silently get another group's lr and decay."""
-    if len(live) != len(stored):
-        raise PortableStateError(f"the checkpoint's optimizer has {len(stored)} param groups, this "
-                                 f"run's {len(live)}; build the optimizer with the same groups")
-    where = {n: i for i, g in enumerate(stored) for n in g["params"]}
-    moved = [(n, i, where.get(n)) for i, group in enumerate(names) for n in group
-             if where.get(n) != i]
-    if moved:
-        text = ", ".join(f"{n} (group {i} here, {'none' if j is None else f'group {j}'} in the "
-                         "checkpoint)" for n, i, j in moved[:3])
-        raise PortableStateError(f"{len(moved)} parameter(s) sit in other param groups than in the "
-                                 f"checkpoint: {text}; build the optimizer's groups as the run "
-                                 "that wrote it did")
-    return [{**group, **{k: v for k, v in saved.items() if k in group and k != "params"}}
-            for group, saved in zip(live, stored)]
 
 
 def metadata(path: Path, reader: SafeReader | None = None):
@@ -254,72 +218,7 @@ def read_tensors(path: Path, wanted: dict[str, tuple], reader=None) -> dict[str,
     for key, (shape, dtype) in wanted.items():
         head, _, rest = key.partition(".")
         template.setdefault(head, {})[rest] = torch.empty(shape, dtype=dtype)
-    _dcp_load(template, reader or open_state(path))
+    dcp_load(template, reader or open_state(path))
     return {key: template[key.partition(".")[0]][key.partition(".")[2]] for key in wanted}
 
 
-def shared_step(entries) -> torch.Tensor | None:
-    """The one step count of optimizer entries that share a flat optimizer tensor (or a group)."""
-    steps = {float(e["step"]) for e in entries if "step" in e}
-    if len(steps) > 1:
-        raise PortableStateError(f"entries that share one optimizer tensor disagree on the step "
-                                 f"count: {sorted(steps)}")
-    return torch.tensor(steps.pop()) if steps else None
-
-
-def single_step(per_name: dict[str, dict], names) -> torch.Tensor | None:
-    """The one step count shared by parameters that live in one flat optimizer tensor (this run's).
-    A checkpoint with per-parameter counts that differ (a backend that skips parameters without a
-    gradient, e.g. experts no rank used: parallel/engine/experts.py) gives the most steps, which is
-    what the flat tensor would have taken; the skipped parameters' Adam bias correction then uses
-    it, as it would have on this backend all along (docs/moe.md)."""
-    steps = {float(per_name[n]["step"]) for n in names if "step" in per_name.get(n, {})}
-    if len(steps) > 1:
-        warnings.warn(f"a flat optimizer tensor holds parameters whose step counts in the checkpoint "
-                      f"differ ({sorted(steps)[:4]}, e.g. experts no rank used in some steps): it "
-                      f"takes {max(steps):g}, the steps the flat tensor would have taken",
-                      RuntimeWarning, stacklevel=2)
-    return torch.tensor(max(steps)) if steps else None
-
-
-def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the optimizer's state by one step with zero gradients and lr 0, which changes no
-    parameter for SGD, Adam and AdamW (decoupled decay is scaled by lr). DCP and DeepSpeed's
-    fragment links fill existing state only; a fresh optimizer has none until its first step."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    if not params or optimizer.state.get(params[0]):
-        return
-    lrs = [g["lr"] for g in optimizer.param_groups]
-    grads = [p.grad for p in params]
-    for group in optimizer.param_groups:
-        group["lr"] = 0.0
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    for group, lr in zip(optimizer.param_groups, lrs):
-        group["lr"] = lr
-    for p, g in zip(params, grads):
-        p.grad = g
-
-
-def optim_by_name(optimizer: torch.optim.Optimizer, name_of: dict[int, str]) -> dict:
-    """A torch optimizer's state keyed by parameter name (`name_of`: id(param) -> name)."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    return {"state": {name_of[id(p)]: dict(optimizer.state[p]) for p in params if optimizer.state.get(p)},
-            "param_groups": [{**hyperparams(g), "params": [name_of[id(p)] for p in g["params"]]}
-                             for g in optimizer.param_groups]}
-
-
-def optim_for_torch(optimizer: torch.optim.Optimizer, state: dict, stored_groups: list[dict],
-                    name_of: dict[int, str]) -> dict:
-    """The inverse: a state dict `optimizer.load_state_dict` accepts (entries indexed by position),
-    with this run's groups taking the checkpoint's hyper-parameters."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    names = [[name_of[id(p)] for p in g["params"]] for g in optimizer.param_groups]
-    groups, index = [], 0
-    for group in merge_groups(optimizer.param_groups, stored_groups, names):
-        groups.append({**group, "params": list(range(index, index + len(group["params"])))})
-        index += len(group["params"])
-    return {"state": {i: state[name_of[id(p)]] for i, p in enumerate(params)
-                      if name_of[id(p)] in state},
-            "param_groups": groups}

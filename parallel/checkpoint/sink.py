@@ -17,7 +17,7 @@ import torch
 class Sink:
     def __init__(self, tmp: str | Path, staged: bool = False, pool=None, group=None):
         """`staged`: state writes are copied to host memory (CUDA tensors into `pool`'s pinned
-        buffers) and queued until `write_queued`. `group`: the process group DCP's collective
+        buffers) and queued until portable.write_queued. `group`: the process group DCP's collective
         writes run over (the background saver's own, so they never meet the training loop's)."""
         self.tmp = Path(tmp)
         self.staged = staged
@@ -46,7 +46,7 @@ class Sink:
 
     def queue(self, state: dict, planner, collective: bool) -> None:
         """A host copy of `state` (this rank's part only: O(model / N)) that no later training step
-        can change, written by `write_queued`."""
+        can change, written by portable.write_queued."""
         from parallel.checkpoint.background import stage
 
         self.queued.append((stage(state, self.pool), planner, collective))
@@ -56,9 +56,8 @@ class Sink:
         if self.pool is not None:
             self.pool.finish()
 
-    def write_queued(self) -> None:
-        from parallel.checkpoint.portable import save_state
-
+    def take_queued(self) -> list[tuple]:
+        """The queued states, handed to the writer once (portable.write_queued): the sink is no
+        longer staged afterwards."""
         queued, self.queued, self.staged = self.queued, [], False
-        for state, planner, collective in queued:
-            save_state(state, self, planner, collective)
+        return queued

@@ -1,4 +1,6 @@
-"""`polyshard`: the command line (main.py), with `ckpt`, `import/export` and `plan` in their modules."""
+"""`polyshard`: the command line (main.py, run as `python -m parallel.cli` by __main__.py), with
+`ckpt` (ckpt.py), `import/export` (interop.py) and `plan` (plan.py) in their modules, and
+every subcommand's arguments in parser.py."""
 
 
 def main(argv=None) -> int:

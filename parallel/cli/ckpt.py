@@ -27,7 +27,7 @@ def add_parser(sub) -> None:
                            description="convert a native checkpoint into polyshard's format")
     from parallel.registry import checkpoint_kinds
 
-    a.add_argument("kind", choices=["dcp", *checkpoint_kinds()],
+    a.add_argument("kind", choices=checkpoint_kinds(),
                    help="dcp: torch.distributed.checkpoint dir; deepspeed: ZeRO checkpoint dir "
                    "(with `latest` or a tag dir); xla: dir of XLA FSDP *rank-R-of-N* shard files")
     a.add_argument("src")
@@ -56,17 +56,21 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from parallel.checkpoint.directory import CheckpointError, resolve, verify_checkpoint
+    from parallel.checkpoint.safe import CheckpointError
+    from parallel.checkpoint.directory import resolve
+    from parallel.checkpoint.manifest import verify_checkpoint
     from parallel.checkpoint.hf import ExportError, export_hf, export_peft
     from parallel.checkpoint.importers import CheckpointImportError, import_checkpoint
     from parallel.checkpoint.portable import PortableStateError
     from parallel.files import FileError
-    from parallel.spec.io import SpecError
+    from parallel.spec.errors import SpecError
 
     try:
         if args.action == "import":
-            out = import_checkpoint(args.kind, args.src, args.out, args.step,
-                                    trust=args.trust_checkpoint)
+            from parallel.registry import checkpoint_reader, packages
+
+            out = import_checkpoint(checkpoint_reader(args.kind), args.kind, args.src, args.out,
+                                    args.step, trust=args.trust_checkpoint, packages=packages())
             print(f"imported {args.kind} checkpoint {args.src} -> {out}")
             return 0
         if args.action == "export":

@@ -38,7 +38,7 @@ def add_parsers(sub, command, add_spec_args) -> None:
 def _read_yaml(path: Path):
     """An accelerate config, read as data: a regular file, bounded, without YAML aliases."""
     from parallel.files import FileError, load_yaml
-    from parallel.spec.io import SpecError
+    from parallel.spec.errors import SpecError
 
     try:
         return load_yaml(path, "an accelerate config")
@@ -63,7 +63,7 @@ def run_import(args) -> int:
     else:  # a kind a backend reads (its descriptor's config_importers)
         from parallel.registry import config_importer
 
-        data, report = config_importer(args.kind)(source, args.lossy, given)
+        data, report = config_importer(args.kind)(source, args.lossy, given, load_spec)
     _merge(data, given)
     report += [(f"--set {item}", "set", "from the command line") for item in args.overrides]
     _print_report(source, report)

@@ -2,147 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 from parallel.cli import ckpt as cli_ckpt, interop as cli_interop, plan as cli_plan
+from parallel.cli.parser import build_parser
 from parallel.spec.io import SpecError, dump_spec, json_schema, load_spec
-
-EXAMPLES = {
-    "validate": "polyshard validate configs/demo.yaml --set backend=deepspeed",
-    "explain": "polyshard explain configs/demo.yaml --set fsdp.version=1 --model toy:demo",
-    "launch": "polyshard launch --nproc 2 configs/demo.yaml examples/train_lm.py --steps 40  "
-              "(or --emit slurm|k8s|tpu-vm to write the cluster job instead)",
-    "schema": "polyshard schema -o polyshard.schema.json",
-    "ckpt": "polyshard ckpt verify runs/demo/final",
-    "import": "polyshard import accelerate accelerate_config.yaml -o spec.yaml",
-    "export": "polyshard export --to hf-trainer configs/xla-v1-tpu.yaml",
-    "bench": "polyshard bench configs/demo.yaml --backends fsdp,deepspeed,xla_fsdp --steps 5",
-    "plan": "polyshard plan configs/llama3-8b-fsdp.yaml --model config.json --world 8 --budget 80",
-    "dryrun": "polyshard dryrun configs/tp8-llama3-8b.yaml --model config.json --world 1024",
-    "parity": "polyshard parity configs/demo.yaml --backends fsdp,deepspeed,xla_fsdp --steps 5",
-}
-
-
-def _add_spec_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", help="YAML or JSON spec")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
-                   help="override a field, e.g. --set backend=deepspeed (repeatable)")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="polyshard", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="One training-strategy spec for torch FSDP, DeepSpeed ZeRO and PyTorch/XLA FSDP.",
-        epilog="examples:\n" + "\n".join(f"  {v}" for v in EXAMPLES.values()))
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    def command(name: str, help_: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help_, description=help_,
-                              epilog=f"example: {EXAMPLES[name]}")
-
-    p = command("validate", "check a spec; print the resolved spec")
-    _add_spec_args(p)
-    p.add_argument("--full", action="store_true", help="print every field, defaults included")
-    p = command("explain", "print what a spec becomes on its backend, as JSON")
-    _add_spec_args(p)
-    p.add_argument("--model", help="also list the shard units: a Hugging Face config.json, or "
-                   "toy:demo / toy:tiny (built on the meta device: nothing is allocated)")
-    _add_launch(command("launch", "start the processes of a job (torchrun semantics)"))
-    cli_ckpt.add_parser(sub)
-    cli_interop.add_parsers(sub, command, _add_spec_args)
-    _add_parity(command("parity", "train the same job on several backends and compare every step "
-                        "with one process (exit 1 beyond the tolerance)"))
-    _add_bench(command("bench", "time, memory and communication of the same job on several "
-                       "backends, each cell in a fresh launch; table, JSON, CSV and figures"))
-    p = command("plan", "predict per-rank memory for every backend x shard x offload and pick the "
-                "fastest that fits")
-    _add_spec_args(p)
-    p.add_argument("--model", required=True, help="HF config.json, toy:demo / toy:tiny, or a "
-                   "parameter count such as 7.5e9")
-    p.add_argument("--world", type=int, required=True)
-    p.add_argument("--budget", type=float, help="GiB per device")
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--json", action="store_true", help="every number as JSON on stdout")
-    p.add_argument("--per-node", type=int, default=8, help="devices per node: which collectives "
-                   "cross nodes (default 8)")
-    for flag, default, what in (("intra-gbps", 300.0, "GB/s between ranks of a node"),
-                                ("inter-gbps", 50.0, "GB/s per rank across nodes"),
-                                ("pcie-gbps", 25.0, "GB/s host <-> device (offload)"),
-                                ("context-gib", 0.5, "GiB the CUDA context takes"),
-                                ("fragmentation", 0.10, "allocator fragmentation, a fraction")):
-        p.add_argument(f"--{flag}", type=float, default=default, help=f"{what} (default {default})")
-    cli_plan.add_dryrun(command("dryrun", "build one rank of a world of N in this process (fake "
-                                "process group), run a step, and print its measured memory and "
-                                "collectives beside plan's"), _add_spec_args)
-    p = command("schema", "write the spec's JSON Schema (for editor completion)")
-    p.add_argument("-o", "--output", help="file to write (default: stdout)")
-    return parser
-
-
-def _add_launch(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nproc", type=int, help="processes per node (sets topology.procs_per_node)")
-    p.add_argument("--nnodes", type=int, help="number of nodes (sets topology.nodes)")
-    p.add_argument("--node-rank", type=int, help="this node's rank (multi-node)")
-    p.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous (multi-node)")
-    p.add_argument("--max-restarts", type=int, default=0, help="elastic restarts on failure")
-    p.add_argument("--verbose", action="store_true", help="show third-party start-up noise "
-                   "(gloo's peer-connection lines, torchrun's banner), hidden by default")
-    p.add_argument("--emit", choices=["tpu-vm", "slurm", "k8s"], help="print what runs this job on "
-                   "a cluster instead of running it here: the gcloud line for every TPU VM worker, "
-                   "an sbatch script, or a Kubeflow PyTorchJob manifest")
-    p.add_argument("--image", default="polyshard-gpu:latest", help="container image (--emit k8s)")
-    p.add_argument("--job-name", default="polyshard", help="job name (--emit slurm / k8s)")
-    p.add_argument("--time", default="24:00:00", help="Slurm time limit (--emit slurm)")
-    p.add_argument("--tpu", default="TPU_NAME", help="TPU VM name (--emit tpu-vm)")
-    p.add_argument("--zone", default="ZONE", help="TPU VM zone (--emit tpu-vm)")
-    p.add_argument("--workdir", default="~/polyshard", help="checkout on the workers (--emit tpu-vm)")
-    _add_spec_args(p)
-    p.add_argument("script", help="training script")
-    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
-
-
-def _add_parity(p: argparse.ArgumentParser) -> None:
-    _add_spec_args(p)
-    p.add_argument("--backends", help="comma-separated (default: every registered backend)")
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--model", default="toy:tiny", help="toy:tiny, toy:demo or a Hugging Face "
-                   "config.json (random weights from the spec's seed)")
-    p.add_argument("--seq", type=int, default=32, help="tokens per sample")
-    p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
-    p.add_argument("--lr", type=float, default=1e-2)
-    p.add_argument("--tol", type=float, help="loss tolerance (default 1e-5 fp32, 5e-2 bf16/fp16)")
-    p.add_argument("--json", help="also write every number to this file")
-
-
-def _add_bench(p: argparse.ArgumentParser) -> None:
-    _add_spec_args(p)
-    p.add_argument("--backends", help="comma-separated backends or variants: fsdp, fsdp1, fsdp2, "
-                   "deepspeed, zero0-zero3, xla_fsdp, xla1, xla2 (default: every backend)")
-    p.add_argument("--shard", help="comma-separated shard levels (default: the spec's)")
-    p.add_argument("--world", help="comma-separated world sizes (default: the spec's)")
-    p.add_argument("--steps", type=int, default=5, help="measured steps (after --warmup)")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--model", default="toy:demo")
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--data", help="your batches: module:function returning the global batches "
-                   "(dicts of tensors, e.g. an HF collator's), called with those of rows, seq, "
-                   "steps, seed, vocab_size it names (default: random ids, the same on every cell)")
-    p.add_argument("--out", default="runs/bench", help="directory for bench.json/csv/png")
-    p.add_argument("--vs-native", action="store_true", help="also run each cell's hand-written "
-                   "loop (benchmarks/) and report polyshard's step time over it")
-    p.add_argument("--wide", action="store_true", help="every column (default: a table that fits "
-                   "80 columns; bench.csv always has every column)")
-    p.add_argument("--startup", type=int, default=0, metavar="PAIRS", help="also time start-up to the "
-                   "first step: `polyshard launch` of the spec's job against torchrun of the "
-                   "backend's hand-written loop, PAIRS alternating runs (median)")
-    p.add_argument("--save", action="store_true", help="also time how long a sync and an async "
-                   "save (checkpoint.async_save) of the trained state block training")
-    p.add_argument("--profile", type=int, default=0, metavar="STEPS", help="with --vs-native: "
-                   "after the timed steps, profile STEPS more of each side (torch.profiler); "
-                   "traces and an operator-by-operator difference go to OUT/profile-CELL/")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -185,13 +51,13 @@ def _explain(args) -> int:
     spec = _spec(args)
     plan = explain(spec)
     if args.model:
-        from parallel.engine.wrap import plan_wrap
+        from parallel.engine.model.wrap import plan_wrap
         from parallel.toy import meta_model
 
         model = meta_model(args.model)
         plan["wrap_units"] = [name for name, _ in plan_wrap(model, spec.wrap)]
         if spec.topology.tp > 1:  # the split, checked against the model as prepare checks it
-            from parallel.engine.tp_plan import describe
+            from parallel.engine.model.tp_plan import describe
 
             plan["tp"] = describe(model, spec.topology.tp, spec.topology.tp_plan)
     print(json.dumps(plan, indent=2))

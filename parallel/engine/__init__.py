@@ -1,3 +1,18 @@
-"""The Engine every backend implements (base.py) and what it is made of: process group (dist.py),
-resumable data (data.py), guards (guards.py), parameters by name (params.py), wrap plans (wrap.py),
-save / load (checkpointing.py)."""
+"""The Engine every backend implements, grouped by concern (each package's docstring lists its modules):
+
+- core/: the engine itself: set-up and the step (engine.py), the backend contract (hooks.py), the
+  public calls that hand to a part (calls.py), what a step minimises (objective.py) and returns
+  (step.py).
+- data/: the batch side: resumable loaders (loaders.py, resumable.py), the batch check (guard.py),
+  splitting and moving batches (batches.py).
+- model/: what is done to the model before and while it trains: parameters by name (params.py), shard
+  units and activation checkpointing (wrap.py), the tensor-parallel plan (tp_plan.py), compile
+  (compile.py), mixture-of-experts bookkeeping (experts.py).
+- watch/: parts that watch the run and say what went wrong: hangs (hang.py), preemption
+  (preempt.py), non-finite losses (nonfinite.py), did compile run (compile.py).
+- observe/: what people look at: trackers (tracking.py, trackers.py), the progress bar
+  (progress_bar.py), FLOPs and MFU (flops.py).
+- infer/: evaluation (evaluate.py) and generation (generate.py) on the sharded model.
+- state/: checkpoints (checkpointing.py) and the user's registered state (user_state.py).
+
+The process group the engine runs in is parallel/dist.py, outside the engine."""

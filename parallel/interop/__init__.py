@@ -1,1 +1,3 @@
-"""Configs people already have: accelerate files in (accelerate.py), every export (export.py)."""
+"""Configs people already have. Kits, which backends import: importing.py (the spec being built from
+a file, and the report) and exporting.py (the vocabulary every export shares). Dispatchers, which pick
+the backend through the registry: accelerate.py (accelerate files in) and export.py (every export)."""

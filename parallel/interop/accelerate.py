@@ -8,6 +8,9 @@ launcher and plugin classes: tests/unit/test_real_configs.py), written into the 
 FSDP wraps nothing, FSDP1 does not prefetch in backward, cpu_ram_efficient_loading is on, the state
 dict is FULL (v1) or SHARDED (v2). A key accelerate does not read is reported (and refused with a
 did-you-mean when it is close to one it reads). Plain data: accelerate is not imported.
+
+A dispatcher: the section of the file a backend reads is handed to that backend (registry); what the
+readers share is parallel/interop/importing.py.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ import difflib
 from pathlib import Path
 from typing import Any
 
-from parallel.spec.io import SpecError
+from parallel.interop.importing import Import, Report
+from parallel.spec.errors import SpecError
 
 TOP_LEVEL = {  # accelerate 1.11's ClusterConfig fields; it refuses any other key
     "compute_environment", "distributed_type", "mixed_precision", "use_cpu", "debug",
@@ -27,10 +31,6 @@ TOP_LEVEL = {  # accelerate 1.11's ClusterConfig fields; it refuses any other ke
     "tpu_use_cluster", "tpu_use_sudo", "command_file", "commands", "tpu_vm", "tpu_env",
     "dynamo_config", "fp16", "dynamo_backend"}  # the last two: old names it still converts
 PRECISION = {"no": "fp32", "fp16": "fp16", "bf16": "bf16"}
-STRATEGIES = {"FULL_SHARD": "full", "SHARD_GRAD_OP": "grad_op", "NO_SHARD": "none",
-              "HYBRID_SHARD": "hybrid", "HYBRID_SHARD_ZERO2": "hybrid_grad_op"}
-BY_NUMBER = dict(zip("12345", STRATEGIES))  # accelerate's menu numbers 1-5
-PREFETCH = {"BACKWARD_PRE": "backward_pre", "BACKWARD_POST": "backward_post", "NO_PREFETCH": "none"}
 LAUNCH_ONLY = {"machine_rank": "polyshard launch --node-rank (per node)",
                "rdzv_backend": "polyshard launch uses torchrun's c10d rendezvous",
                "same_network": "polyshard launch uses torchrun's c10d rendezvous",
@@ -44,75 +44,6 @@ LAUNCH_ONLY = {"machine_rank": "polyshard launch --node-rank (per node)",
                "tpu_vm": "TPU VM names"}
 EMPTY_OK = {"fp8_config", "megatron_lm_config", "ipex_config", "mpirun_config", "dynamo_config",
             "parallelism_config"}
-Report = list[tuple[str, str, str]]
-
-
-class Import:
-    """The spec being built, the report, and what cannot be kept (shared shape with the DeepSpeed
-    import)."""
-
-    def __init__(self, lossy: bool, given: dict):
-        self.spec: dict = {}
-        self.report: Report = []
-        self.problems: list[tuple[str, str]] = []
-        self.lossy, self.given = lossy, given  # given: --set values (they win, and decide "auto")
-        self.caller = "polyshard"  # who fills "auto": polyshard (the spec) or accelerate
-        self.sources: dict[str, str] = {}  # spec path -> the source field that set it
-
-    def given_value(self, path: str):
-        node = self.given
-        for part in path.split("."):
-            if not isinstance(node, dict) or part not in node:
-                return None
-            node = node[part]
-        return node
-
-    def set(self, path: str, value, source: str, outcome: str = "mapped", detail: str = "") -> None:
-        node = self.spec
-        *parents, leaf = path.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-        self.sources[path] = source
-        self.report.append((source, outcome, detail or f"{path}: {value!r}"))
-
-    def finish(self) -> tuple[dict, Report]:
-        """The spec and report, or SpecError naming the source fields: what cannot be kept, and
-        values the spec refuses (its rules are the target tool's, e.g. DeepSpeed's bucket bounds)."""
-        from parallel.spec.io import load_spec
-
-        try:  # also with problems already found: every problem is reported at once
-            load_spec(_merged(self.spec, self.given))
-        except SpecError as err:
-            self.problems += [(self._source_of(path), f"{message} (as spec field {path})")
-                              for path, message in err.problems]
-        if self.problems:
-            raise SpecError(self.problems)
-        return self.spec, self.report
-
-    def _source_of(self, path: str) -> str:
-        while path and path not in self.sources:
-            path = path.rpartition(".")[0]
-        return self.sources.get(path, path or "<file>")
-
-
-    def note(self, source: str, outcome: str, detail: str) -> None:
-        self.report.append((source, outcome, detail))
-
-    def refuse(self, source: str, why: str, lossy_ok: bool = True) -> None:
-        if self.lossy and lossy_ok:
-            self.note(source, "lost", why)
-        else:
-            self.problems.append((source, why + ("; or pass --lossy to import without it"
-                                                 if lossy_ok else "")))
-
-
-def _merged(spec: dict, given: dict) -> dict:
-    out = dict(spec)
-    for key, value in given.items():
-        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(
-            out.get(key), dict) else value
-    return out
 
 
 def from_accelerate(cfg: Any, base: Path | None = None, lossy: bool = False,
@@ -126,7 +57,9 @@ def from_accelerate(cfg: Any, base: Path | None = None, lossy: bool = False,
     if "zero_optimization" in cfg or "train_micro_batch_size_per_gpu" in cfg:
         raise SpecError([("<file>", "looks like a DeepSpeed JSON config: use `polyshard import "
                           "deepspeed FILE`")])
-    imp = Import(lossy, given or {})
+    from parallel.spec.io import load_spec
+
+    imp = Import(lossy, given or {}, load_spec)
     kind = str(cfg.get("distributed_type", "NO")).upper()
     _top_level(imp, cfg, kind)
     from parallel.registry import accelerate_reader
@@ -242,43 +175,3 @@ def _topology(imp: Import, cfg: dict, kind: str) -> None:
 
 
 
-def wrap_section(imp: Import, fsdp: dict) -> None:
-    """TRANSFORMER_BASED_WRAP (+ classes, or none: the model's _no_split_modules), SIZE_BASED_WRAP
-    (+ fsdp_min_num_params, 1e8 when absent), NO_WRAP or absent: only the root."""
-    policy = fsdp.get("fsdp_auto_wrap_policy")
-    classes = fsdp.get("fsdp_transformer_layer_cls_to_wrap")
-    if isinstance(classes, str):
-        classes = [c.strip() for c in classes.split(",") if c.strip()]
-    source = "fsdp_config.fsdp_auto_wrap_policy"
-    if policy == "TRANSFORMER_BASED_WRAP":
-        if classes:
-            imp.set("wrap", {"policy": "layer_classes", "layer_classes": list(classes)}, source,
-                    detail=f"wrap: layer_classes {list(classes)}")
-        else:
-            imp.set("wrap", {"policy": "auto"}, source, detail="wrap.policy: auto (no class list: "
-                    "accelerate reads the model's _no_split_modules, as auto does)")
-    elif policy == "SIZE_BASED_WRAP":
-        threshold = int(float(fsdp.get("fsdp_min_num_params", 1e8)))
-        imp.set("wrap", {"policy": "size", "min_num_params": threshold}, source,
-                detail=f"wrap: size >= {threshold}")
-    elif policy in (None, "NO_WRAP"):
-        imp.set("wrap", {"policy": "none"}, source, "mapped" if policy else "default",
-                "wrap.policy: none (only the root" + (", accelerate's default)" if policy is None
-                                                       else ")"))
-        if classes:
-            imp.note("fsdp_config.fsdp_transformer_layer_cls_to_wrap", "ignored", "no "
-                     "TRANSFORMER_BASED_WRAP policy reads it")
-    else:
-        imp.problems.append((source, f"{policy!r}: TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP or "
-                             "NO_WRAP"))
-
-
-def strategy(imp: Import, value, source: str) -> str | None:
-    name = BY_NUMBER.get(str(value), str(value).upper())
-    if name not in STRATEGIES:
-        hint = difflib.get_close_matches(name, list(STRATEGIES), n=1, cutoff=0.6)
-        imp.problems.append((source, f"{value!r} is no FSDP sharding strategy (1-5 or "
-                             f"{', '.join(STRATEGIES)})" + (f"; did you mean {hint[0]!r}?"
-                                                            if hint else "")))
-        return None
-    return STRATEGIES[name]

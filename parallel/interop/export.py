@@ -1,21 +1,11 @@
-"""A spec as the files other tools take: an accelerate config (what `accelerate launch` reads), a
-DeepSpeed JSON, HF `TrainingArguments` keyword arguments. What each backend writes lives in its
-package (backends/<name>/exports.py, listed by its descriptor); this module holds the vocabulary the
-formats share and the dispatch.
-
-Accelerate exports mean what the spec means under accelerate 1.11's launcher (checked by importing them
-back and by accelerate's own plugin classes in tests/unit/test_real_configs.py): every key is written,
-none is left to a default."""
+"""A spec as the files other tools take (`polyshard export --to FORMAT`): an accelerate config, a
+DeepSpeed JSON, HF `TrainingArguments` keyword arguments. A dispatcher: the spec's backend writes its
+own (its descriptor's exports), or a backend that converts any spec to the format does
+(parallel/registry.py); the vocabulary they share is parallel/interop/exporting.py."""
 
 from __future__ import annotations
 
-from parallel.interop.accelerate import PREFETCH, STRATEGIES
-from parallel.spec.io import SpecError
 from parallel.spec.model import Spec
-
-STRATEGY_OF = {v: k for k, v in STRATEGIES.items()}
-PREFETCH_OF = {v: k for k, v in PREFETCH.items()}
-MIXED = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 
 
 def export(spec: Spec, fmt: str) -> dict:
@@ -29,69 +19,3 @@ def formats() -> list[str]:
     from parallel.registry import export_formats
 
     return export_formats()
-
-
-def accelerate_wrap(spec: Spec) -> dict:
-    policy = spec.wrap.policy
-    if policy == "size":
-        return {"fsdp_auto_wrap_policy": "SIZE_BASED_WRAP", "fsdp_min_num_params": spec.wrap.min_num_params}
-    if policy == "none":
-        return {"fsdp_auto_wrap_policy": "NO_WRAP"}
-    wrap = {"fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}
-    if spec.wrap.layer_classes:  # `auto` lets accelerate read _no_split_modules, as polyshard does
-        wrap["fsdp_transformer_layer_cls_to_wrap"] = ",".join(spec.wrap.layer_classes)
-    return wrap
-
-
-def common_accelerate(spec: Spec) -> dict:
-    nodes = spec.topology.nodes
-    common = {"compute_environment": "LOCAL_MACHINE", "debug": False, "machine_rank": 0,
-              "main_training_function": "main", "mixed_precision": MIXED[spec.precision],
-              "num_machines": nodes, "num_processes": spec.world_size,
-              "rdzv_backend": "c10d" if nodes > 1 else "static", "same_network": nodes == 1,
-              "use_cpu": False}
-    if spec.topology.rdzv_endpoint:
-        host, _, port = spec.topology.rdzv_endpoint.rpartition(":")
-        common.update(main_process_ip=host, main_process_port=int(port))
-    if spec.compile.enabled:
-        common["dynamo_config"] = accelerate_dynamo(spec)
-    return common
-
-
-def accelerate_dynamo(spec: Spec) -> dict:
-    """`compile` as accelerate's dynamo_config (the inverse of parallel/interop/accelerate.py)."""
-    c = spec.compile
-    if c.dynamic is None:  # accelerate launch always passes dynamic=True or False
-        raise SpecError([("compile.dynamic", "None (torch's automatic dynamic shapes) has no "
-                          "accelerate equivalent: accelerate launch passes dynamic=False unless "
-                          "told true; set compile.dynamic: false or true")])
-    return {"dynamo_backend": c.backend.upper(), "dynamo_mode": c.mode,
-            "dynamo_use_fullgraph": c.fullgraph, "dynamo_use_dynamic": c.dynamic,
-            "dynamo_use_regional_compilation": c.scope == "blocks"}
-
-
-def trainer_document(arguments: dict, environment: dict[str, str] | None = None) -> dict:
-    """What `--to hf-trainer` writes: TrainingArguments' keyword arguments, and the environment the
-    training processes need for what TrainingArguments has no field for (transformers 4.57 selects
-    FSDP2 only through accelerate's FSDP_VERSION variable). Use it as
-    `os.environ.update(doc["environment"]); TrainingArguments(**doc["training_arguments"])`."""
-    return {"training_arguments": arguments, "environment": environment or {}}
-
-
-def trainer_args(spec: Spec) -> dict:
-    return {"per_device_train_batch_size": spec.micro_batch_size,
-            "gradient_accumulation_steps": spec.grad_accum_steps,
-            "max_grad_norm": spec.grad_clip or 0.0, "seed": spec.seed,
-            "bf16": spec.precision == "bf16", "fp16": spec.precision == "fp16"}
-
-
-def fsdp_words(spec: Spec) -> str:
-    words = {"full": "full_shard", "grad_op": "shard_grad_op", "none": "no_shard",
-             "hybrid": "hybrid_shard", "hybrid_grad_op": "hybrid_shard_zero2"}
-    extra = ["offload"] if spec.offload == "params" else []
-    return " ".join([words[spec.shard], "auto_wrap", *extra])
-
-
-def trainer_layers(spec: Spec) -> dict:
-    return ({"transformer_layer_cls_to_wrap": list(spec.wrap.layer_classes)}
-            if spec.wrap.layer_classes else {})

@@ -1,8 +1,9 @@
 """Starting processes: torchrun with the spec's topology (torchrun.py), the agent that reports a
-failed job once (agent.py), cluster files (emit.py), facts about the host (envinfo.py).
+failed job once (agent.py), the workers' output without third-party noise (quiet.py), a job's ranks
+from a notebook (notebook.py), cluster files (emit.py).
 
 `from parallel.launch import current_spec` works; the names load on first use, so importing a
-submodule (the registry reads envinfo) does not import the launcher."""
+submodule does not import the launcher."""
 
 _EXPORTS = {"SPEC_ENV", "LaunchArgs", "NoSpecError", "current_spec", "launch"}
 

@@ -3,8 +3,8 @@
 Without this, a job whose ranks all raise the same SpecError prints one traceback per rank and then
 torchrun's ChildFailedError block with another traceback; the message the user needs is buried.
 
-Worker side (`install_error_report`, called when a polyshard process starts under a launcher that
-gives it an error file): an uncaught exception is written to torchelastic's per-worker error file
+Worker side (`parallel.dist.install_error_report`, called when a polyshard process starts under a
+launcher that gives it an error file): an uncaught exception is written to torchelastic's per-worker error file
 (its usual JSON, plus the exact time and the rank) and, when it is one of polyshard's own errors
 (their messages name the field, the cause and the fix), printed as one line instead of a traceback.
 Agent side (`python -m parallel.launch.agent TORCHRUN_ARGS`): torchrun's own `run`, with ChildFailedError
@@ -13,38 +13,7 @@ turned into a short report of the first failure, and its exit code.
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-import time
-import traceback
-
-ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
-OWN_MODULES = ("parallel.", "backends.")
-
-
-def install_error_report() -> None:
-    """Record an uncaught exception in torchelastic's error file (idempotent; a no-op when the
-    launcher gave no error file)."""
-    if not os.environ.get(ERROR_FILE) or getattr(sys.excepthook, "_polyshard", False):
-        return
-    previous = sys.excepthook
-
-    def hook(kind, err, tb):
-        rank = os.environ.get("RANK", "?")
-        own = kind.__module__.startswith(OWN_MODULES)
-        text = "".join(traceback.format_exception(kind, err, tb))
-        with open(os.environ[ERROR_FILE], "w") as f:
-            json.dump({"message": {"message": f"{kind.__name__}: {err}", "extraInfo": {
-                "py_callstack": text, "timestamp": str(int(time.time()))}},
-                "polyshard": {"rank": rank, "time": time.time(), "own": own}}, f)
-        if own:  # the message says what to fix: no traceback (it is in the error file);
-            print(f"{kind.__name__}: {err}", file=sys.stderr)  # torchrun prefixes the rank
-        else:
-            previous(kind, err, tb)
-
-    hook._polyshard = True
-    sys.excepthook = hook
 
 
 def first_failure(failures: dict) -> tuple[int, object, dict]:
@@ -60,7 +29,7 @@ def first_failure(failures: dict) -> tuple[int, object, dict]:
 
 
 def report(failures: dict) -> str:
-    from parallel.engine.preempt import REQUEUE_EXIT  # every rank saved and asks to be requeued
+    from parallel.engine.watch.preempt import REQUEUE_EXIT  # every rank saved and asks to be requeued
 
     rank, failure, mine = first_failure(failures)
     if all(f.exitcode == REQUEUE_EXIT for f in failures.values()):

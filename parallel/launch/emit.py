@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import shlex
 
-from parallel.engine.preempt import REQUEUE_EXIT
+from parallel.engine.watch.preempt import REQUEUE_EXIT
 from parallel.registry import get
 from parallel.spec.model import Spec
 

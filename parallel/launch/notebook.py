@@ -54,7 +54,7 @@ def notebook_launch(fn: Callable, spec, *args, timeout: float | None = None) -> 
     import dill
     import torch.distributed as dist
 
-    from parallel.engine.dist import free_port
+    from parallel.dist import free_port
     from parallel.launch.torchrun import launch_env
     from parallel.spec.io import load_spec
 

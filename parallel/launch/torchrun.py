@@ -28,7 +28,7 @@ def current_spec(default: str | Path | dict | None = None, overrides: list[str] 
     """The spec this process runs under: the one `polyshard launch` passed (POLYSHARD_SPEC), else
     `default` (a spec file or dict the script names). Never the built-in defaults silently: with
     neither, it stops and says how to give one."""
-    from parallel.launch.agent import install_error_report
+    from parallel.dist import install_error_report
 
     install_error_report()  # under a launcher: the first failing rank is reported once
     passed = os.environ.get(SPEC_ENV)

@@ -1,2 +1,4 @@
-"""The training-strategy spec: the model (model.py, sections.py), what each backend supports
-(capabilities.py), reading / overriding / errors (io.py), the README reference (doc.py)."""
+"""The training-strategy spec: its fields and rules (model.py, sections.py, compiling.py,
+tracking.py), the parallel dimensions (dims.py), errors every layer raises (errors.py), reading /
+overriding / dumping (io.py: validated by the class the registry assembles with every backend's
+section), the reference in docs/spec.md (doc.py)."""

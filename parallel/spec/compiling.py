@@ -1,7 +1,7 @@
 """The `compile` section: torch.compile with one meaning on every backend that runs it.
 
 What is compiled is decided by `scope` (the shard units, or the whole model), never by the backend;
-how each backend applies it (and why in that order) lives in parallel/engine/compiling.py and the
+how each backend applies it (and why in that order) lives in parallel/engine/model/compile.py and the
 backend's engine. `compile: true` is shorthand for `compile: {enabled: true}`.
 """
 
@@ -75,6 +75,6 @@ class Compile(Section):
     def torch_kwargs(self) -> dict:
         """The arguments of torch.compile / nn.Module.compile besides the backend. `mode` is not
         among them: it configures inductor, so it travels inside the backend object
-        (parallel/engine/compiling.py), and torch.compile would hand it to a callable backend as a
+        (parallel/engine/model/compile.py), and torch.compile would hand it to a callable backend as a
         keyword that backend does not take."""
         return {"fullgraph": self.fullgraph, "dynamic": self.dynamic}

@@ -1,15 +1,29 @@
 """The parallel layout of a job, owned in one place: data parallel as replicas x shard groups, and the
-tensor-parallel degree. Built from the spec (`spec.dims`); everything that means "how many copies of
-the batch are there" (the batch rule, the dataloader's rank and size, tokens per step, DeepSpeed's
-train_batch_size, the plan's shard count, bench and parity slicing) asks it for the data-parallel
-size and rank instead of using the world size, so tensor parallelism needs no change there."""
+model-parallel dimensions (tensor, context, pipeline, expert). Built from the spec (`spec.dims`);
+everything that means "how many copies of the batch are there" (the batch rule, the dataloader's rank
+and size, tokens per step, DeepSpeed's train_batch_size, the plan's shard count, bench and parity
+slicing) asks it for the data-parallel size and rank instead of using the world size, so a new
+dimension needs no change there.
+
+Every dimension has a slot here and a field in `topology`; a backend declares the ones it implements
+(its descriptor's `dimensions`), and the spec refuses any other above 1 with the reason, at validation.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 HYBRID = ("hybrid", "hybrid_grad_op")
-MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+# The dimensions beyond data parallelism, outermost first as the mesh orders them (torchtitan's
+# order: pipeline stages span hosts, tensor parallelism is innermost so its all-reduces stay on one
+# host's links); expert parallelism borrows ranks from data and context parallelism (it is no
+# factor of the world size). What each means, for the refusal of a backend that lacks it.
+MODEL_DIMS = {
+    "pp": "pipeline parallelism (the layers split into stages over ranks)",
+    "cp": "context parallelism (each sequence split over ranks)",
+    "tp": "tensor parallelism (the projections split over ranks)",
+    "ep": "expert parallelism (mixture-of-experts layers' experts split over ranks)",
+}
 
 
 @dataclass(frozen=True)
@@ -17,20 +31,26 @@ class ParallelDims:
     dp_replicate: int  # replicas of the sharded model (hybrid sharding, or plain replication)
     dp_shard: int  # ranks one copy of the model is sharded over
     tp: int = 1  # tensor-parallel degree (a backend without tensor parallelism refuses tp != 1)
+    cp: int = 1  # context-parallel degree: ranks one sequence is split over
+    pp: int = 1  # pipeline stages
+    ep: int = 1  # expert-parallel degree (borrowed from dp_shard x cp, as torchtitan does)
 
     @classmethod
     def from_spec(cls, spec) -> ParallelDims:
+        t = spec.topology
         # processes only: under SPMD one process's device mesh holds TP (spec.process_tp)
-        tp = getattr(spec, "process_tp", spec.topology.tp)
-        dp = max(1, spec.world_size // tp)  # a tp that does not divide is the spec's error to report
+        tp = getattr(spec, "process_tp", t.tp)
+        # a product that does not divide the world is the spec's error to report
+        dp = max(1, spec.world_size // (tp * t.cp * t.pp))
+        more = {"tp": tp, "cp": t.cp, "pp": t.pp, "ep": t.ep}
         if spec.shard in HYBRID:
-            # default: shard inside a host, whose procs_per_node ranks hold procs_per_node / tp
-            # data-parallel ranks (tp is the innermost dimension)
-            group = spec.topology.shard_group_size or max(1, spec.topology.procs_per_node // tp)
-            return cls(max(1, dp // group), group, tp)
+            # default: shard inside a host, whose procs_per_node ranks hold procs_per_node / (tp x
+            # cp) data-parallel ranks (tp and cp are the innermost dimensions)
+            group = t.shard_group_size or max(1, t.procs_per_node // (tp * t.cp))
+            return cls(max(1, dp // group), group, **more)
         if spec.shard == "none":  # replicate everything: every rank its own "shard group" of one
-            return cls(dp, 1, tp)
-        return cls(1, dp, tp)
+            return cls(dp, 1, **more)
+        return cls(1, dp, **more)
 
     @property
     def dp_size(self) -> int:
@@ -38,18 +58,42 @@ class ParallelDims:
 
     @property
     def world_size(self) -> int:
-        return self.dp_size * self.tp
+        return self.pp * self.dp_size * self.cp * self.tp
 
     def dp_rank(self, rank: int) -> int:
-        """Ranks are laid out as the mesh is, (dp_replicate, dp_shard, tp) row-major: tp varies
-        fastest, so a tp group is `tp` consecutive ranks (one host's GPUs: tp's all-reduces stay on
-        NVLink) and shares one slice of the batch."""
-        return rank // self.tp
+        """Ranks are laid out as the mesh is, (pp, dp_replicate, dp_shard, cp, tp) row-major: tp
+        varies fastest, so a tp group is `tp` consecutive ranks (one host's GPUs: tp's all-reduces
+        stay on NVLink), and every rank of a cp x tp block shares one slice of the batch."""
+        return (rank // (self.cp * self.tp)) % self.dp_size
+
+    @property
+    def mesh_dims(self) -> tuple[str, ...]:
+        """The mesh's dimension names: dp_replicate, dp_shard and tp always (size 1 included, so
+        `mesh["dp_shard"]` and `mesh["tp"]` always exist), pp and cp where they are above 1 (a
+        size-1 dimension still costs a process group per rank at start-up)."""
+        return tuple(n for n in ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+                     if n in ("dp_replicate", "dp_shard", "tp") or getattr(self, n) > 1)
 
     def device_mesh(self, device_type: str):
-        """The torch DeviceMesh over every dimension, named MESH_DIMS (size-1 dims included, so
-        `mesh["dp_shard"]` and `mesh["tp"]` always exist)."""
+        """The torch DeviceMesh over every dimension of `mesh_dims`."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp),
-                                mesh_dim_names=MESH_DIMS)
+        names = self.mesh_dims
+        return init_device_mesh(device_type, tuple(getattr(self, n) for n in names),
+                                mesh_dim_names=names)
+
+    def problems(self, implemented: frozenset[str], backend: str) -> list[tuple[str, str]]:
+        """(field, message) for each model-parallel dimension above 1 that `backend` does not
+        implement, or whose degree does not fit the layout."""
+        out = []
+        for name, what in MODEL_DIMS.items():
+            degree = getattr(self, name)
+            if degree > 1 and name not in implemented:
+                has = ", ".join(sorted(implemented)) or "none"
+                out.append((f"topology.{name}", f"{degree}: backend {backend!r} does not implement "
+                            f"{what} (its dimensions beyond data parallelism: {has}); use "
+                            f"{name}: 1 (docs/tp.md)"))
+        if self.ep > 1 and (self.dp_shard * self.cp) % self.ep:
+            out.append(("topology.ep", f"{self.ep} must divide the ranks it borrows from, dp_shard "
+                        f"x cp = {self.dp_shard * self.cp}; pick a divisor of it"))
+        return out

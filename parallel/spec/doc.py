@@ -1,6 +1,7 @@
-"""The README's spec reference, generated from the pydantic models (a unit test keeps them in sync).
+"""The spec reference (docs/spec.md), generated from the pydantic models of the spec the registry
+assembles, every backend's section included (a unit test keeps them in sync).
 
-    python -m parallel.spec.doc > /tmp/ref.md
+    python -m parallel.spec.doc docs/spec.md
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from parallel.spec.model import Spec
 
 BEGIN, END = "<!-- spec-reference:begin -->", "<!-- spec-reference:end -->"
 
@@ -24,7 +24,7 @@ def _type(annotation) -> str:
     return getattr(annotation, "__name__", str(annotation)).replace("NoneType", "null")
 
 
-def rows(model: type[BaseModel], prefix: str = "") -> list[str]:
+def rows(model: type[BaseModel], prefix: str = "", choices: dict | None = None) -> list[str]:
     out = []
     for name, field in model.model_fields.items():
         ann = field.annotation
@@ -35,17 +35,17 @@ def rows(model: type[BaseModel], prefix: str = "") -> list[str]:
         default = field.get_default(call_default_factory=True)
         text = (field.description or "").replace("|", "\\|")
         kind = _type(ann)
-        if callable(field.json_schema_extra):  # choices computed at run time (the registry's)
-            schema: dict = {}
-            field.json_schema_extra(schema)
-            kind = " \\| ".join(f"`{v}`" for v in schema.get("enum", [])) or kind
+        if choices and not prefix and name in choices:  # computed at run time (the registry's)
+            kind = " \\| ".join(f"`{v}`" for v in choices[name])
         out.append(f"| `{prefix}{name}` | {kind} | `{default!r}` | {text} |")
     return out
 
 
 def reference() -> str:
+    from parallel.registry import names, spec_class
+
     head = ["| field | type | default | meaning |", "|---|---|---|---|"]
-    return "\n".join([BEGIN, *head, *rows(Spec), END])
+    return "\n".join([BEGIN, *head, *rows(spec_class(), choices={"backend": names()}), END])
 
 
 def update(readme: Path) -> None:
@@ -58,7 +58,7 @@ def update(readme: Path) -> None:
 if __name__ == "__main__":
     import sys
 
-    if sys.argv[1:]:  # python -m parallel.spec.doc README.md
+    if sys.argv[1:]:  # python -m parallel.spec.doc docs/spec.md
         update(Path(sys.argv[1]))
     else:
         print(reference())

@@ -1,28 +1,16 @@
-"""Reading, overriding, dumping and explaining errors of specs.
-
-Every error becomes a `(field path, message)` pair whose message names the value, the rule and a fix, so
-the CLI can print `path: message` lines and exit 2 without a traceback.
-"""
+"""Reading, overriding and dumping specs. A dispatcher: a spec is validated by the class the registry
+assembles from the spec's own fields and every backend's section (parallel/registry.py), so nothing a
+backend imports may import this module (errors.py holds what they share)."""
 
 from __future__ import annotations
 
-import difflib
 import json
-import re
 from pathlib import Path
 
 import yaml
-from pydantic import BaseModel, ValidationError
 
+from parallel.spec.errors import SpecError, validate_as
 from parallel.spec.model import Spec
-
-
-class SpecError(ValueError):
-    """A spec that cannot be used; `problems` holds `(path, message)` pairs."""
-
-    def __init__(self, problems: list[tuple[str, str]]):
-        self.problems = problems
-        super().__init__("\n".join(f"{p}: {m}" for p, m in problems))
 
 
 def load_spec(source: str | Path | dict | Spec | None = None, overrides: list[str] = ()) -> Spec:
@@ -37,10 +25,15 @@ def load_spec(source: str | Path | dict | Spec | None = None, overrides: list[st
         data = read_document(Path(source))
     for item in overrides:
         apply_override(data, item)
-    try:
-        return Spec.model_validate(data)
-    except ValidationError as err:
-        raise SpecError(explain_validation_error(err)) from None
+    return validate(data)
+
+
+def validate(data: dict) -> Spec:
+    """`data` as a Spec of the registered backends (the class parallel/registry.py assembles), or
+    SpecError naming every problem."""
+    from parallel.registry import spec_class
+
+    return validate_as(spec_class(), data)
 
 
 def read_document(path: Path) -> dict:
@@ -88,66 +81,9 @@ def dump_spec(spec: Spec, full: bool = False) -> str:
 
 
 def json_schema() -> dict:
-    return Spec.model_json_schema()
+    """The JSON Schema of the spec (editor completion), its `backend` listing the registered ones."""
+    from parallel.registry import names, spec_class
 
-
-def explain_validation_error(err: ValidationError) -> list[tuple[str, str]]:
-    problems: list[tuple[str, str]] = []
-    for e in err.errors():
-        ctx = e.get("ctx") or {}
-        if e["type"] == "spec_rule":
-            problems.extend(tuple(p) for p in ctx["problems"])
-            continue
-        path = ".".join(str(x) for x in e["loc"]) or "<spec>"
-        problems.append((path, _message(e)))
-    return problems
-
-
-def _message(e: dict) -> str:
-    value = e.get("input")
-    kind = e["type"]
-    if kind == "extra_forbidden":
-        known = list(_model_at(e["loc"][:-1]).model_fields)
-        hint = _closest(str(e["loc"][-1]), known)
-        fix = f"did you mean {hint!r}?" if hint else f"known fields: {', '.join(known)}"
-        return f"unknown field (value {value!r}); {fix}"
-    if kind == "literal_error":
-        choices = re.findall(r"'([^']*)'|(\d+)", e["ctx"]["expected"])
-        choices = [a or b for a, b in choices]
-        hint = _closest(str(value), choices)
-        fix = f"did you mean {hint!r}?" if hint else f"choose one of {', '.join(choices)}"
-        return f"{value!r} is not allowed; {fix}"
-    return f"{e['msg']} (got {value!r})"
-
-
-def _model_at(loc: tuple) -> type[BaseModel]:
-    model: type[BaseModel] = Spec
-    for name in loc:
-        annotation = model.model_fields[name].annotation
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            model = annotation
-    return model
-
-
-def _closest(word: str, options: list[str]) -> str | None:
-    found = difflib.get_close_matches(word, options, n=1, cutoff=0.6)
-    return found[0] if found else None
-
-
-
-def merge_native(computed: dict, origins: dict[str, str], native: dict, where: str) -> dict:
-    """Merge a backend's `native:` passthrough last. A native key that the spec already decided, with a
-    different value, is an error naming both; an equal value or a new key is accepted. "auto" means
-    what it means in every `native:` section: the spec's value, an error where the spec has none."""
-    problems = []
-    for key, value in native.items():
-        if value == "auto" and key not in computed:
-            problems.append((f"{where}.{key}", "is \"auto\" but the spec has no value for it; give "
-                             "a value or remove the key"))
-        elif key in computed and computed[key] != value and value != "auto":
-            origin = origins.get(key, "the spec")
-            problems.append((f"{where}.{key}", f"{value!r} contradicts {origin}, which "
-                             f"sets {key}={computed[key]!r}; change {origin} instead or drop the key"))
-    if problems:
-        raise SpecError(problems)
-    return {**computed, **{k: v for k, v in native.items() if v != "auto"}}
+    schema = spec_class().model_json_schema()
+    schema["properties"]["backend"]["enum"] = names()
+    return schema

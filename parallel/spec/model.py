@@ -1,52 +1,50 @@
 """The training-strategy spec: one document, validated once, meaning the same on every backend.
 
 Neutral fields (`shard`, `offload`, `precision`, ...) are defined by what they do, not by any backend's
-vocabulary; each backend's adapter translates them. Validation is one layer for every entry point
-(load_spec, validate, explain, plan, bench, parity, create_engine): the spec's own rules, then the
-backend's, from its descriptor (parallel/registry.py): what it cannot honour (its capabilities, with
-the nearest valid choice) and whatever its translation refuses. Descriptors import no backend
-dependency. No environment variables are read in this module: launch-time facts come from
+vocabulary; each backend's adapter translates them. This class holds them and the spec's own rules.
+The registry (parallel/registry.py) assembles the class specs are validated with: this one, plus each
+backend's own section (`fsdp:`, `deepspeed:`, `xla:`, declared by its descriptor), plus the lookup of
+the backends' rules (`backends`). Validation is one layer for every entry point (load_spec, validate,
+explain, plan, bench, parity, create_engine): the spec's own rules, then the backend's, from its
+descriptor: what it cannot honour (its capabilities, with the nearest valid choice), the parallel
+dimensions it does not implement, and whatever its translation refuses. Nothing here imports the
+registry or a backend. No environment variables are read in this module: launch-time facts come from
 `parallel.launch`.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, ClassVar, Literal, Protocol
 
 from pydantic import Field, field_validator, model_validator
 
 from parallel.spec.compiling import Compile
 from parallel.spec.dims import HYBRID, ParallelDims
+from parallel.spec.errors import SpecError, rule_error
+from parallel.spec.sections import Checkpointing, LossScale, Section, Topology, Wrap
 from parallel.spec.tracking import Tracking
-from parallel.spec.sections import (
-    Checkpointing,
-    DeepSpeedOptions,
-    FsdpOptions,
-    LossScale,
-    Section,
-    Topology,
-    Wrap,
-    XlaOptions,
-    rule_error,
-)
 
 Shard = Literal["full", "grad_op", "optimizer", "none", "hybrid", "hybrid_grad_op"]
-HYBRID_SHARDS = HYBRID
 
 
-def _backend_choices(schema: dict) -> None:
-    """The JSON Schema lists the registered backends (editor completion)."""
-    from parallel.registry import names
+class Backends(Protocol):
+    """What the spec asks of the registry: a backend's descriptor by name (SpecError naming the
+    choices when there is none)."""
 
-    schema["enum"] = names()
+    def get(self, name: str) -> Any: ...
 
 
 class Spec(Section):
+    # Set on the class the registry assembles (with every backend's section): where a backend's
+    # rules are looked up, and the names of the backends' sections. This class alone validates no
+    # backend: build specs with parallel.load_spec or parallel.Spec.
+    backends: ClassVar[Backends | None] = None
+    sections: ClassVar[tuple[str, ...]] = ()
+
     backend: Annotated[
         str,
         Field(description="Which engine runs the job: torch FSDP (fsdp), DeepSpeed ZeRO (deepspeed) "
-              "or PyTorch/XLA FSDP (xla_fsdp); any backend parallel/registry.py lists.",
-              json_schema_extra=_backend_choices),
+              "or PyTorch/XLA FSDP (xla_fsdp); any backend parallel/registry.py lists."),
     ] = "fsdp"
     shard: Annotated[
         Shard,
@@ -157,11 +155,6 @@ class Spec(Section):
     tracking: Annotated[
         Tracking, Field(description="Experiment tracking: TensorBoard, MLflow, wandb, JSON lines.")
     ] = Tracking()
-    fsdp: Annotated[FsdpOptions, Field(description="torch FSDP only knobs.")] = FsdpOptions()
-    deepspeed: Annotated[
-        DeepSpeedOptions, Field(description="DeepSpeed only knobs.")
-    ] = DeepSpeedOptions()
-    xla: Annotated[XlaOptions, Field(description="PyTorch/XLA only knobs.")] = XlaOptions()
 
     @property
     def world_size(self) -> int:
@@ -172,21 +165,28 @@ class Spec(Section):
         """Every parallel dimension (parallel/spec/dims.py): ask it for data-parallel facts."""
         return ParallelDims.from_spec(self)
 
+    @classmethod
+    def descriptor(cls, name: str):
+        """The backend's descriptor, from the registry this class was assembled with."""
+        if cls.backends is None:
+            raise TypeError("parallel.spec.model.Spec holds the spec's own fields; the registry "
+                            "assembles it with the backends' sections and rules: build specs with "
+                            "parallel.load_spec(...) or parallel.Spec(...)")
+        return cls.backends.get(name)
+
     @property
     def process_tp(self) -> int:
         """Tensor-parallel ranks that are processes: topology.tp, except where one process drives a
         host's devices (SPMD: its backend knows its devices per process only at run time), whose
         device mesh holds TP inside the process."""
-        from parallel.registry import get
-
-        spmd = get(self.backend).launch.process_devices(self) is None
+        spmd = self.descriptor(self.backend).launch.process_devices(self) is None
         return 1 if spmd else self.topology.tp
 
     @property
     def shard_group_size(self) -> int:
         """Ranks that shard one copy of the model (every data-parallel rank unless hybrid)."""
         dims = self.dims  # the default group (procs_per_node) is decided there, once
-        return dims.dp_shard if self.shard in HYBRID_SHARDS else dims.dp_size
+        return dims.dp_shard if self.shard in HYBRID else dims.dp_size
 
     @property
     def grad_reduce_dtype(self) -> str:
@@ -195,21 +195,21 @@ class Spec(Section):
 
     @property
     def checkpoint_activations(self) -> bool:
-        """activation_checkpointing, or its XLA alias `xla.xla_fsdp_grad_ckpt` (either spelling)."""
-        return self.activation_checkpointing or bool(self.xla_grad_ckpt_setting())
+        """activation_checkpointing, or a backend section's own spelling of it (XLA's
+        `xla.xla_fsdp_grad_ckpt`: either spelling)."""
+        return self.activation_checkpointing or any(
+            bool(value) for value, _ in self._spelled("activation_checkpointing"))
 
-    def xla_grad_ckpt_setting(self) -> bool | None:
-        xla = self.xla
-        return xla.xla_fsdp_settings.get("xla_fsdp_grad_ckpt", xla.xla_fsdp_grad_ckpt)
+    def _spelled(self, field: str) -> list[tuple[object, str]]:
+        """(value, path) of each backend section that sets neutral `field` in its own words."""
+        found = (getattr(self, name).neutral().get(field) for name in self.sections)
+        return [f for f in found if f is not None]
 
     @field_validator("backend")
     @classmethod
     def _registered(cls, value: str) -> str:
-        from parallel.registry import get
-        from parallel.spec.io import SpecError
-
         try:
-            get(value)
+            cls.descriptor(value)
         except SpecError as err:
             raise rule_error(*err.problems) from None
         return value
@@ -218,31 +218,32 @@ class Spec(Section):
     def _cross_field(self) -> Spec:
         problems = []
         group = self.topology.shard_group_size
-        if group is not None and self.shard not in HYBRID_SHARDS:
+        if group is not None and self.shard not in HYBRID:
             problems.append(("topology.shard_group_size", f"is only read with a hybrid shard, not "
                              f"shard: {self.shard!r}; remove it or use shard: hybrid"))
-        dp = self.world_size // self.process_tp  # data-parallel ranks (dims floors a bad group)
-        if self.shard in HYBRID_SHARDS and dp % self.shard_group_size:
+        # data-parallel ranks (dims floors a bad group)
+        dp = self.world_size // (self.process_tp * self.topology.cp * self.topology.pp)
+        if self.shard in HYBRID and dp % self.shard_group_size:
             problems.append(("topology.shard_group_size", f"{self.shard_group_size} does not divide "
-                             f"the data-parallel size {dp} (world size / tp); pick a divisor of it"))
+                             f"the data-parallel size {dp} (world size / (tp x cp x pp)); pick a "
+                             "divisor of it"))
         if self.loss_scale != LossScale() and self.precision != "fp16":
             problems.append(("loss_scale", f"loss scaling applies to precision: fp16 only, not "
                              f"{self.precision!r}; remove loss_scale or use precision: fp16"))
         problems += self._batch_rules()
-        xla_ckpt = self.xla_grad_ckpt_setting()
-        if (xla_ckpt is not None and "activation_checkpointing" in self.model_fields_set
-                and xla_ckpt != self.activation_checkpointing):
-            problems.append(("xla.xla_fsdp_grad_ckpt", f"{xla_ckpt} contradicts "
-                             f"activation_checkpointing: {self.activation_checkpointing}; they mean "
-                             "the same thing, keep one"))
+        for value, path in self._spelled("activation_checkpointing"):
+            if ("activation_checkpointing" in self.model_fields_set
+                    and value != self.activation_checkpointing):
+                problems.append((path, f"{value} contradicts activation_checkpointing: "
+                                 f"{self.activation_checkpointing}; they mean the same thing, keep "
+                                 "one"))
         if problems:
             raise rule_error(*problems)
         return self
 
     def _batch_rules(self) -> list[tuple[str, str]]:
-        from parallel.registry import get
-
-        devices = get(self.backend).launch.process_devices(self)  # None: known at run time (SPMD)
+        # None: known at run time (SPMD)
+        devices = self.descriptor(self.backend).launch.process_devices(self)
         if self.global_batch_size is None or devices is None:
             return []
         dp = self.dims.dp_size  # tensor-parallel ranks share a batch
@@ -259,21 +260,18 @@ class Spec(Section):
         """The backend's own rules, after the spec's: what it cannot honour (its capabilities) and
         what its translation refuses (a native key contradicting the spec, a combination it has no
         mode for)."""
-        from parallel.registry import get
-        from parallel.spec.io import SpecError
-
-        descriptor = get(self.backend)
-        problems = []
-        if self.topology.tp != 1 and not descriptor.tensor_parallel:
-            problems.append(("topology.tp", f"{self.topology.tp}: backend {self.backend!r} runs "
-                             "data parallel only; use tp: 1, or a backend with tensor "
-                             "parallelism (docs/tp.md)"))
-        elif self.topology.tp == 1 and self.topology.tp_plan is not None:
+        descriptor = self.descriptor(self.backend)
+        t, d = self.topology, self.dims
+        # as written (under SPMD, dims holds the processes' share of tp: 1)
+        problems = ParallelDims(d.dp_replicate, d.dp_shard, tp=t.tp, cp=t.cp, pp=t.pp,
+                                ep=t.ep).problems(descriptor.dimensions, self.backend)
+        if t.tp == 1 and t.tp_plan is not None:
             problems.append(("topology.tp_plan", "is set but topology.tp is 1, so nothing is "
                              "split; set tp > 1 or remove tp_plan"))
-        elif self.world_size % self.process_tp:  # SPMD: the runtime checks its devices
-            problems.append(("topology.tp", f"{self.topology.tp} does not divide the world size "
-                             f"{self.world_size}"))
+        model = self.process_tp * t.cp * t.pp  # SPMD: the runtime checks its devices
+        if not problems and self.world_size % model:
+            problems.append(("topology.tp", f"{t.tp} (x cp {t.cp} x pp {t.pp}) does not divide "
+                             f"the world size {self.world_size}"))
         for name in descriptor.capabilities.unsupported:  # every field the backend names
             value = self
             for part in name.split("."):

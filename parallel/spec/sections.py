@@ -1,26 +1,28 @@
-"""Sub-sections of the spec: topology, wrapping, loss scaling, and one section per backend.
+"""Sub-sections of the spec every backend reads: topology, checkpoint retention, wrapping, loss scaling.
+Each backend's own section lives in its package (backends/<name>/options.py) and is added to the spec
+by the registry from the backend's descriptor.
 
 Every field is documented where it is declared; the descriptions feed `polyshard schema` and the README's
-spec reference. Backend sections hold only knobs that exist on that backend; anything else goes through
-the section's `native:` passthrough, which the backend merges last and checks against the spec.
+spec reference.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from pydantic_core import PydanticCustomError
+
+from parallel.spec.errors import rule_error
 
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-
-def rule_error(*problems: tuple[str, str]) -> PydanticCustomError:
-    """One validation error carrying `(field path, message)` pairs; `parallel.spec.io` expands them."""
-    text = "; ".join(f"{p}: {m}" for p, m in problems)
-    return PydanticCustomError("spec_rule", "{text}", {"text": text, "problems": list(problems)})
+    def neutral(self) -> dict[str, tuple[object, str]]:
+        """A backend section's own spelling of a neutral field: {neutral field: (value, this
+        field's path)} for what is set here (XLA's xla_fsdp_grad_ckpt is activation
+        checkpointing). The spec reads both spellings and refuses a contradiction."""
+        return {}
 
 
 class Topology(Section):
@@ -45,6 +47,23 @@ class Topology(Section):
               "innermost mesh dimension (N consecutive ranks, one host), every rank of a TP group "
               "takes the same micro-batch, and data-parallel ranks = world size / N. Backends that "
               "cannot split refuse N > 1 naming why (docs/tp.md)."),
+    ] = 1
+    cp: Annotated[
+        int,
+        Field(ge=1, description="Context-parallel degree N: each sequence split over N ranks (every "
+              "rank of a cp group takes the same rows). No backend implements it yet: N > 1 is "
+              "refused naming the backend (docs/tp.md)."),
+    ] = 1
+    pp: Annotated[
+        int,
+        Field(ge=1, description="Pipeline-parallel degree N: the layers split into N stages over "
+              "ranks. No backend implements it yet: N > 1 is refused naming the backend."),
+    ] = 1
+    ep: Annotated[
+        int,
+        Field(ge=1, description="Expert-parallel degree N: a mixture-of-experts layer's experts "
+              "split over N ranks borrowed from data (and context) parallelism. No backend "
+              "implements it yet: N > 1 is refused naming the backend (docs/moe.md)."),
     ] = 1
     tp_plan: Annotated[
         dict[str, Literal["colwise", "rowwise", "colwise_rep"]] | None,
@@ -169,160 +188,3 @@ class LossScale(Section):
         int, Field(ge=1, description="Overflows tolerated before the scale halves (DeepSpeed).")
     ] = 2
     min_scale: Annotated[float, Field(gt=0, description="The scale never drops below this.")] = 1.0
-
-
-class FsdpOptions(Section):
-    version: Annotated[
-        Literal[1, 2],
-        Field(description="2: per-parameter `fully_shard` (DTensor). 1: FullyShardedDataParallel "
-              "with flat parameters."),
-    ] = 2
-    backward_prefetch: Annotated[
-        Literal["backward_pre", "backward_post", "none"],
-        Field(description="When to all-gather the next unit's parameters in backward. FSDP2 always "
-              "prefetches before the current unit's gradient computation (backward_pre)."),
-    ] = "backward_pre"
-    forward_prefetch: Annotated[
-        bool, Field(description="All-gather the next unit's parameters before the current forward.")
-    ] = False
-    sync_module_states: Annotated[
-        bool, Field(description="Broadcast rank 0's parameters and buffers before sharding, so "
-                    "every rank starts from the same weights.")
-    ] = True
-    cpu_ram_efficient_loading: Annotated[
-        bool, Field(description="Only rank 0 materialises the model (pass a model factory to "
-                    "`prepare`); other ranks build it on the meta device and receive rank 0's "
-                    "weights. Needs sync_module_states.")
-    ] = False
-    use_orig_params: Annotated[
-        bool, Field(description="FSDP1: expose original parameters (needed for per-parameter "
-                    "optimizer groups and torch.compile). FSDP2 always does.")
-    ] = True
-    limit_all_gathers: Annotated[
-        bool, Field(description="FSDP1: rate-limit all-gathers to bound memory.")
-    ] = True
-    reshard_output: Annotated[
-        bool, Field(description="FSDP2: also reshard the output unit (final norm and output layer, "
-                    "or tied embeddings) after forward. Off (torchtitan's default): backward needs "
-                    "it first, so it stays gathered from its forward to its backward; on: saves "
-                    "its unsharded size in that gap (Llama-3-8B: 525M parameters, 1 GiB in bf16) "
-                    "for one more all-gather of it per step (torchtitan's "
-                    "reshard_after_forward_policy: always).")
-    ] = False
-    native: Annotated[
-        dict[str, Any],
-        Field(description="Keyword arguments passed to fully_shard (v2) or FullyShardedDataParallel "
-              "(v1), merged last; a key that contradicts the spec is an error."),
-    ] = {}
-
-    @model_validator(mode="after")
-    def _version_rules(self) -> FsdpOptions:
-        if self.cpu_ram_efficient_loading and not self.sync_module_states:
-            raise rule_error(("fsdp.sync_module_states", "must be true when "
-                              "cpu_ram_efficient_loading is true (other ranks start empty and "
-                              "receive rank 0's weights); set `sync_module_states: true`"))
-        if self.version == 2 and not self.use_orig_params:
-            raise rule_error(("fsdp.use_orig_params", "false is an FSDP1 option: FSDP2 always keeps "
-                              "original parameters; remove it or set `fsdp.version: 1`"))
-        if self.version == 1 and self.reshard_output:
-            raise rule_error(("fsdp.reshard_output", "is an FSDP2 option (FSDP1 reshards by "
-                              "sharding strategy); remove it or set `fsdp.version: 2`"))
-        if self.version == 2 and self.backward_prefetch != "backward_pre":
-            raise rule_error(("fsdp.backward_prefetch", f"{self.backward_prefetch!r} needs FSDP1: "
-                              "FSDP2 always prefetches backward_pre; use `backward_prefetch: "
-                              "backward_pre` or `fsdp.version: 1`"))
-        return self
-
-
-class DeepSpeedOptions(Section):
-    zero_init: Annotated[
-        bool, Field(description="ZeRO-3: construct the model inside deepspeed.zero.Init (pass a "
-                    "model factory) so no rank ever holds all parameters; the analogue of "
-                    "cpu_ram_efficient_loading.")
-    ] = False
-    gather_16bit_weights_on_model_save: Annotated[
-        bool, Field(description="ZeRO-3: gather full weights when saving "
-                    "(stage3_gather_16bit_weights_on_model_save).")
-    ] = True
-    cpu_adam: Annotated[
-        bool, Field(description="With offload, replace a client Adam/AdamW by DeepSpeed's compiled "
-                    "CPU Adam (faster; compiled on first use). Off keeps the client optimizer.")
-    ] = False
-    offload_device: Annotated[
-        Literal["cpu", "nvme"],
-        Field(description="Where `offload` puts what it offloads: host memory, or NVMe files "
-              "under nvme_path (DeepSpeed's ZeRO-Infinity)."),
-    ] = "cpu"
-    nvme_path: Annotated[
-        str | None, Field(description="Directory on local NVMe for offload_device: nvme.")
-    ] = None
-    reduce_bucket_size: Annotated[
-        int | None, Field(gt=0, description="Elements per gradient reduction bucket (unset: "
-                          "DeepSpeed's 5e8; DeepSpeed refuses 0).")
-    ] = None
-    prefetch_bucket_size: Annotated[
-        int | None, Field(ge=0, description="ZeRO-3: elements prefetched ahead of use (unset: "
-                          "DeepSpeed's 5e7).")
-    ] = None
-    param_persistence_threshold: Annotated[
-        int | None, Field(ge=0, description="ZeRO-3: parameters smaller than this stay unsharded.")
-    ] = None
-    deepcompile: Annotated[
-        bool, Field(description="With compile: {enabled: true, scope: model}: DeepSpeed's "
-                    "DeepCompile (compiler passes that place ZeRO's gathers and reductions inside "
-                    "the compiled graph). DeepSpeed 0.19.8 runs it on CUDA only.")
-    ] = False
-    native: Annotated[
-        dict[str, Any] | str,
-        Field(description="A DeepSpeed config dict or a path to its JSON, merged last. \"auto\" "
-              "values are filled from the spec; a value that contradicts the spec is an error."),
-    ] = {}
-
-
-    @model_validator(mode="after")
-    def _nvme(self) -> DeepSpeedOptions:
-        if (self.offload_device == "nvme") != (self.nvme_path is not None):
-            raise rule_error(("deepspeed.nvme_path", "is required by offload_device: nvme, and "
-                              "read only with it; set both or neither"))
-        return self
-
-
-class XlaOptions(Section):
-    fsdp_version: Annotated[
-        Literal[1, 2],
-        Field(description="1: XlaFullyShardedDataParallel, one process per device. 2: SPMD "
-              "SpmdFullyShardedDataParallel over a device mesh, one process per host."),
-    ] = 1
-    xla_fsdp_grad_ckpt: Annotated[
-        bool | None,
-        Field(description="Accelerate's name for activation checkpointing on XLA "
-              "(checkpoint_module on each wrapped unit). Same meaning as activation_checkpointing."),
-    ] = None
-    flatten_parameters: Annotated[
-        bool, Field(description="v1: flatten each unit's parameters into one tensor.")
-    ] = True
-    mesh_shape: Annotated[
-        list[int] | None,
-        Field(description="v2: device mesh shape (default: all devices on the `fsdp` axis).")
-    ] = None
-    compilation_cache: Annotated[
-        str | None,
-        Field(description="Directory for XLA's persistent compilation cache: a relaunch (resume, "
-              "restart) reuses compiled graphs instead of compiling them again. Refused with "
-              "torch_xla 2.9, which writes the cache but cannot read it back (docs/xla.md)."),
-    ] = None
-    preemption_sync: Annotated[
-        bool,
-        Field(description="v2 (SPMD) on TPU VM slices: agree on a preemption through torch_xla's "
-              "preemption sync manager (TSL's SIGTERM notifier and the coordination service every "
-              "host joins) instead of the loss reduction; every host then saves at the same step. "
-              "Needs checkpoint.dir and preemption_signals: [SIGTERM] (what it listens to)."),
-    ] = False
-    xla_fsdp_settings: Annotated[
-        dict[str, Any],
-        Field(description="Accelerate's passthrough of XlaFullyShardedDataParallel arguments "
-              "(`xla_fsdp_grad_ckpt` accepted here too)."),
-    ] = {}
-    native: Annotated[
-        dict[str, Any], Field(description="Same as xla_fsdp_settings; merged last.")
-    ] = {}

@@ -1,6 +1,6 @@
 """The `tracking:` section: where a run's metrics go, through each tracker's own library.
 
-Only the main rank writes. What is logged and what it costs: parallel/engine/tracking.py and
+Only the main rank writes. What is logged and what it costs: parallel/engine/observe/tracking.py and
 docs/tracking.md.
 """
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from parallel.tools.sizes import numel
+
 GB = 1e9  # the ZeRO paper's unit
 ADAM, SGD = 8, 4  # optimizer state bytes per parameter (fp32 moments / momentum)
 
@@ -80,25 +82,6 @@ def zero_paper(psi: float, n: int, k: int = 12) -> dict[str, float]:
     return {"DP": (2 + 2 + k) * psi, "ZeRO-1": (2 + 2) * psi + k * psi / n,
             "ZeRO-2": 2 * psi + (2 + k) * psi / n, "ZeRO-3": (2 + 2 + k) * psi / n}
 
-
-# How backends pad the elements one rank holds of parameters sharded over n ranks (their
-# descriptors' plan models pick one): each parameter's dim 0 to a multiple of n (FSDP2), the
-# concatenation to a multiple of n (flat layouts: FSDP1, ZeRO), or each flat parameter to a multiple
-# of `multiple` x n (XLA FSDP: 128).
-def numel(shapes) -> int:
-    return sum(math.prod(s) for s in shapes)
-
-
-def per_param_dim0(shapes, n: int) -> int:
-    return numel(shapes) if n == 1 else sum(math.ceil(s[0] / n) * math.prod(s[1:]) for s in shapes)
-
-
-def flat(shapes, n: int) -> int:
-    return math.ceil(numel(shapes) / n)
-
-
-def flat_padded(shapes, n: int, multiple: int) -> int:
-    return numel(shapes) if n == 1 else math.ceil(numel(shapes) / (multiple * n)) * multiple
 
 
 def model_states(spec, shapes, n: int | None = None, optimizer: str = "adamw",
@@ -238,8 +221,8 @@ def model_facts(source: str, wrap, tp: int = 1, tp_plan: dict | None = None
         count = None
     if count is not None:
         return [(int(count) // tp,)], None, None
-    from parallel.engine.tp_plan import local_shapes
-    from parallel.engine.wrap import plan_wrap
+    from parallel.engine.model.tp_plan import local_shapes
+    from parallel.engine.model.wrap import plan_wrap
     from parallel.toy import meta_model
 
     model = meta_model(source)

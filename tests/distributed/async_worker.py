@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from parallel import create_engine, load_spec
-from parallel.checkpoint.directory import verify_checkpoint
+from parallel.checkpoint.manifest import verify_checkpoint
 from parallel.toy import build_llama, llama_config
 
 def engine_for(spec, seed):

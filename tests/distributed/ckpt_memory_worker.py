@@ -1,9 +1,11 @@
 """Peak extra host memory of each rank during save and during load (issue #16): a ~24M-parameter
 Llama with AdamW, one step, then save and load while a thread samples this process's resident set
-every millisecond. Rank 0 writes every rank's figures to --out."""
+every millisecond; every spec of --specs in turn, each engine closed before the next. Rank 0 writes
+every rank's figures to --out."""
 
 import argparse
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -49,37 +51,59 @@ class Peak:
         self.extra = max(self.peak, rss()) - self.start
 
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--spec", required=True)
-    p.add_argument("--dir", required=True)
-    p.add_argument("--out", required=True)
-    a = p.parse_args()
-    spec = load_spec(json.loads(a.spec))
-    engine = create_engine(spec)
+def trim() -> None:
+    """Freed memory back to the system before a measurement (the collector, then glibc's heap), so
+    what a save or load allocates shows as growth even where an earlier job or step freed as much
+    (the allocator would otherwise hand it back unseen)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def measure(spec_dict: dict, root: Path) -> dict:
+    engine = create_engine(load_spec(spec_dict))
     torch.manual_seed(0)
     model = build_llama(llama_config("demo", **SIZE))
     params = sum(p.numel() for p in model.parameters())
     engine.prepare(model, (torch.optim.AdamW, {"lr": 1e-3}))
     rows = engine.samples_per_step
-    ids = torch.randint(0, 256, (rows * engine.world_size, 16), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 256, (rows * engine.world_size, 16),
+                        generator=torch.Generator().manual_seed(1))
     mine = ids[engine.dp_rank * rows:(engine.dp_rank + 1) * rows]
     before = engine.train_step({"input_ids": mine, "labels": mine}).loss
     dist.barrier()
+    trim()
     with Peak() as save:
-        engine.save(Path(a.dir))
+        engine.save(root)
     dist.barrier()
+    trim()
     with Peak() as load:
-        engine.load(Path(a.dir))
+        engine.load(root)
+    trim()
     with Peak() as step:  # what a training step itself needs beyond the state (DeepSpeed's gathers)
         after = engine.train_step({"input_ids": mine, "labels": mine}).loss
     figures = [None] * engine.world_size
     dist.all_gather_object(figures, {"rank": engine.rank, "save": save.extra, "load": load.extra,
                                      "step": step.extra})
-    if engine.is_main:
-        Path(a.out).write_text(json.dumps({"params": params, "ranks": figures,
-                                           "losses": [before, after], "world": engine.world_size}))
-    engine.close()
+    out = {"params": params, "ranks": figures, "losses": [before, after],
+           "world": engine.world_size}
+    engine.close()  # the next job joins a fresh process group; this one's memory is freed
+    del engine, model
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--specs", required=True, help="{name: spec}: measured one after another")
+    p.add_argument("--dir", required=True)
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    results = {name: measure(spec, Path(a.dir) / name)
+               for name, spec in json.loads(a.specs).items()}
+    if int(os.environ.get("RANK", "0")) == 0:
+        Path(a.out).write_text(json.dumps(results))
 
 
 if __name__ == "__main__":

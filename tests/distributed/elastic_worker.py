@@ -18,6 +18,12 @@ engine.maybe_save() every checkpoint.every steps. Rank 0 appends every step's lo
   --references FILE             no faults: run every spec of FILE ({name: spec}) uninterrupted in
                                 this one launch (the reference losses of many cases for the price
                                 of one start-up); rank 0 writes {name: losses} to --out
+  --preempt FILE                every case of FILE ({name: {"spec", "who"}}) in this one launch:
+                                its uninterrupted losses, then a run in which rank `who` (-1: every
+                                rank) sends itself SIGTERM after step 3 (the engine agrees, saves and
+                                raises Preempted, exit code 85), then a fresh engine that resumes
+                                from `latest` (checkpoint.resume: auto) and finishes; rank 0 writes
+                                {name: {reference, preempted, resumed, latest, code, message}}
 """
 
 import argparse
@@ -77,9 +83,59 @@ def references(path, steps, log):
         Path(log).write_text(json.dumps(out))
 
 
+def train(engine, loader, steps, after=lambda result: None, losses=None) -> list[float]:
+    """The user's loop: train_step, then maybe_save, until `steps`; the losses, appended to
+    `losses` as they come (they survive a Preempted raised mid-loop)."""
+    losses = [] if losses is None else losses
+    while engine.step < steps:
+        for batch in loader:
+            result = engine.train_step(batch)
+            losses.append(result.loss)
+            after(result)
+            engine.maybe_save()
+            if engine.step >= steps:
+                break
+    return losses
+
+
+def preempt(path, steps, log):
+    """Every case of `path` in this launch: uninterrupted, preempted after step 3, resumed."""
+    from parallel.engine.watch.preempt import Preempted
+
+    out = {}
+    for name, case in json.loads(Path(path).read_text()).items():
+        data = case["spec"]
+        root = Path(data["checkpoint"]["dir"])
+        reference = {**data, "checkpoint": {**data["checkpoint"], "dir": f"{root}-reference"}}
+        engine, loader = start(load_spec(reference))
+        row = {"reference": train(engine, loader, steps)}
+        engine, loader = start(load_spec(data))
+        signalled = case["who"] in (engine.rank, -1)
+
+        def notice(result):
+            if signalled and result.step == 3:
+                os.kill(os.getpid(), signal.SIGTERM)  # caught: the engine decides with its peers
+
+        row["first"] = []
+        try:
+            train(engine, loader, steps, notice, row["first"])
+            row["code"] = 0
+        except Preempted as stop:
+            row.update(code=stop.code, message=str(stop), latest=(root / "latest").read_text().strip())
+        row["preempted"] = engine.step
+        engine, loader = start(load_spec(data))  # the requeued job: resume: auto from `latest`
+        engine.resume()
+        row["start"] = engine.step
+        row["resumed"] = train(engine, loader, steps)
+        out[name] = row
+    if engine.is_main:
+        Path(log).write_text(json.dumps(out))
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--references")
+    p.add_argument("--preempt")
     p.add_argument("--out", help="--references: where the losses go")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--log")
@@ -91,27 +147,30 @@ def main():
     args = p.parse_args()
     if args.references:
         return references(args.references, args.steps, args.out)
+    if args.preempt:
+        return preempt(args.preempt, args.steps, args.out)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     spec = current_spec()
     engine, loader = start(spec)
     faulty = args.kill_rank in (engine.rank, -1) and attempt == 0
     fresh = not (spec.checkpoint.dir and os.path.exists(os.path.join(spec.checkpoint.dir, "latest")))
+    # faults inside a save: the checkpointer's writer of the model and optimizer state, wrapped
     if faulty and args.kill_in_save:
-        write = engine._save_model_optim
+        write = engine.checkpoints.write
 
         def write_then_die(tmp):
             write(tmp)
             if engine.step == args.kill_in_save:
                 die()  # this rank's shards are on disk; the manifest never will be
-        engine._save_model_optim = write_then_die
+        engine.checkpoints.write = write_then_die
     if faulty and args.signal_in_save:
-        write = engine._save_model_optim
+        write = engine.checkpoints.write
 
         def signal_while_writing(tmp):  # the handler only sets a flag: this save completes
             if engine.step == args.signal_in_save:
                 os.kill(os.getpid(), signal.SIGTERM)
             write(tmp)
-        engine._save_model_optim = signal_while_writing
+        engine.checkpoints.write = signal_while_writing
     engine.resume()
     if faulty and fresh and args.signal_step == 0:
         os.kill(os.getpid(), signal.SIGTERM)  # during start-up, before any step

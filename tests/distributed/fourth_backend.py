@@ -10,9 +10,9 @@ from torch import nn
 
 from parallel.checkpoint.dcp_state import read_model_optim, write_model_optim
 from parallel.descriptor import BackendDescriptor, Capabilities, PlanModel, Unsupported
-from parallel.engine.base import Engine
-from parallel.spec.io import SpecError
-from parallel.tools.plan import numel
+from parallel.engine.core.engine import Engine
+from parallel.spec.errors import SpecError
+from parallel.tools.sizes import numel
 
 
 class ReplicaEngine(Engine):

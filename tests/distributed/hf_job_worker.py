@@ -22,7 +22,7 @@ import torch
 from parity_worker import global_batches, optimizer_arg
 
 from parallel import create_engine, load_spec
-from parallel.engine.evaluate import token_accuracy
+from parallel.engine.infer.evaluate import token_accuracy
 from parallel.toy import build_llama, llama_config
 
 ROWS = 9  # evaluation rows: 5 on rank 0, 4 on rank 1 at 2 per batch

@@ -4,6 +4,7 @@ loss difference from the single-process run, or its error, to --out."""
 
 import argparse
 import json
+import os
 import traceback
 
 import torch
@@ -35,10 +36,12 @@ def main():
     p.add_argument("--jobs", required=True)
     p.add_argument("--out", required=True)
     args = p.parse_args()
-    results, rank = {}, 0
+    results = {}
+    # the launcher's rank, known before any job: a rank whose first job fails must not write
+    rank = int(os.environ.get("RANK", "0"))
     for name, spec in json.load(open(args.jobs)).items():
         try:
-            results[name], rank = job(spec)
+            results[name], _ = job(spec)
         except Exception:
             results[name] = traceback.format_exc()[-3000:]
             break  # the process group may be gone: later jobs would only hang

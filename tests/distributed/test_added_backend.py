@@ -11,6 +11,7 @@ from harness import ROOT, torchrun
 from parallel.toy import build_llama, llama_config
 
 pytestmark = pytest.mark.distributed
+BUDGET_S = 40  # seconds in make test (tests/conftest.py)
 WORKER = ROOT / "tests" / "distributed" / "fourth_worker.py"
 
 

@@ -16,6 +16,7 @@ import pytest
 from harness import ROOT, torchrun, needs_both
 
 pytestmark = pytest.mark.distributed
+BUDGET_S = 160  # seconds in make test (tests/conftest.py)
 
 WORKER = ROOT / "tests" / "distributed" / "transfer_worker.py"
 # Every variant in the registry (tests/distributed/matrix.py) is a source and a target. ZeRO-0 is left

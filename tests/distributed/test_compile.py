@@ -7,6 +7,7 @@ import pytest
 from harness import case, check_parity, needs_deepspeed, run_parity
 
 pytestmark = pytest.mark.distributed
+BUDGET_S = 140  # seconds in make test (tests/conftest.py)
 
 BASE = {"topology": {"procs_per_node": 2}, "micro_batch_size": 2}
 UNITS = 2  # toy:tiny's decoder layers, the units wrap.policy auto selects

@@ -8,6 +8,7 @@ import pytest
 
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.distributed
+BUDGET_S = 30  # seconds in make test (tests/conftest.py)
 
 INIT = """
 import json, sys, torch, deepspeed

@@ -7,6 +7,7 @@ from harness import case, check_parity, run_parity
 
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.distributed
+BUDGET_S = 140  # seconds in make test (tests/conftest.py)
 
 BASE = {"backend": "deepspeed", "topology": {"procs_per_node": 2}, "micro_batch_size": 2}
 SHARD_OF_STAGE = {0: "none", 1: "optimizer", 2: "grad_op", 3: "full"}

@@ -18,6 +18,7 @@ from parallel.tools.cells import merged
 from reliability import record
 
 pytestmark = pytest.mark.distributed
+BUDGET_S = 660  # seconds in make test (tests/conftest.py)
 
 DIST = ROOT / "tests" / "distributed"
 TWO = {"topology": {"procs_per_node": 2}, "micro_batch_size": 2}
@@ -134,10 +135,11 @@ def job(case) -> str:
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    """Every preempted job's uninterrupted losses, from one launch per launch group (not one per
-    case): {job: losses}."""
+    """The uninterrupted losses of the jobs relaunched through `polyshard launch` (the default job
+    and the sync manager's), one launch per launch group: {job: losses}."""
     tmp = tmp_path_factory.mktemp("references")
-    jobs = {job(c): c for c in [DEFAULT, *(c for c, _ in PREEMPTED.values())]}
+    jobs = {job(c): c for c in [DEFAULT, *(c for n, (c, _) in PREEMPTED.items()
+                                           if n.endswith("-sync"))]}
     out = {}
     for group in matrix.by_launch(list(jobs.values())):
         specs = {}
@@ -171,38 +173,72 @@ def test_sigkilled_worker_restarts_and_resumes_with_the_same_losses(tmp_path, un
                               "launch seconds": round(seconds, 1)})
 
 
+def preempted_in_launches(tmp) -> dict:
+    """Every preempted case but the sync manager's, each launch group in one launch (elastic_worker
+    --preempt: reference, preempted run, resume, engine after engine); {name: its row}."""
+    out = {}
+    inline = [(n, c, who) for n, (c, who) in PREEMPTED.items() if not n.endswith("-sync")]
+    for group in matrix.by_launch([c for _, c, _ in inline]):
+        names = {c.name for c in group}
+        cases = {n: {"spec": json.loads(spec(tmp, f"preempt-{n}", **c.spec).read_text()),
+                     "who": who} for n, c, who in inline if c.name in names}
+        (tmp / f"preempt-{group[0].name}.json").write_text(json.dumps(cases))
+        rows = tmp / f"preempt-{group[0].name}-out.json"
+        torchrun(group[0].nproc, [str(DIST / "elastic_worker.py"), "--preempt",
+                                  str(tmp / f"preempt-{group[0].name}.json"), "--out", str(rows)],
+                 timeout=600, env=group[0].env)
+        out.update(json.loads(rows.read_text()))
+    return out
+
+
+@needs_both
+@pytest.mark.timeout(1200)
+def test_sigterm_saves_exits_to_requeue_and_resumes_exactly(tmp_path):
+    """Every variant in the registry, one rank signalled (and every rank, on the first): SIGTERM
+    after step 3, the ranks agree at the end of step 3 + 1 + (lag - 1), save a complete checkpoint
+    there and raise Preempted (exit code 85); a fresh engine resumes from it (resume: auto) and
+    steps 1-8 equal the same job's uninterrupted run bit for bit. One launch per launch group:
+    engines one after another; a relaunch in fresh processes is test_sigterm_to_polyshard_launch's
+    and the sync manager's below, and every variant's resume in fresh processes is its parity
+    test's."""
+    rows = preempted_in_launches(tmp_path)
+    assert set(rows) == {n for n in PREEMPTED if not n.endswith("-sync")}
+    for name, row in rows.items():
+        case, who = PREEMPTED[name]
+        assert row["code"] == 85, (name, row)
+        lag = 3 if case.backend == "xla_fsdp" else 2  # XLA reads the flag a step later (closure)
+        assert row["latest"] == f"step-{3 + lag:08d}", (name, row)  # carried by step 4
+        assert f"preempted after step {3 + lag}" in row["message"], (name, row)
+        assert row["start"] == row["preempted"] == 3 + lag, (name, row)
+        assert row["first"][:row["preempted"]] + row["resumed"] == row["reference"], (name, row)
+        record(f"preemption-{name}", {
+            "signal": f"SIGTERM to {'every rank' if who == -1 else f'rank {who}'} after step 3",
+            "checkpoint": row["latest"], "exit code": row["code"], "resumed losses exact": True})
+
+
+@needs_both
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", list(PREEMPTED))
-def test_sigterm_saves_exits_to_requeue_and_resumes_exactly(tmp_path, references, name):
-    """SIGTERM after step 3 (one rank, or every rank): the ranks agree at the end of step 3 + 1 +
-    (lag - 1), save a complete checkpoint there, exit 85; the relaunch resumes from it and steps 1-8
-    equal the same backend's uninterrupted run bit for bit."""
-    case, who = PREEMPTED[name]
-    if case.backend == "xla_fsdp":
-        pytest.importorskip("torch_xla")
-    changes, env, reference = case.spec, case.env, references[job(case)]
-    spec_file, log = spec(tmp_path, "preempt", **changes), tmp_path / "preempt.jsonl"
+def test_the_sync_manager_agrees_saves_and_resumes_across_launches(tmp_path, references):
+    """XLA v2 on TPU VM slices: torch_xla's preemption sync manager (the coordination service every
+    host joins) picks the step; its own launch and a relaunch through `polyshard launch`."""
+    if "xla2-sync" not in PREEMPTED:
+        pytest.skip("no XLA v2 variant registered")
+    case, who = PREEMPTED["xla2-sync"]
+    spec_file, log = spec(tmp_path, "preempt", **case.spec), tmp_path / "preempt.jsonl"
     # the sync manager agrees over the coordination service in wall time (measured < 0.5 s), not
     # in steps: slow the steps down so the 5 left are enough (a real job has thousands left)
-    slow = ["--sleep", "0.5"] if name.endswith("-sync") else []
-    first, seconds = launch(spec_file, log, "--signal-step", "3", "--kill-rank", str(who), *slow,
-                            env=env)
+    first, seconds = launch(spec_file, log, "--signal-step", "3", "--kill-rank", str(who),
+                            "--sleep", "0.5", env=case.env)
     assert first.returncode == 85, (first.returncode, first.stderr[-3000:])
     latest = (tmp_path / "preempt" / "latest").read_text().strip()
-    if name.endswith("-sync"):  # the coordination service picks the step: one after the signal
-        assert int(latest[-8:]) > 3, latest
-    else:
-        # XLA reads the flag a step later (step closure)
-        lag = 3 if case.backend == "xla_fsdp" else 2
-        assert latest == f"step-{3 + lag:08d}", latest  # carried by step 4, read lag - 1 steps on
+    assert int(latest[-8:]) > 3, latest  # the coordination service picks the step after the signal
     assert f"preempted after step {int(latest[-8:])}" in first.stderr, first.stderr[-2000:]
-    second, _ = launch(spec_file, log, env=env)
+    second, _ = launch(spec_file, log, env=case.env)
     assert second.returncode == 0, second.stderr[-3000:]
-    assert losses(log) == reference
-    record(f"preemption-{name}", {
-        "signal": f"SIGTERM to {'every rank' if who == -1 else f'rank {who}'} after step 3",
-        "checkpoint": latest, "exit code": first.returncode, "resumed losses exact": True,
-        "first launch seconds": round(seconds, 1)})
+    assert losses(log) == references[job(case)]
+    record("preemption-xla2-sync", {"signal": "SIGTERM to rank 0 after step 3", "checkpoint": latest,
+                                    "exit code": first.returncode, "resumed losses exact": True,
+                                    "first launch seconds": round(seconds, 1)})
 
 
 @pytest.mark.timeout(900)
@@ -212,7 +248,7 @@ def test_sigterm_at_the_edges(tmp_path, uninterrupted, when):
     written, and the relaunch trains from scratch. During the save of step 2, then again after step
     3: that save completes (the handler only sets a flag), the ranks agree, save once, exit 85; the
     published checkpoints all verify and the relaunch resumes bit for bit."""
-    from parallel.checkpoint.directory import verify_checkpoint
+    from parallel.checkpoint.manifest import verify_checkpoint
 
     spec_file, log = spec(tmp_path, "edge"), tmp_path / "edge.jsonl"
     flags = ["--signal-step", "0"] if when == "before-first-step" else ["--signal-in-save", "2"]
@@ -331,7 +367,7 @@ def test_bad_batch_under_one_task_per_device_ends_every_rank(tmp_path):
     """Slurm-style: each rank a process of its own (srun one task per device, no torchrun agent).
     rank 1 raises and exits; rank 0, inside the step's first collective, loses its peer and exits
     with a report naming the rank that sent none, long before timeout_s."""
-    from parallel.engine.dist import free_port
+    from parallel.dist import free_port
 
     spec_file = spec(tmp_path, "slurm")
     base = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_RANK",

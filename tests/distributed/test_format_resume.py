@@ -7,6 +7,7 @@ import pytest
 from harness import ROOT, needs_both, torchrun
 
 pytestmark = pytest.mark.distributed
+BUDGET_S = 30  # seconds in make test (tests/conftest.py)
 
 FIXTURE = ROOT / "tests" / "fixtures" / "ckpt-v1"
 

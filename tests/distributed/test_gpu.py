@@ -11,6 +11,8 @@ import torch
 import test_faults as faults
 from harness import ROOT, case, check_parity, needs_deepspeed, run_parity, torchrun
 
+BUDGET_S = 30  # seconds in make test (tests/conftest.py)
+
 pytestmark = [pytest.mark.distributed, pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(),
                                  reason="needs CUDA and NCCL; this machine has no GPU")]

@@ -9,6 +9,7 @@ import pytest
 from harness import ROOT, needs_both, torchrun
 
 pytestmark = pytest.mark.distributed
+BUDGET_S = 100  # seconds in make test (tests/conftest.py)
 
 CASES = matrix.cases(world=2, micro_batch_size=2)
 WORKER = ROOT / "tests" / "distributed" / "hf_job_worker.py"

@@ -6,6 +6,7 @@ import pytest
 from harness import ROOT, needs_deepspeed, torchrun
 
 pytestmark = pytest.mark.distributed
+BUDGET_S = 30  # seconds in make test (tests/conftest.py)
 
 
 @needs_deepspeed

@@ -13,6 +13,7 @@ import torch
 from harness import ROOT, torchrun
 
 pytestmark = pytest.mark.distributed
+BUDGET_S = 30  # seconds in make test (tests/conftest.py)
 WORKER = ROOT / "tests" / "distributed" / "hostile_worker.py"
 
 

@@ -20,6 +20,7 @@ from parallel import registry
 ZOO_MOE = {name: bool(entry.get("moe")) for name, entry in ZOO.items()}
 
 pytestmark = pytest.mark.distributed
+BUDGET_S = 450  # seconds in make test (tests/conftest.py)
 
 WORKER = ROOT / "tests" / "distributed" / "zoo_worker.py"
 # Every backend variant in the registry but ZeRO-0: its load of another backend's checkpoint hangs at

@@ -10,6 +10,7 @@ from harness import needs_both
 from parallel import notebook_launch
 
 pytestmark = pytest.mark.distributed
+BUDGET_S = 100  # seconds in make test (tests/conftest.py)
 
 CASES = matrix.cases(world=2, micro_batch_size=2)
 STEPS = 2

@@ -16,6 +16,7 @@ from harness import ROOT, case, check_parity, needs_both, run_parity, torchrun
 from parallel.spec.io import SpecError, load_spec
 
 pytestmark = pytest.mark.distributed
+BUDGET_S = 390  # seconds in make test (tests/conftest.py)
 
 
 def with_tp(c, tp=2, **extra):

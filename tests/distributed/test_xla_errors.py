@@ -8,6 +8,7 @@ import pytest
 
 pytest.importorskip("torch_xla")
 pytestmark = pytest.mark.distributed
+BUDGET_S = 30  # seconds in make test (tests/conftest.py)
 
 CODE = "from parallel import create_engine, load_spec; " \
        "create_engine(load_spec({'backend': 'xla_fsdp', 'xla': {'fsdp_version': 1}}))"
@@ -44,7 +45,7 @@ def test_the_persistent_cache_this_torch_xla_writes_is_never_read_back(tmp_path)
     import torch_xla
 
     from backends.xla.common import UNREADABLE_CACHE, apply_compilation_cache
-    from parallel.spec.io import SpecError
+    from parallel.spec.errors import SpecError
 
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1"}
     counts = []

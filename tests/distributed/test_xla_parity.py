@@ -9,6 +9,7 @@ from harness import case, check_parity, run_parity
 
 pytest.importorskip("torch_xla")
 pytestmark = pytest.mark.distributed
+BUDGET_S = 140  # seconds in make test (tests/conftest.py)
 
 V1 = {"backend": "xla_fsdp", "micro_batch_size": 2, "xla": {"fsdp_version": 1}}
 V2 = {"backend": "xla_fsdp", "micro_batch_size": 2, "xla": {"fsdp_version": 2}}

@@ -2,18 +2,21 @@
 hands AutoTP splits exactly what the plan says by DeepSpeed's own matcher, a partition_config reads
 back as the plan it is, and DeepSpeed files with AutoTP import and export keeping their meaning."""
 
+import functools
 import json
 
 import pytest
 from transformers import MixtralConfig, MixtralForCausalLM
 
 from backends.deepspeed.autotp import STYLE_OF, fnmatch_of, partition_config, plan_of
-from backends.deepspeed.interop import from_deepspeed
-from parallel.engine.tp_plan import hf_tp_plan, resolve_plan, style_of
+from backends.deepspeed import interop as ds_interop
+from parallel.engine.model.tp_plan import hf_tp_plan, resolve_plan, style_of
 from parallel.interop.accelerate import from_accelerate
 from parallel.interop.export import export
 from parallel.spec.io import SpecError, load_spec
 from parallel.toy import build_llama, llama_config
+
+from_deepspeed = functools.partial(ds_interop.from_deepspeed, validate=load_spec)  # the CLI's validation
 
 
 def export_to(fmt, spec):

@@ -1,4 +1,4 @@
-"""The compile section's meaning and the checks that torch.compile ran (parallel/engine/compiling.py),
+"""The compile section's meaning and the checks that torch.compile ran (parallel/engine/model/compile.py),
 on one process with dynamo's `eager` backend (traces, generates no code: seconds)."""
 
 import warnings
@@ -8,9 +8,10 @@ import torch
 from torch import nn
 
 from parallel import load_spec
-from parallel.engine.compiling import CompileWatch, CountingBackend
+from parallel.engine.model.compile import CountingBackend
+from parallel.engine.watch.compile import CompileWatch
 from parallel.spec.compiling import Compile
-from parallel.spec.io import SpecError
+from parallel.spec.errors import SpecError
 
 
 class Block(nn.Module):
@@ -119,7 +120,7 @@ def test_a_mode_reaches_inductor_inside_the_backend():
 
 
 def test_deepcompile_names_an_arch_list_deepspeeds_builder_cannot_read():
-    from backends.deepspeed.engine import check_arch_list
+    from backends.deepspeed.parallelize import check_arch_list
 
     for fine in ("", "9.0", "8.0;9.0+PTX", "8.6 9.0"):
         check_arch_list(fine)

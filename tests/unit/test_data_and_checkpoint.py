@@ -6,12 +6,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from parallel.checkpoint.directory import (
-    CheckpointError,
-    verify_checkpoint,
-    write_checkpoint,
-)
-from parallel.engine.data import ResumableLoader, ResumableSampler
+from parallel.checkpoint.safe import CheckpointError
+from parallel.checkpoint.manifest import verify_checkpoint
+from parallel.checkpoint.directory import write_checkpoint
+from parallel.engine.data.resumable import ResumableLoader, ResumableSampler
 
 
 def loader(rank=0, world=2, batch=2, seed=3):

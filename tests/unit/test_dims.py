@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def fake(world, tp=1, shard="full", group=None, per_node=None):
-    topo = SimpleNamespace(tp=tp, shard_group_size=group, procs_per_node=per_node or world)
+    topo = SimpleNamespace(tp=tp, cp=1, pp=1, ep=1, shard_group_size=group,
+                           procs_per_node=per_node or world)
     return SimpleNamespace(world_size=world, shard=shard, topology=topo)
 
 
@@ -109,9 +110,9 @@ def test_tp_rules():
 
 
 def test_the_plan_is_checked_against_the_model_before_anything_is_split():
-    """backends/fsdp/tp.py's resolve_plan on a real tiny Llama: the model's own plan (the head's
+    """backends/fsdp/parallelize.py's resolve_plan on a real tiny Llama: the model's own plan (the head's
     from its class), and errors naming the field, the layer, the size and the rule."""
-    from parallel.engine.tp_plan import resolve_plan
+    from parallel.engine.model.tp_plan import resolve_plan
     from parallel.toy import build_llama, llama_config
 
     model = build_llama(llama_config("tiny"))  # 4 heads, 2 KV heads, hidden 32, MLP 64, vocab 256
@@ -149,7 +150,7 @@ def test_a_head_tied_to_its_embedding_stays_whole_and_foreign_styles_are_named()
     """One weight cannot be split for the head and whole for the embedding: FSDP2's
     parallelize_module broke the tie (1.1e-2 off one process from step 1), DeepSpeed kept it whole.
     The model's own plan leaves it out (said), a plan of yours is refused."""
-    from parallel.engine.tp_plan import resolve_plan
+    from parallel.engine.model.tp_plan import resolve_plan
     from parallel.toy import build_llama, llama_config
 
     tied = build_llama(llama_config("tiny", tie_word_embeddings=True))
@@ -166,3 +167,23 @@ def test_a_head_tied_to_its_embedding_stays_whole_and_foreign_styles_are_named()
     with pytest.raises(SpecError) as info:
         resolve_plan(odd, 2, None)
     assert "local_colwise" in dict(info.value.problems)["topology.tp"]
+
+
+@pytest.mark.parametrize("dim", ["cp", "pp", "ep"])
+def test_a_dimension_no_backend_implements_is_refused_naming_why(dim):
+    from parallel.spec.errors import SpecError
+
+    with pytest.raises(SpecError) as err:
+        load_spec({"topology": {"procs_per_node": 4, dim: 2}})
+    message = dict(err.value.problems)[f"topology.{dim}"]
+    assert "backend 'fsdp' does not implement" in message and f"use {dim}: 1" in message
+
+
+def test_every_dimension_has_its_slot_in_the_layout():
+    dims = ParallelDims(1, 2, tp=2, cp=2)
+    assert dims.world_size == 8 and dims.dp_size == 2
+    # (pp, dp_replicate, dp_shard, cp, tp) row-major: a cp x tp block shares one batch slice
+    assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert dims.mesh_dims == ("dp_replicate", "dp_shard", "cp", "tp")
+    assert ParallelDims(2, 2).mesh_dims == ("dp_replicate", "dp_shard", "tp")  # size-1: no cp, pp
+    assert ParallelDims(1, 4, pp=2).world_size == 8

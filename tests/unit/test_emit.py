@@ -87,8 +87,8 @@ def test_cli_emits_parseable_files(tmp_path, capsys):
     ({"PJRT_DEVICE": "CPU"}, "local"),
 ])
 def test_launcher_is_detected_from_the_environment(env, launcher):
-    from parallel.engine.dist import launched_world
-    from parallel.launch.envinfo import detect_launcher
+    from parallel.dist import launched_world
+    from parallel.envinfo import detect_launcher
 
     assert detect_launcher(env) == launcher
     if launcher == "slurm":
@@ -96,7 +96,7 @@ def test_launcher_is_detected_from_the_environment(env, launcher):
 
 
 def test_srun_without_a_master_address_is_a_clear_error():
-    from parallel.engine.dist import launched_world
+    from parallel.dist import launched_world
 
     with pytest.raises(RuntimeError, match="MASTER_ADDR"):
         launched_world({"SLURM_PROCID": "0", "SLURM_NTASKS": "4"})

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from parallel.checkpoint import portable as ps
-from parallel.checkpoint.directory import FORMAT_VERSION, READS, CheckpointError, verify_checkpoint
+from parallel.checkpoint.manifest import FORMAT_VERSION, READS, verify_checkpoint
+from parallel.checkpoint.safe import CheckpointError
 from parallel.toy import build_llama, llama_config
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "ckpt-v1"

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from backends.fsdp.layout import edge_units
-from parallel.engine.wrap import plan_wrap
+from parallel.engine.model.wrap import plan_wrap
 from parallel.spec.sections import Wrap
 
 transformers = pytest.importorskip("transformers")

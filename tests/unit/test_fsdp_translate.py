@@ -6,7 +6,7 @@ from torch import nn
 from backends.fsdp.translate import mesh_shape, translate
 from parallel import SpecError, load_spec
 from parallel.spec.sections import Wrap
-from parallel.engine.wrap import plan_wrap
+from parallel.engine.model.wrap import plan_wrap
 
 
 def fsdp(version=2, **data):

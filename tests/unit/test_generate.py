@@ -1,4 +1,4 @@
-"""The static-shape generation loop (parallel/engine/generate.py) against transformers' own generate,
+"""The static-shape generation loop (parallel/engine/infer/generate.py) against transformers' own generate,
 on real models in one process: left-padded prompts, early EOS, refusals named."""
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, T5Config, \
     T5ForConditionalGeneration
 
-from parallel.engine.generate import check_static, library_model, static_generate
+from parallel.engine.infer.generate import check_static, library_model, static_generate
 
 
 def llama():

@@ -15,12 +15,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from parallel.checkpoint.directory import (
-    CheckpointError,
-    publish,
-    resolve,
-    write_checkpoint,
-)
+from parallel.checkpoint.safe import CheckpointError
+from parallel.checkpoint.directory import publish, resolve, write_checkpoint
 from parallel.cli.main import main
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "ckpt-v1"

@@ -2,6 +2,7 @@
 as the oracle: DeepSpeed's DeepSpeedConfig, accelerate's launcher and FSDP plugin."""
 
 import ast
+import functools
 import os
 import re
 from pathlib import Path
@@ -11,8 +12,11 @@ import pytest
 import torch
 import yaml
 
+from backends.deepspeed import interop as ds_interop
 from parallel.interop.accelerate import from_accelerate
 from parallel.spec.io import SpecError, load_spec
+
+from_deepspeed = functools.partial(ds_interop.from_deepspeed, validate=load_spec)  # the CLI's validation
 
 
 def _deepspeed_config(cfg: dict):
@@ -24,8 +28,6 @@ def _deepspeed_config(cfg: dict):
 
 
 def test_deprecated_cpu_offload_true_still_offloads_the_optimizer():
-    from backends.deepspeed.interop import from_deepspeed
-
     cfg = {"zero_optimization": {"stage": 2, "cpu_offload": True}}
     oracle = _deepspeed_config(cfg).zero_config
     assert oracle.offload_optimizer is not None and oracle.offload_optimizer.device == "cpu"
@@ -41,8 +43,6 @@ def test_deprecated_cpu_offload_true_still_offloads_the_optimizer():
 def test_zero_force_ds_cpu_optimizer_means_deepspeeds_cpu_adam_with_offload(force):
     """DeepSpeed (and accelerate) run DeepSpeedCPUAdam with optimizer offload unless the key is
     false; the import says so as deepspeed.cpu_adam, never a silent false."""
-    from backends.deepspeed.interop import from_deepspeed
-
     cfg = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
     if force is not None:
         cfg["zero_force_ds_cpu_optimizer"] = force
@@ -64,8 +64,6 @@ def test_zero_force_ds_cpu_optimizer_means_deepspeeds_cpu_adam_with_offload(forc
 def test_optimizer_hint_is_an_optimizer_torch_builds(block):
     """The report's hint is runnable: torch builds it, and it is the update DeepSpeed's block meant
     (DeepSpeed's "Adam" is AdamW unless adam_w_mode is false)."""
-    from backends.deepspeed.interop import from_deepspeed
-
     with pytest.raises(SpecError) as err:
         from_deepspeed({"optimizer": block, "zero_optimization": {"stage": 1}})
     text = " ".join(m for _, m in err.value.problems)

@@ -1,6 +1,7 @@
 """accelerate / DeepSpeed / HF Trainer interop, one test per class of defect issue #13 found (the
 whole real-file corpus runs through the tools' own parsers in test_real_configs.py)."""
 
+import functools
 import json
 
 import os
@@ -9,12 +10,14 @@ import torch
 import pytest
 import yaml
 
-from backends.deepspeed.interop import from_deepspeed
+from backends.deepspeed import interop as ds_interop
 from parallel.cli.main import main
 from parallel.interop.accelerate import from_accelerate
 from parallel.interop.export import export
 from parallel.registry import explain
 from parallel.spec.io import SpecError, load_spec
+
+from_deepspeed = functools.partial(ds_interop.from_deepspeed, validate=load_spec)  # the CLI's validation
 
 DATA = __import__("pathlib").Path(__file__).with_name("data")
 FSDP = {"distributed_type": "FSDP", "num_processes": 2}

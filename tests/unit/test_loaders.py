@@ -1,4 +1,4 @@
-"""Data the way Hugging Face users bring it (parallel/engine/loaders.py), with real `datasets` and
+"""Data the way Hugging Face users bring it (parallel/engine/data/loaders.py), with real `datasets` and
 `transformers` objects built locally: a tokenizer from a word list, a padding collator returning
 BatchEncoding, map-style and iterable (streaming-style) datasets. Each rank's share is built as that
 rank would build it (dp_rank 0 and 1 of 2), so the union and the order are checked in one process."""
@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch.utils.data import IterableDataset
 
-from parallel.engine.guards import batch_problem
-from parallel.engine.loaders import (
+from parallel.engine.data.guard import batch_problem
+from parallel.engine.data.loaders import (
     DataChanged,
     IterableLoader,
     Loaders,
@@ -145,7 +145,7 @@ def test_an_hf_job_trains_on_batch_encodings_and_evaluates_token_weighted(tmp_pa
     from transformers import DataCollatorForLanguageModeling
 
     from parallel import create_engine, load_spec
-    from parallel.engine.evaluate import token_accuracy
+    from parallel.engine.infer.evaluate import token_accuracy
     from parallel.toy import build_llama, llama_config
 
     tok, ds = tokenized(24)

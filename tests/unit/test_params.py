@@ -1,4 +1,4 @@
-"""Parameters by name across sharding (parallel/engine/params.py): tied weights survive a device move, param
+"""Parameters by name across sharding (parallel/engine/model/params.py): tied weights survive a device move, param
 groups built before prepare are switched onto the sharded parameters, the param_groups hook groups by
 the model as built, and an optimizer that does not hold every trainable parameter exactly once is
 refused with the names."""
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from parallel.engine.params import OptimizerMismatch, ParamPlan, per_parameter, retie, tied_groups
+from parallel.engine.model.params import OptimizerMismatch, ParamPlan, per_parameter, retie, tied_groups
 
 
 class Tied(nn.Module):

@@ -12,12 +12,10 @@ from parallel.checkpoint.portable import (
     PortableStateError,
     clean_name,
     load_state,
-    merge_groups,
-    optim_by_name,
-    optim_for_torch,
     read_model,
     save_state,
 )
+from parallel.checkpoint.optim_state import merge_groups, optim_by_name, optim_for_torch
 
 
 def test_wrapper_parts_are_stripped_from_names():

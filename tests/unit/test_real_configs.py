@@ -12,6 +12,7 @@ of every field or refuses naming it, with each tool's own parser as the oracle.
   process counts.
 """
 
+import functools
 import copy
 import importlib.util
 import os
@@ -35,7 +36,10 @@ needs_deepspeed = pytest.mark.skipif(NO_DEEPSPEED, reason="needs deepspeed (pip 
                                      "'polyshard[deepspeed]')")
 
 from backends.deepspeed.translate import MODEL_AUTOS  # noqa: E402
-from backends.deepspeed.interop import from_deepspeed, read_config  # noqa: E402
+from backends.deepspeed import interop as ds_interop  # noqa: E402
+from backends.deepspeed.interop import read_config  # noqa: E402
+
+from_deepspeed = functools.partial(ds_interop.from_deepspeed, validate=load_spec)  # the CLI's validation
 
 CORPUS = Path(__file__).resolve().parents[1] / "fixtures" / "real_configs"
 DEEPSPEED_FILES = sorted(str(p.relative_to(CORPUS)) for p in CORPUS.rglob("*")

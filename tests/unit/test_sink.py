@@ -8,8 +8,9 @@ from pathlib import Path
 
 import torch
 
-from parallel.checkpoint.directory import finish_checkpoint, begin_checkpoint, read_manifest
-from parallel.checkpoint.portable import STATE_DIR, load_state, save_state
+from parallel.checkpoint.directory import finish_checkpoint, begin_checkpoint
+from parallel.checkpoint.manifest import read_manifest
+from parallel.checkpoint.portable import STATE_DIR, load_state, save_state, write_queued
 from parallel.checkpoint.sink import Sink
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,7 +26,7 @@ def test_two_saves_in_flight_keep_their_own_files_and_queue(tmp_path):
     assert a.written == [] and len(a.queued) == 1
     assert b.written and all(str(f).startswith(str(b.tmp)) for f in b.written)
     a.save_file("trainer.pt", {"step": 1})
-    done = threading.Thread(target=a.write_queued)  # the background writer's thread
+    done = threading.Thread(target=write_queued, args=(a,))  # the background writer's thread
     done.start()
     done.join()
     assert {f.parent.name for f in a.written} >= {STATE_DIR, a.tmp.name}

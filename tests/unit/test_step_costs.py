@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallel.engine.guards import NonFiniteLossError, NonfiniteWatch
-from parallel.engine.hang import _ranges
-from parallel.engine.step import StepResult
+from parallel.engine.watch.nonfinite import NonFiniteLossError, NonfiniteWatch
+from parallel.engine.watch.hang import _ranges
+from parallel.engine.core.step import StepResult
 from parallel.tools.bench.counting import StepCounter
 
 

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from parallel.engine.flops import model_flops, peak_flops
-from parallel.engine.tracking import Tracker, device_peak
+from parallel.engine.observe.flops import model_flops, peak_flops
+from parallel.engine.observe.tracking import Tracker, device_peak
 from parallel.spec.io import SpecError, load_spec
 from parallel.toy import ByteDataset, build_llama, llama_config
 
@@ -84,7 +84,7 @@ def test_a_relaunched_job_continues_its_tracker_runs(tmp_path):
 
     from mlflow import MlflowClient
 
-    from parallel.engine.trackers import MlflowSink, WandbSink
+    from parallel.engine.observe.trackers import MlflowSink, WandbSink
 
     options = SimpleNamespace(mlflow_uri=None, wandb_mode="offline")
     run_dir = tmp_path / "job"
@@ -110,7 +110,7 @@ def test_a_relaunched_job_continues_its_tracker_runs(tmp_path):
 
 
 def test_a_resuming_job_is_one_run_by_default():
-    from parallel.engine.tracking import default_run_name
+    from parallel.engine.observe.tracking import default_run_name
 
     spec = load_spec({"checkpoint": {"dir": "/tmp/ckpt/llama-sft", "resume": "auto"}})
     assert default_run_name(spec) == f"{spec.backend}-{spec.shard}-llama-sft"

@@ -1,4 +1,4 @@
-"""The user's own objects in checkpoints (parallel/engine/user_state.py): registered, saved with the
+"""The user's own objects in checkpoints (parallel/engine/state/user_state.py): registered, saved with the
 checkpoint, restored on load; what cannot be restored is refused before anything is read."""
 
 import json
@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from parallel.engine.user_state import UserState, host_copy
+from parallel.engine.state.user_state import UserState, host_copy
 
 
 class Ema:

@@ -78,67 +78,82 @@ def main() -> None:
     model = build_model(args.model)
     params_total = sum(p.numel() for p in model.parameters())
     engine.prepare(model, optimizer_arg(args.optimizer, args.lr))
-    rows = engine.samples_per_step
     batches = batch_source(args, model, spec.seed)
     native = None
     if args.native:
         script, *flags = args.native.split()
         native = native_step(script, flags, args, spec, engine.rank, engine.world_size)
-    grads_peak = [0]
     measurable(engine, "polyshard bench")
-
-    def measure_grads(e):  # walks every gradient: on the counted warm-up step only, never timed
-        grads_peak[0] = max(grads_peak[0], held_bytes(e.state_tensors()["grads"]))
-
-    def ours(batch):
-        start = time.perf_counter()
-        loss = engine.train_step(batch).loss  # waits for the step
-        return time.perf_counter() - start, loss
-
-    def mine(batch):  # this rank's rows of a global batch
-        return {k: v[engine.dp_rank * rows:(engine.dp_rank + 1) * rows] for k, v in batch.items()}
-
-    counter, times, losses, theirs = CommCounter(), [], [], {"step_times": [], "losses": []}
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-    for i, batch in enumerate(batches):
-        local = mine(batch)
-        # Collectives are counted on the last warm-up step only: the counting dispatch mode sees
-        # every op in Python (measured: +25% step time), so timed steps run without it.
-        counting = counter.counting() if i == args.warmup - 1 else nullcontext()
-        engine.on_gradients[:] = [measure_grads] if i == args.warmup - 1 else []
-        if native is not None and i % 2:  # alternate which goes first: neither gains from order
-            record(theirs, native(local), i >= args.warmup)
-        with counting:
-            elapsed, loss = ours(local)
-        losses.append(loss)
-        if i >= args.warmup:
-            times.append(elapsed)
-        elif i == 0:
-            first_step = elapsed  # with compile.enabled: the step that compiles
-        if native is not None and not i % 2:
-            record(theirs, native(local), i >= args.warmup)
+    run = run_steps(engine, batches, native, args.warmup)
     memory = None
     if native is None and engine.device.type in ("cpu", "cuda"):  # the native loop's own model
         # would count too; untimed, after the timed steps (the profiler costs time)
-        memory = step_peak_bytes(lambda: ours(mine(batches[-1])))
+        memory = step_peak_bytes(lambda: ours(engine, mine(engine, batches[-1])))
     if args.profile:  # untimed, after the timed steps: the profiler's own cost stays out of them
         from parallel.tools.bench.profile import profile_pair
 
         more = global_batches(args.profile + 1, args.global_rows, args.seq,
                               model.config.vocab_size, spec.seed + 1)
-        profile_pair(ours, native, [mine({"input_ids": b, "labels": b}) for b in more],
+        profile_pair(lambda b: ours(engine, b), native,
+                     [mine(engine, {"input_ids": b, "labels": b}) for b in more],
                      Path(args.profile_dir), engine.rank)
     saves = save_times(engine, Path(args.save_dir)) if args.save_dir else None
-    ranks = per_rank(engine, saves, grads_peak[0], counter, memory)
+    ranks = per_rank(engine, saves, run["grads_peak"], run["counter"], memory)
     if engine.is_main:
         Path(args.out).write_text(json.dumps({
             "world_size": engine.world_size, "devices": engine.world_size * engine.devices_per_process,
-            "step_times": times, "losses": losses, **token_counts(batches[args.warmup:]),
-            "params": params_total, "ranks": ranks, "native": theirs if native else None,
-            "first_step_s": first_step, "compile": compile_row(engine),
+            "step_times": run["times"], "losses": run["losses"],
+            **token_counts(batches[args.warmup:]), "params": params_total, "ranks": ranks,
+            "native": run["theirs"] if native else None, "first_step_s": run["first_step"],
+            "compile": compile_row(engine),
             "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}))
     engine.close()
+
+
+def ours(engine, batch) -> tuple[float, float]:
+    """(seconds, loss) of one of polyshard's steps; reading the loss waits for the step."""
+    start = time.perf_counter()
+    loss = engine.train_step(batch).loss
+    return time.perf_counter() - start, loss
+
+
+def mine(engine, batch) -> dict:
+    """This rank's rows of a global batch."""
+    rows = engine.samples_per_step
+    return {k: v[engine.dp_rank * rows:(engine.dp_rank + 1) * rows] for k, v in batch.items()}
+
+
+def run_steps(engine, batches: list[dict], native, warmup: int) -> dict:
+    """The warm-up and timed steps, alternating with the native loop's (`native`, or None) so that
+    neither gains from order; collectives and gradient memory counted on the last warm-up step."""
+    grads_peak = [0]
+
+    def measure_grads(e):  # walks every gradient: on the counted warm-up step only, never timed
+        grads_peak[0] = max(grads_peak[0], held_bytes(e.state_tensors()["grads"]))
+
+    counter, times, losses, theirs = CommCounter(), [], [], {"step_times": [], "losses": []}
+    first_step = None
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    for i, batch in enumerate(batches):
+        local = mine(engine, batch)
+        # Collectives are counted on the last warm-up step only: the counting dispatch mode sees
+        # every op in Python (measured: +25% step time), so timed steps run without it.
+        counting = counter.counting() if i == warmup - 1 else nullcontext()
+        engine.on_gradients[:] = [measure_grads] if i == warmup - 1 else []
+        if native is not None and i % 2:  # alternate which goes first: neither gains from order
+            record(theirs, native(local), i >= warmup)
+        with counting:
+            elapsed, loss = ours(engine, local)
+        losses.append(loss)
+        if i >= warmup:
+            times.append(elapsed)
+        elif i == 0:
+            first_step = elapsed  # with compile.enabled: the step that compiles
+        if native is not None and not i % 2:
+            record(theirs, native(local), i >= warmup)
+    return {"times": times, "losses": losses, "theirs": theirs, "first_step": first_step,
+            "grads_peak": grads_peak[0], "counter": counter}
 
 
 def batch_source(args, model, seed: int) -> list[dict]:
@@ -213,7 +228,7 @@ def save_times(engine, root: Path) -> dict:
         if engine.is_main:
             shutil.rmtree(path, ignore_errors=True)
 
-    from parallel.engine.checkpointing import paused_gc
+    from parallel.engine.state.checkpointing import paused_gc
 
     rounds: dict[str, list[float]] = {}
     for i in range(6):  # round 0 warms DCP's plans and caches, and async save's process group

@@ -89,9 +89,9 @@ def summarize(result: dict, warmup_free: list[float], precision: str) -> dict:
 
 
 def mfu(result: dict, step_s: float, precision: str) -> float | None:
-    """6N FLOPs per token (forward + backward) over the device's peak (parallel/engine/flops.py,
+    """6N FLOPs per token (forward + backward) over the device's peak (parallel/engine/observe/flops.py,
     torch's default fp32 matmuls: no TF32); None off GPUs."""
-    from parallel.engine.flops import peak_flops
+    from parallel.engine.observe.flops import peak_flops
 
     peak = peak_flops(result.get("device_name", "cpu"), precision)
     if peak is None:

@@ -7,21 +7,23 @@ from __future__ import annotations
 import contextlib
 import gc
 from pathlib import Path
+from collections.abc import Callable
 from typing import Protocol
 
 
-from parallel.engine import dist as pdist
+from parallel import dist as pdist
 from parallel.checkpoint.background import BackgroundSaver
 from parallel.checkpoint.directory import (
     LATEST,
-    Verification,
     begin_checkpoint,
     finish_checkpoint,
     library_versions,
     publish,
     resolve,
 )
+from parallel.checkpoint.manifest import Verification
 from parallel.checkpoint.hf import hf_config_json, peft_config_json
+from parallel.checkpoint.portable import write_queued
 from parallel.checkpoint.safe import NUMPY_ARRAY, torch_load
 from parallel.checkpoint.sink import Sink
 
@@ -43,7 +45,8 @@ def paused_gc():
 
 
 class Checkpointed(Protocol):
-    """What the checkpointer needs from the engine it serves."""
+    """The checkpointer's port: what it reads of the engine it serves, all public. The backend's
+    two hooks that write and read the model and optimizer are handed to it apart (Checkpointer)."""
 
     spec: object
     name: str
@@ -53,18 +56,11 @@ class Checkpointed(Protocol):
     step: int
     model: object
     background_save: bool  # False where the state cannot be staged off the device (XLA)
-
-    def _save_model_optim(self, sink: Sink) -> None:
-        """Backend hook: write this rank's part of the model and optimizer state through `sink`."""
-
-    def _load_model_optim(self, path: Path, manifest: dict) -> None:
-        """Backend hook: restore model and optimizer state from a verified checkpoint."""
-
     user_state: object  # the user's registered objects (user_state.py)
 
     def trainer_state(self) -> dict: ...
 
-    def _say(self, message: str) -> None: ...
+    def say(self, message: str) -> None: ...
 
     def load_trainer_state(self, state: dict) -> None: ...
 
@@ -74,8 +70,13 @@ class Checkpointed(Protocol):
 
 
 class Checkpointer:
-    def __init__(self, engine: Checkpointed, progress):
-        self.engine, self.progress = engine, progress
+    def __init__(self, engine: Checkpointed, write: Callable[[Sink], None],
+                 read: Callable[[Path, dict], None], progress, packages: tuple[str, ...] = ()):
+        """`write(sink)`: this rank's part of the model and optimizer state through the save's sink;
+        `read(path, manifest)`: restore them from a verified checkpoint (the backend's hooks).
+        `packages`: distributions whose versions the manifest records beside torch's."""
+        self.engine, self.write, self.read, self.progress = engine, write, read, progress
+        self.packages = packages
         self.saver = BackgroundSaver()  # one write in flight, on its own thread and process group
 
     def save(self, path, async_save: bool | None = None) -> Path:
@@ -102,11 +103,11 @@ class Checkpointer:
         meta = {"backend": e.name, "world_size": e.world_size, "step": e.step,
                 "user_state": e.user_state.kinds(),
                 "state_dict": spec.state_dict, "spec": spec.model_dump(mode="json"),
-                "versions": library_versions()}
+                "versions": library_versions(self.packages)}
         keep, managed = spec.checkpoint.keep_last, spec.checkpoint.dir and Path(spec.checkpoint.dir)
 
         def write_and_publish() -> None:
-            sink.write_queued()  # a staged save's state (nothing when it was written already)
+            write_queued(sink)  # a staged save's state (nothing when it was written already)
             for name, obj in small.items():
                 (sink.write_text if isinstance(obj, str) else sink.save_file)(name, obj)
             finish_checkpoint(path, sink, e.rank, meta)
@@ -114,7 +115,7 @@ class Checkpointer:
                 publish(path, keep, managed)
 
         try:
-            e._save_model_optim(sink)  # staged: copies this rank's state to host memory, no file yet
+            self.write(sink)  # staged: copies this rank's state to host memory, no file yet
         finally:
             sink.copies_landed()
         if background:
@@ -160,7 +161,7 @@ class Checkpointer:
         manifest = verifying.manifest
         user = e.user_state.check(path, manifest, e.world_size)  # refused before anything is read
         try:
-            e._load_model_optim(path, manifest)
+            self.read(path, manifest)
         except BaseException:
             verifying.agree()  # a damaged file explains the failure better than the reader's error
             raise
@@ -172,7 +173,7 @@ class Checkpointer:
         rng = torch_load(rng_file, "an RNG state", NUMPY_ARRAY, trust) if same_world else None
         e.load_trainer_state(trainer)
         e.user_state.load(path, user, e.rank, lambda file, what: torch_load(file, what, trust=trust),
-                          e._say)
+                          e.say)
         if rng is not None:  # another world size has other ranks: each keeps its seeded generator
             pdist.set_rng_state(rng)
         return manifest

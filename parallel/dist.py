@@ -1,10 +1,16 @@
-"""Process-group set-up: the one place that reads the launcher's environment (RANK, WORLD_SIZE, ...)."""
+"""The process group a job runs in, outside the engine: set-up (the one place that reads the launcher's
+environment: RANK, WORLD_SIZE, ...), the worker's side of the launcher's error report, seeds and RNG
+state, and reductions over named groups (the world, or a parallel dimension's group from the mesh)."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import socket
+import sys
+import time
+import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -12,7 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from parallel.launch.envinfo import detect_launcher
+from parallel.envinfo import detect_launcher
 
 
 @dataclass(frozen=True)
@@ -28,6 +34,34 @@ class DistContext:
 
 
 JOIN_TIMEOUT_S = 300.0
+
+
+ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
+OWN_MODULES = ("parallel.", "backends.")
+
+
+def install_error_report() -> None:
+    """Record an uncaught exception in torchelastic's error file (idempotent; a no-op when the
+    launcher gave no error file)."""
+    if not os.environ.get(ERROR_FILE) or getattr(sys.excepthook, "_polyshard", False):
+        return
+    previous = sys.excepthook
+
+    def hook(kind, err, tb):
+        rank = os.environ.get("RANK", "?")
+        own = kind.__module__.startswith(OWN_MODULES)
+        text = "".join(traceback.format_exception(kind, err, tb))
+        with open(os.environ[ERROR_FILE], "w") as f:
+            json.dump({"message": {"message": f"{kind.__name__}: {err}", "extraInfo": {
+                "py_callstack": text, "timestamp": str(int(time.time()))}},
+                "polyshard": {"rank": rank, "time": time.time(), "own": own}}, f)
+        if own:  # the message says what to fix: no traceback (it is in the error file);
+            print(f"{kind.__name__}: {err}", file=sys.stderr)  # torchrun prefixes the rank
+        else:
+            previous(kind, err, tb)
+
+    hook._polyshard = True
+    sys.excepthook = hook
 
 
 def launched_world(env=None) -> tuple[int, int, int]:
@@ -49,8 +83,6 @@ def init_distributed(timeout_s: float) -> DistContext:
     A single process without a launcher still gets a world of size 1, so FSDP and DCP code paths are
     the same whether one rank or many run them.
     """
-    from parallel.launch.agent import install_error_report
-
     install_error_report()  # under a launcher: the first failing rank is reported once
     rank, world, local_rank = launched_world()
     if torch.cuda.is_available():
@@ -138,11 +170,25 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+WORLD = None  # torch's default process group: every rank of the job
+
+
+@dataclass(frozen=True)
+class Groups:
+    """The process groups a reduction names (each reduction below takes one; none defaults to the
+    world). `dp`: this rank's data-parallel peers, the ranks that hold other rows of the batch and
+    the same part of the model (the world where every rank is one: no model-parallel dimension).
+    A dimension's peers join here when a reduction over them appears (tp, cp)."""
+
+    dp: object = WORLD
+    world: object = WORLD
+
+
 class PendingSum:
-    """A sum over ranks in flight: started when made, waited for when first called (on NCCL the
+    """A sum over `group` in flight: started when made, waited for when first called (on NCCL the
     wait makes the compute stream wait; the host does not)."""
 
-    def __init__(self, value: torch.Tensor, group=None):
+    def __init__(self, value: torch.Tensor, group):
         self.value, self.work = value, None
         if dist.is_initialized() and dist.get_world_size(group) > 1:
             self.value = value.clone()
@@ -168,18 +214,18 @@ def data_parallel_group(mesh):
     return mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
 
 
-def all_mean(value: torch.Tensor) -> torch.Tensor:
-    """Mean over ranks. gloo has no ReduceOp.AVG, so sum then divide."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
+def all_mean(value: torch.Tensor, group) -> torch.Tensor:
+    """Mean over `group`. gloo has no ReduceOp.AVG, so sum then divide."""
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
         value = value.clone()
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
-        value /= dist.get_world_size()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
+        value /= dist.get_world_size(group)
     return value
 
 
-def all_max(value: torch.Tensor) -> torch.Tensor:
-    """Elementwise maximum over ranks."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
+def all_max(value: torch.Tensor, group) -> torch.Tensor:
+    """Elementwise maximum over `group`."""
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
         value = value.clone()
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
     return value

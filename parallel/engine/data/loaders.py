@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 from torch.utils.data import DataLoader, IterableDataset
 
-from parallel.engine.data import DataChanged, ResumableLoader, ResumableSampler, check_same_data
+from parallel.engine.data.resumable import DataChanged, ResumableLoader, ResumableSampler, check_same_data
 
 __all__ = ["DataChanged", "Loaders", "build_loader", "plain_batch"]
 

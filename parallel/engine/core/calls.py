@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from parallel.engine.hooks import BackendHooks
+from parallel.engine.core.hooks import BackendHooks
 
 
 class EngineCalls(BackendHooks):
@@ -19,7 +19,7 @@ class EngineCalls(BackendHooks):
         """No-grad forward over `loader` (an eval loader: engine.dataloader(..., eval=True)): the
         token-weighted loss over every rank's samples, its perplexity, and each metric's
         (numerator, denominator) sums reduced over ranks in one collective (evaluate.py)."""
-        from parallel.engine import evaluate
+        from parallel.engine.infer import evaluate
 
         results = evaluate.run(self, loader, list(metrics), max_batches)
         self.tracker.log({f"eval/{k}": v for k, v in results.items()}, self.step)
@@ -33,7 +33,7 @@ class EngineCalls(BackendHooks):
     def progress_bar(self, total: int | None = None, description: str = "training"):
         """`with engine.progress_bar(total) as bar: ... bar.update(result)`: a live bar in a
         terminal or notebook, a line every tracking.every steps in a log file (progress_bar.py)."""
-        from parallel.engine.progress_bar import ProgressBar
+        from parallel.engine.observe.progress_bar import ProgressBar
 
         return ProgressBar(self, total, description)
 

@@ -1,7 +1,7 @@
 """The tensor-parallel plan a job splits by, for every backend (`topology.tp`, docs/tp.md): the
 spec's `topology.tp_plan` or the model's own, checked against the model before anything is split,
 and what each style leaves one rank of a parameter (`local_shape`: what `plan` counts and
-`explain` prints). Backends apply it their own way (FSDP2: backends/fsdp/tp.py)."""
+`explain` prints). Backends apply it their own way (FSDP2: backends/fsdp/parallelize.py apply_tp)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from fnmatch import fnmatch
 
 from torch import nn
 
-from parallel.spec.io import SpecError
+from parallel.spec.errors import SpecError
 
 # The styles every backend splits by (the spec's topology.tp_plan takes these): colwise splits a
 # Linear's outputs, rowwise its inputs, colwise_rep its outputs gathered whole (an LM head).
@@ -87,7 +87,7 @@ def resolve_plan(model: nn.Module, tp: int, spec_plan: dict[str, str] | None,
 
 def _tied_to_whole(model: nn.Module, plan: dict[str, str]) -> dict[str, tuple[str, str]]:
     """{plan entry: (the weight it splits, a name of the same weight the plan keeps whole)}."""
-    from parallel.engine.params import tied_groups
+    from parallel.engine.model.params import tied_groups
 
     out = {}
     for names in tied_groups(model):

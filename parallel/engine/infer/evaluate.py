@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
-from parallel.engine import dist as pdist
+from parallel import dist as pdist
 
 IGNORE = -100  # transformers' label for "no target here" (padding, prompt tokens)
 Metric = Callable[[object, dict], dict]
@@ -31,11 +32,23 @@ def token_accuracy(outputs, batch) -> dict:
     return {"token_accuracy": ((predicted == labels) & mask).sum(), "token_accuracy/": mask.sum()}
 
 
-def run(engine, loader, metrics: list[Metric], max_batches: int | None) -> dict:
-    from parallel.engine.loaders import plain_batch
+class Evaluated(Protocol):
+    """What evaluation needs of the engine: its public port, nothing private."""
 
-    model = engine.model
-    model.eval()
+    model: torch.nn.Module
+    device: torch.device
+    world_size: int
+    forward_gathers: bool  # every rank must run as many forwards as the busiest one
+    groups: object  # parallel.dist.Groups: whose sums the result is
+    objective: object  # what each batch's loss averages over (core/objective.py)
+
+    def device_batch(self, batch): ...
+
+    def forward(self, batch) -> tuple[object, torch.Tensor]: ...
+
+
+def run(engine: Evaluated, loader, metrics: list[Metric], max_batches: int | None) -> dict:
+    engine.model.eval()
     sums: dict[str, torch.Tensor] = {}
     # float64 sums where the device has them (TPUs compute float64 slowly, if at all)
     dtype = torch.float32 if engine.device.type == "xla" else torch.float64
@@ -47,13 +60,8 @@ def run(engine, loader, metrics: list[Metric], max_batches: int | None) -> dict:
     batches = 0
     with torch.no_grad():
         for batch, real in lockstep(engine, loader, max_batches):
-            batch = engine._to_device(plain_batch(batch))
-            with engine._autocast():
-                if engine.loss_fn is not None:
-                    outputs, loss = None, engine.loss_fn(model, batch)
-                else:
-                    outputs = model(**batch)
-                    loss = outputs.loss
+            batch = engine.device_batch(batch)
+            outputs, loss = engine.forward(batch)
             if not real:  # a forward to keep ranks in step: it adds nothing
                 continue
             # the items this loss averages over (target tokens for a causal LM; the objective
@@ -69,7 +77,7 @@ def run(engine, loader, metrics: list[Metric], max_batches: int | None) -> dict:
                 for name, value in metric(outputs, batch).items():
                     add(name, value)
             batches += 1
-    return _reduce(sums, batches)
+    return _reduce(sums, batches, engine.groups.dp)
 
 
 def lockstep(engine, loader, max_batches: int | None):
@@ -93,7 +101,8 @@ def lockstep(engine, loader, max_batches: int | None):
         if known is None:  # [some rank has a batch, some rank has none and never had one]
             flags = torch.tensor([batch is not None, batch is None and first is None],
                                  dtype=torch.float32, device=engine.device)
-            flags = pdist.all_max(flags).tolist()
+            # every rank whose forwards gather takes part: the world
+            flags = pdist.all_max(flags, pdist.WORLD).tolist()
             if not flags[0]:
                 return
             if flags[1]:
@@ -109,11 +118,13 @@ def lockstep(engine, loader, max_batches: int | None):
         done += 1
 
 
-def _reduce(sums: dict, batches: int) -> dict:
+def _reduce(sums: dict, batches: int, group) -> dict:
+    """Every sum over `group`, the data-parallel ranks (they hold distinct samples; a TP group's
+    ranks hold the same ones), in one collective."""
     names = sorted(sums)
     packed = torch.stack([sums[n] for n in names]) if names else torch.zeros(0)
     if packed.numel():
-        packed = pdist.PendingSum(packed)()  # one collective for every sum
+        packed = pdist.PendingSum(packed, group)()
     total = dict(zip(names, packed.tolist()))
     out = {"batches": batches}
     for name in names:

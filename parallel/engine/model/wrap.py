@@ -13,7 +13,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 
 from parallel.spec.sections import Wrap
-from parallel.spec.io import SpecError
+from parallel.spec.errors import SpecError
 
 
 def plan_wrap(model: nn.Module, wrap: Wrap) -> list[tuple[str, nn.Module]]:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from parallel.engine.flops import flops_per_token, peak_flops
+from parallel.engine.observe.flops import flops_per_token, peak_flops
 
 def device_peak(device: torch.device, precision: str, configured: float | None) -> float | None:
     """tracking.peak_tflops, else the table's figure for this GPU (flops.py); None on a CPU."""
@@ -72,7 +72,7 @@ class Tracker:
         `flops`: model_flops() of the model as built; `devices`: every device of the job."""
         if not self.active:
             return
-        from parallel.engine.trackers import SINKS
+        from parallel.engine.observe.trackers import SINKS
 
         run_dir = Path(self.options.dir) / self.run_name
         run_dir.mkdir(parents=True, exist_ok=True)

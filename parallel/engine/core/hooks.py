@@ -1,8 +1,10 @@
-"""The hooks a backend implements: everything the shared loop (base.py) leaves to it, in one place.
+"""The hooks a backend implements: everything the shared loop (engine.py) leaves to it, in one place.
 
-A backend subclasses `Engine` and overrides these only. The four abstract ones are required; the rest
-default to plain single-device torch and are overridden where the backend differs. They may read the
-engine's state (`spec`, `device`, `model`, `optimizer`, `rank`, `is_main`) and nothing else of it.
+A backend subclasses `Engine` and overrides these only (tests/unit/test_architecture.py fails a backend
+that overrides anything else). The four abstract ones are required; the rest default to plain
+single-device torch and are overridden where the backend differs. They may read the engine's state
+(`spec`, `dims`, `device`, `model`, `optimizer`, `rank`, `is_main`, `objective`) and call its
+set-up services (`_record_params`, `_optimizer_over`, `_apply_compile`, `say`).
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from parallel.checkpoint.sink import Sink
-from parallel.engine.guards import NonfiniteWatch
-from parallel.engine.params import per_parameter
-from parallel.engine.preempt import AgreedFlag
-from parallel.engine.step import OptimizerArg, split_micro_batches, to_device
+from parallel.engine.watch.nonfinite import NonfiniteWatch
+from parallel.engine.model.params import per_parameter
+from parallel.engine.watch.preempt import AgreedFlag
+from parallel import dist as pdist
+from parallel.engine.core.step import OptimizerArg
+from parallel.engine.data.batches import split_micro_batches, to_device
 
 
 class BackendHooks(ABC):
@@ -75,6 +79,20 @@ class BackendHooks(ABC):
         """Around a micro-batch's forward/backward: skip gradient reduction until the `last`."""
         return nullcontext()
 
+    def _forward_backward(self, micro_batches: list, counts, total) -> torch.Tensor:
+        """The step's forwards and backwards over its micro-batches, in order (a pipeline schedule
+        replaces this loop); returns this rank's part of the step's loss, detached. `counts` /
+        `total`: each micro-batch's items and the global count (objective.py)."""
+        local = torch.zeros((), device=self.device)
+        for i, micro in enumerate(micro_batches):
+            last = i == len(micro_batches) - 1
+            with self._sync_context(last):  # skip gradient reduction until the last micro-batch
+                share = self.objective.share(self.forward(micro)[1], i, counts, total,
+                                             len(micro_batches))
+                self._backward(share)
+            local += share.detach().float()
+        return local
+
     def _backward(self, share: torch.Tensor) -> None:
         """`share`: this micro-batch's part of the step's loss, already weighed (objective.py)."""
         share.backward()
@@ -110,13 +128,26 @@ class BackendHooks(ABC):
 
     def _generate(self, input_ids: torch.Tensor, kwargs: dict) -> torch.Tensor:
         """transformers' generate on the unwrapped model, ranks in step where forwards gather."""
-        from parallel.engine.generate import hf_generate
+        from parallel.engine.infer.generate import hf_generate
 
         kwargs = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in kwargs.items()}
         with self._unwrapped() as model, self._autocast():
             out = hf_generate(model, input_ids.to(self.device),
                               synced=self.world_size > 1 and self.forward_gathers, **kwargs)
         return out.cpu()
+
+    def _data_parallel_group(self):
+        """The process group of this rank's data-parallel peers (parallel.dist.WORLD where every
+        rank is one): where the step's target count is summed. A backend whose library makes its
+        own groups hands over its own."""
+        if self.dims.dp_size == self.world_size:
+            return pdist.WORLD
+        return pdist.data_parallel_group(self.device_mesh)
+
+    def _release(self) -> None:
+        """At close, before the last barrier: what the backend's library holds that must be let go
+        while the process group lives (prefetched gathers), and registrations with other libraries
+        that must not outlive the job."""
 
     def _destroy_process_group(self) -> None:
         """The job's process group, torn down at close; a backend whose library keeps groups of

@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from parallel.engine.params import clean_name
+from parallel.engine.model.params import clean_name
 
 
 def moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -73,15 +73,16 @@ class Experts:
             out += [f"{self.names[i]}.{n}" for n, _ in block.experts[int(index)].named_parameters()]
         return out
 
-    def drop_unused(self, trained, device) -> None:
+    def drop_unused(self, trained, device, group) -> None:
         """Experts no rank used this step got zero gradients: drop them (`.grad = None`), so the
         optimizer skips them as one process does. One small sum over ranks and one host read, for
         mixture-of-experts models only (whose blocks read their routing to the host anyway).
-        `trained`: (tensor, [its original name]) of every parameter the optimizer steps."""
-        from parallel.engine import dist as pdist
+        `trained`: (tensor, [its original name]) of every parameter the optimizer steps; `group`:
+        the ranks whose routing counts (every rank: an expert any of them used keeps its gradient)."""
+        from parallel import dist as pdist
 
         used = torch.tensor(self.step_done(), dtype=torch.float32, device=device)
-        unused = [i for i, n in enumerate(pdist.PendingSum(used)().tolist()) if n == 0]
+        unused = [i for i, n in enumerate(pdist.PendingSum(used, group)().tolist()) if n == 0]
         if unused:
             names = set(self.param_names(unused))
             for p, (name,) in trained:

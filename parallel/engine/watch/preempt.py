@@ -133,10 +133,11 @@ class Preemption:
         on the flag rides each step's loss reduction."""
         if self.started or self.signals is None:
             return
-        from parallel.engine import dist as pdist
+        from parallel import dist as pdist
 
         self.started = True
-        caught = pdist.all_mean(torch.full((), self.signals.caught, device=device))
+        # every rank: a signal on any of them stops the job
+        caught = pdist.all_mean(torch.full((), self.signals.caught, device=device), pdist.WORLD)
         if float(caught) > 0:
             message = (f"preempted before the first step of this launch: nothing was trained since "
                        f"it started, so no checkpoint was written; exiting with {REQUEUE_EXIT} so "

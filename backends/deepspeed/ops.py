@@ -1,0 +1,92 @@
+"""DeepSpeed's just-in-time ops, which a CPU job builds on first use on each host: its shared-memory
+communication op (built by `deepspeed.init_distributed` on the CPU accelerator) and `cpu_adam`
+(`deepspeed.cpu_adam: true`). Measured on this 2-core host: 28 s and 44 s cold (up to 300 s on a busy
+host), then loaded from torch's extension cache in a second.
+
+Two things made that silent: a first build says nothing for minutes, and a build that was killed leaves
+torch's lock file (`<cache>/<op>/lock`, created by FileBaton and held open by the builder) behind, so
+every later job waits on it for ever, saying nothing. Here a build is announced with its expected time,
+and a lock no process holds open is refused, naming the file and the fix, before DeepSpeed waits on it.
+`python -m backends.deepspeed.ops` builds both ahead (`make` runs it once, at set-up).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+OPS = {"deepspeed_shm_comm": ("ShareMemCommBuilder", 28), "cpu_adam": ("CPUAdamBuilder", 44)}
+
+
+def extension_root() -> Path:
+    """Where torch builds and caches extensions for this python and torch build."""
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    cuda = torch.version.cuda
+    flavour = f"cu{cuda.replace('.', '')}" if cuda else "cpu"
+    return root / f"py{sys.version_info.major}{sys.version_info.minor}_{flavour}"
+
+
+def held_open(path: Path) -> bool:
+    """Does any process hold `path` open (a builder's FileBaton does, until it releases)? A builder
+    runs as this user, whose processes' descriptors /proc shows; those it does not show (the
+    sandbox's init, other users') build nothing in this user's cache."""
+    target = str(path.resolve())
+    for fds in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            if any(os.readlink(fd) == target for fd in fds.iterdir()):
+                return True
+        except OSError:  # gone, or not ours to read
+            continue
+    return False
+
+
+def check_locks(root: Path | None = None) -> None:
+    """Refuse a build lock no process holds (a killed build's): DeepSpeed would wait on it for
+    ever."""
+    root = root or extension_root()
+    for lock in sorted(root.glob("*/lock")):
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:  # released while we looked
+            continue
+        if not held_open(lock) and lock.exists():
+            raise RuntimeError(
+                f"{lock}: a build of the extension {lock.parent.name!r} left its lock behind "
+                f"{age / 60:.0f} min ago and no process is building it (a killed build); every "
+                "DeepSpeed job on this host would wait on it silently. Remove it (rm "
+                f"{lock}) and start again: the op is built anew")
+
+
+def announce_builds(names, say) -> None:
+    """Say, once per op about to be built on this host, what it is and how long it takes."""
+    root = extension_root()
+    for name in names:
+        builder, seconds = OPS[name]
+        if not (root / name / f"{name}.so").is_file():
+            say(f"DeepSpeed builds its {name} op ({builder}) on first use on this host: about "
+                f"{seconds} s on 2 cores, up to minutes on a busy host; later jobs load it from "
+                f"{root / name}. `python -m backends.deepspeed.ops` builds it ahead")
+
+
+def build(names=tuple(OPS)) -> None:
+    """Build (or load from the cache) each op, saying how long it took."""
+    from deepspeed.accelerator import get_accelerator
+
+    check_locks()
+    for name in names:
+        start = time.perf_counter()
+        builder = get_accelerator().create_op_builder(OPS[name][0])
+        if builder is None:
+            print(f"{name}: not built by this accelerator ({get_accelerator().device_name()})")
+            continue
+        builder.load(verbose=False)
+        print(f"{name}: ready in {time.perf_counter() - start:.1f} s ({extension_root() / name})")
+
+
+if __name__ == "__main__":
+    build()

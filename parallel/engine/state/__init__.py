@@ -1,0 +1,2 @@
+"""What a checkpoint holds beyond the backend's model and optimizer: checkpointing.py (save, load,
+periodic saves, resume) and user_state.py (the user's own registered objects)."""
