@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # reliability.py
 import pytest  # noqa: E402
 
 import reliability  # noqa: E402
+from budgets import SHARED, SHARED_BUDGET_S, SHARED_SECONDS  # noqa: E402
 
 # Each test file's time budget in `make test` (seconds: setup + call + teardown of its tests, as
 # --durations reads them): a tests/distributed file states its own (BUDGET_S = N, module level), a
@@ -53,7 +54,7 @@ def pytest_sessionstart(session):
 
 def file_seconds(config) -> dict[str, float]:
     """Every file's time: setup + call + teardown of its tests, from the run's reports (as
-    --durations reads them)."""
+    --durations reads them); the shared launches' time apart from the file that started them."""
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     times: dict[str, float] = {}
     for reports in (reporter.stats.values() if reporter else ()):
@@ -61,6 +62,11 @@ def file_seconds(config) -> dict[str, float]:
             if hasattr(report, "duration") and hasattr(report, "nodeid"):
                 path = report.nodeid.split("::")[0]
                 times[path] = times.get(path, 0.0) + report.duration
+    started, seconds = config.stash.get(SHARED_SECONDS, (None, 0.0))
+    if seconds:
+        times[started] = max(0.0, times.get(started, 0.0) - seconds)
+        times[SHARED] = seconds
+        config.stash[BUDGETS].setdefault(SHARED, SHARED_BUDGET_S)
     return times
 
 

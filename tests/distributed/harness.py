@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,7 @@ def torchrun(nproc: int, args: list[str], timeout: float = 240, env: dict | None
                 "TORCH_CPP_LOG_LEVEL": "ERROR", "PYTHONPATH": str(ROOT), **(env or {})}
     # its own session, so a timeout kills the workers too (subprocess.run's kill reaches torchrun
     # alone, and orphaned ranks kept two cores busy for later tests)
+    start = time.perf_counter()
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           env=full_env, cwd=ROOT, start_new_session=True) as child:
         try:
@@ -44,6 +46,10 @@ def torchrun(nproc: int, args: list[str], timeout: float = 240, env: dict | None
             raise AssertionError(f"timed out after {timeout} s: {' '.join(cmd)}\n{out[-4000:]}\n"
                                  f"{err[-8000:]}") from None
     proc = subprocess.CompletedProcess(cmd, child.returncode, out, err)
+    log = os.environ.get("POLYSHARD_LAUNCH_LOG")  # where a suite's launches go: seconds, command
+    if log:
+        with open(log, "a") as f:
+            f.write(f"{time.perf_counter() - start:7.1f}  {nproc}  {' '.join(args)[:300]}\n")
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     return proc
 
@@ -58,6 +64,30 @@ def run_parity(tmp: Path, cases: list[dict], nproc: int = 2, timeout: float = 24
         torchrun(nproc, [str(WORKER), "--cases", str(tmp / "cases.json"), "--phase", phase,
                          "--ckpt-root", str(tmp / "ckpt"), "--out", str(out)], timeout, env)
         for name, res in json.loads(out.read_text()).items():
+            results.setdefault(name, {})[phase] = res
+    return results
+
+
+def parity_jobs(tmp: Path, cases: list[dict], nproc: int = 2, env: dict | None = None,
+                key: str = "parity") -> list:
+    """run_parity's two phases as jobs of the suite's shared launches (shared.py): train in phase
+    1, resume in fresh processes in phase 2."""
+    from shared import job
+
+    (tmp / f"{key}-cases.json").write_text(json.dumps(cases))
+    return [job("parity_worker", ["--cases", tmp / f"{key}-cases.json", "--phase", phase,
+                                  "--ckpt-root", tmp / f"{key}-ckpt", "--out",
+                                  tmp / f"{key}-{phase}.json"], nproc, env, number)
+            for number, phase in ((1, "train"), (2, "resume"))]
+
+
+def parity_results(tmp: Path, run, key: str = "parity") -> dict:
+    """What parity_jobs' two phases wrote: {case: {"train": ..., "resume": ...}}."""
+    from shared import read
+
+    results = {}
+    for phase in ("train", "resume"):
+        for name, res in read(tmp / f"{key}-{phase}.json", run, "parity_worker").items():
             results.setdefault(name, {})[phase] = res
     return results
 

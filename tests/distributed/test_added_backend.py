@@ -2,17 +2,14 @@
 process's losses, resumes its own checkpoints exactly, and moves weights to and from FSDP2 through the
 portable format."""
 
-import json
-
 import pytest
 import torch
-from harness import ROOT, torchrun
+from shared import job, read
 
 from parallel.toy import build_llama, llama_config
 
 pytestmark = pytest.mark.distributed
 BUDGET_S = 40  # seconds in make test (tests/conftest.py)
-WORKER = ROOT / "tests" / "distributed" / "fourth_worker.py"
 
 
 def reference() -> list[float]:
@@ -30,20 +27,27 @@ def reference() -> list[float]:
     return out
 
 
+PAIRS = (("replica", "replica"), ("replica", "fsdp"), ("fsdp", "replica"))
+
+
+def shared_jobs(tmp):
+    """Each backend saves (phase 1), then each pair's loader resumes in fresh processes (phase
+    2), in the suite's shared launches (shared.py)."""
+    saves = [job("fourth_worker", ["save", b, tmp / f"{b}-ckpt", tmp / f"save-{b}.json"], 2)
+             for b in dict.fromkeys(first for first, _ in PAIRS)]
+    loads = [job("fourth_worker", ["load", then, tmp / f"{first}-ckpt",
+                                   tmp / f"load-{first}-{then}.json"], 2, phase=2)
+             for first, then in PAIRS]
+    return saves + loads
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """{(saved by, loaded by): steps 1-3 then 4-5}, each phase a fresh 2-rank launch."""
-    tmp, out = tmp_path_factory.mktemp("fourth"), {}
-    for first, then in (("replica", "replica"), ("replica", "fsdp"), ("fsdp", "replica")):
-        ckpt, got = tmp / f"{first}-ckpt", {}
-        for phase, backend in (("save", first), ("load", then)):
-            if phase == "save" and ckpt.exists():
-                got[phase] = json.loads((tmp / f"save-{backend}.json").read_text())
-                continue
-            result = tmp / f"{phase}-{backend}.json"
-            torchrun(2, [str(WORKER), phase, backend, str(ckpt), str(result)], timeout=240)
-            got[phase] = json.loads(result.read_text())
-        out[first, then] = got["save"] + got["load"]
+def runs(shared):
+    """{(saved by, loaded by): steps 1-3 then 4-5}."""
+    tmp, run = shared[__name__]
+    out = {(first, then): read(tmp / f"save-{first}.json", run, "fourth_worker") +
+           read(tmp / f"load-{first}-{then}.json", run, "fourth_worker")
+           for first, then in PAIRS}
     return out, reference()
 
 

@@ -8,7 +8,8 @@ only the direction is asserted here)."""
 import json
 
 import pytest
-from harness import ROOT, needs_both, torchrun
+from harness import needs_both
+from shared import job, read
 from reliability import record
 
 import matrix
@@ -20,17 +21,24 @@ CASES = [c for c in matrix.cases(world=2, micro_batch_size=2)
          if not registry.get(c.backend).capabilities.check("checkpoint.async_save", True)]
 
 
+def shared_jobs(tmp):
+    """One job per launch group in the suite's shared launches (shared.py)."""
+    jobs = []
+    for i, group in enumerate(matrix.by_launch(CASES)):
+        (tmp / f"cases{i}.json").write_text(json.dumps({c.name: c.spec for c in group}))
+        jobs.append(job("async_worker", ["--root", tmp / f"ckpt{i}", "--out", tmp / f"out{i}.json",
+                                         "--cases", tmp / f"cases{i}.json"],
+                        group[0].nproc, group[0].env))
+    return jobs
+
+
 @needs_both
 @pytest.mark.timeout(900)
-def test_async_save_holds_its_step_while_training_goes_on(tmp_path):
+def test_async_save_holds_its_step_while_training_goes_on(shared):
+    tmp, run = shared[__name__]
     got = {}
-    for group in matrix.by_launch(CASES):
-        (tmp_path / "cases.json").write_text(json.dumps({c.name: c.spec for c in group}))
-        args = [str(ROOT / "tests" / "distributed" / "async_worker.py"), "--root",
-                str(tmp_path / "ckpt"), "--out", str(tmp_path / "out.json"), "--cases",
-                str(tmp_path / "cases.json")]
-        torchrun(group[0].nproc, args, timeout=800, env=group[0].env)
-        got.update(json.loads((tmp_path / "out.json").read_text()))
+    for i, _ in enumerate(matrix.by_launch(CASES)):
+        got.update(read(tmp / f"out{i}.json", run, "async_worker"))
     assert set(got) == {c.name for c in CASES}
     rows = []
     for name, r in got.items():

@@ -3,7 +3,7 @@
 4-5 after save at step 3 and load in fresh processes identical to the uninterrupted run."""
 
 import pytest
-from harness import case, check_parity, run_parity
+from harness import case, check_parity, parity_jobs, parity_results
 
 pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.distributed
@@ -17,13 +17,26 @@ def spec(stage, **extra):
     return {**BASE, "shard": SHARD_OF_STAGE[stage], **extra}
 
 
-@pytest.mark.timeout(500)
-def test_zero_stages_fp32_match_single_process(tmp_path):
+def stage_cases():
     # ZeRO-1/2/3 with SGD and AdamW also train, save and resume in test_checkpoint_transfer.py's
     # matrix; here ZeRO-0 with both optimizers and every stage with AdamW.
-    cases = [case(f"zero{s}-{opt}", spec(s), optimizer=opt) for s in range(4)
-             for opt in ("sgd", "adamw") if s == 0 or opt == "adamw"]
-    results = run_parity(tmp_path, cases, timeout=450)
+    return [case(f"zero{s}-{opt}", spec(s), optimizer=opt) for s in range(4)
+            for opt in ("sgd", "adamw") if s == 0 or opt == "adamw"]
+
+
+def shared_jobs(tmp):
+    """Every case of this module in the suite's shared launches (shared.py)."""
+    return parity_jobs(tmp, stage_cases() + option_cases())
+
+
+@pytest.fixture(scope="module")
+def every(shared):
+    return parity_results(*shared[__name__])
+
+
+@pytest.mark.timeout(500)
+def test_zero_stages_fp32_match_single_process(every):
+    results = {c["name"]: every[c["name"]] for c in stage_cases()}
     worst = {name: check_parity(name, res) for name, res in results.items()}
     print(f"DeepSpeed max |loss - reference|: {worst}")
     for name, res in results.items():  # consolidated fp32 weights give the same loss in plain torch
@@ -55,9 +68,9 @@ def option_cases():
 
 
 @pytest.mark.timeout(500)
-def test_options_keep_parity(tmp_path):
+def test_options_keep_parity(every):
     cases = option_cases()
-    results = run_parity(tmp_path, cases, timeout=450)
+    results = every
     for c in cases:
         tol = c.get("tol", 1e-5)
         diff = check_parity(c["name"], results[c["name"]], tol=tol,

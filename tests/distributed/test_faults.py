@@ -12,7 +12,8 @@ import time
 
 import matrix
 import pytest
-from harness import ROOT, torchrun, needs_both
+from harness import ROOT, needs_both
+from shared import job, read
 from parallel import registry
 from parallel.tools.cells import merged
 from reliability import record
@@ -25,20 +26,37 @@ TWO = {"topology": {"procs_per_node": 2}, "micro_batch_size": 2}
 CASES = matrix.cases(world=2, micro_batch_size=2)  # every variant in the registry
 
 
-def fault_run(tmp, name, cases, nproc=2, env=None):
-    (tmp / f"{name}.json").write_text(json.dumps(cases))
-    torchrun(nproc, [str(DIST / "fault_worker.py"), "--cases", str(tmp / f"{name}.json"),
-                     "--out", str(tmp / f"{name}-out.json")], timeout=400, env=env)
-    return json.loads((tmp / f"{name}-out.json").read_text())
+def shared_jobs(tmp):
+    """This module's launches that share the suite's (shared.py): the step faults and the
+    preemption of every variant, one per launch group, and the references of the jobs relaunched
+    through `polyshard launch`."""
+    jobs = []
+    for group in matrix.by_launch(CASES):
+        name = group[0].name
+        (tmp / f"faults-{name}.json").write_text(json.dumps({c.name: c.spec for c in group}))
+        jobs.append(job("fault_worker", ["--cases", tmp / f"faults-{name}.json",
+                                         "--out", tmp / f"faults-{name}-out.json"],
+                        group[0].nproc, group[0].env))
+    for name, group, cases in preempted_groups(tmp):
+        (tmp / f"preempt-{name}.json").write_text(json.dumps(cases))
+        jobs.append(job("elastic_worker", ["--preempt", tmp / f"preempt-{name}.json",
+                                           "--out", tmp / f"preempt-{name}-out.json"],
+                        group[0].nproc, group[0].env))
+    for name, group, specs in reference_groups(tmp):
+        (tmp / f"references-{name}.json").write_text(json.dumps(specs))
+        jobs.append(job("elastic_worker", ["--references", tmp / f"references-{name}.json",
+                                           "--out", tmp / f"references-{name}-out.json"],
+                        group[0].nproc, group[0].env))
+    return jobs
 
 
 @needs_both
 @pytest.mark.timeout(900)
-def test_nonfinite_loss_and_bad_batches_on_every_backend(tmp_path):
+def test_nonfinite_loss_and_bad_batches_on_every_backend(shared):
+    tmp, run = shared[__name__]
     results = {}
     for group in matrix.by_launch(CASES):
-        results.update(fault_run(tmp_path, group[0].name, {c.name: c.spec for c in group},
-                                 nproc=group[0].nproc, env=group[0].env))
+        results.update(read(tmp / f"faults-{group[0].name}-out.json", run, "fault_worker"))
     rows = []
     for backend in [c.name for c in CASES]:
         nonfinite = results[f"{backend}/nonfinite"]
@@ -125,7 +143,7 @@ DEFAULT = matrix.Case("default", "fsdp", {"backend": "fsdp", **TWO}, 2,
                       registry.get("fsdp").launch.env())
 
 
-def job(case) -> str:
+def job_of(case) -> str:
     """What decides the losses: the spec without how a preemption is agreed on."""
     spec = {k: v for k, v in case.spec.items() if k != "checkpoint"}
     if "xla" in spec:
@@ -133,31 +151,32 @@ def job(case) -> str:
     return json.dumps(spec, sort_keys=True)
 
 
-@pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    """The uninterrupted losses of the jobs relaunched through `polyshard launch` (the default job
-    and the sync manager's), one launch per launch group: {job: losses}."""
-    tmp = tmp_path_factory.mktemp("references")
-    jobs = {job(c): c for c in [DEFAULT, *(c for n, (c, _) in PREEMPTED.items()
-                                           if n.endswith("-sync"))]}
-    out = {}
+def reference_groups(tmp):
+    """(name, launch group, {job: spec}) of the jobs relaunched through `polyshard launch` (the
+    default job and the sync manager's): their uninterrupted losses."""
+    jobs = {job_of(c): c for c in [DEFAULT, *(c for n, (c, _) in PREEMPTED.items()
+                                              if n.endswith("-sync"))]}
+    out = []
     for group in matrix.by_launch(list(jobs.values())):
-        specs = {}
-        for c in group:
-            data = json.loads(spec(tmp, f"ref-{c.name}", **c.spec).read_text())
-            specs[job(c)] = data
-        (tmp / f"{group[0].name}.json").write_text(json.dumps(specs))
-        log = tmp / f"{group[0].name}-losses.json"
-        torchrun(group[0].nproc, [str(DIST / "elastic_worker.py"), "--references",
-                                  str(tmp / f"{group[0].name}.json"), "--out", str(log)],
-                 timeout=400, env=group[0].env)
-        out.update(json.loads(log.read_text()))
+        specs = {job_of(c): json.loads(spec(tmp, f"ref-{c.name}", **c.spec).read_text())
+                 for c in group}
+        out.append((group[0].name, group, specs))
+    return out
+
+
+@pytest.fixture(scope="module")
+def references(shared):
+    """{job: the uninterrupted losses} of reference_groups, from the shared launches."""
+    tmp, run = shared[__name__]
+    out = {}
+    for name, _, _ in reference_groups(tmp):
+        out.update(read(tmp / f"references-{name}-out.json", run, "elastic_worker"))
     return out
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(references):
-    return references[job(DEFAULT)]
+    return references[job_of(DEFAULT)]
 
 
 @pytest.mark.timeout(900)
@@ -173,27 +192,23 @@ def test_sigkilled_worker_restarts_and_resumes_with_the_same_losses(tmp_path, un
                               "launch seconds": round(seconds, 1)})
 
 
-def preempted_in_launches(tmp) -> dict:
-    """Every preempted case but the sync manager's, each launch group in one launch (elastic_worker
-    --preempt: reference, preempted run, resume, engine after engine); {name: its row}."""
-    out = {}
+def preempted_groups(tmp):
+    """(name, launch group, cases) of every preempted case but the sync manager's, each launch
+    group in one launch (elastic_worker --preempt: reference, preempted run, resume, engine after
+    engine)."""
     inline = [(n, c, who) for n, (c, who) in PREEMPTED.items() if not n.endswith("-sync")]
+    out = []
     for group in matrix.by_launch([c for _, c, _ in inline]):
         names = {c.name for c in group}
         cases = {n: {"spec": json.loads(spec(tmp, f"preempt-{n}", **c.spec).read_text()),
                      "who": who} for n, c, who in inline if c.name in names}
-        (tmp / f"preempt-{group[0].name}.json").write_text(json.dumps(cases))
-        rows = tmp / f"preempt-{group[0].name}-out.json"
-        torchrun(group[0].nproc, [str(DIST / "elastic_worker.py"), "--preempt",
-                                  str(tmp / f"preempt-{group[0].name}.json"), "--out", str(rows)],
-                 timeout=600, env=group[0].env)
-        out.update(json.loads(rows.read_text()))
+        out.append((group[0].name, group, cases))
     return out
 
 
 @needs_both
 @pytest.mark.timeout(1200)
-def test_sigterm_saves_exits_to_requeue_and_resumes_exactly(tmp_path):
+def test_sigterm_saves_exits_to_requeue_and_resumes_exactly(shared):
     """Every variant in the registry, one rank signalled (and every rank, on the first): SIGTERM
     after step 3, the ranks agree at the end of step 3 + 1 + (lag - 1), save a complete checkpoint
     there and raise Preempted (exit code 85); a fresh engine resumes from it (resume: auto) and
@@ -201,7 +216,10 @@ def test_sigterm_saves_exits_to_requeue_and_resumes_exactly(tmp_path):
     engines one after another; a relaunch in fresh processes is test_sigterm_to_polyshard_launch's
     and the sync manager's below, and every variant's resume in fresh processes is its parity
     test's."""
-    rows = preempted_in_launches(tmp_path)
+    tmp, run = shared[__name__]
+    rows = {}
+    for name, _, _ in preempted_groups(tmp):
+        rows.update(read(tmp / f"preempt-{name}-out.json", run, "elastic_worker"))
     assert set(rows) == {n for n in PREEMPTED if not n.endswith("-sync")}
     for name, row in rows.items():
         case, who = PREEMPTED[name]
@@ -235,7 +253,7 @@ def test_the_sync_manager_agrees_saves_and_resumes_across_launches(tmp_path, ref
     assert f"preempted after step {int(latest[-8:])}" in first.stderr, first.stderr[-2000:]
     second, _ = launch(spec_file, log, env=case.env)
     assert second.returncode == 0, second.stderr[-3000:]
-    assert losses(log) == references[job(case)]
+    assert losses(log) == references[job_of(case)]
     record("preemption-xla2-sync", {"signal": "SIGTERM to rank 0 after step 3", "checkpoint": latest,
                                     "exit code": first.returncode, "resumed losses exact": True,
                                     "first launch seconds": round(seconds, 1)})

@@ -2,7 +2,7 @@
 steps 4-5 after a save at step 3 and a load in fresh processes are identical to the uninterrupted run."""
 
 import pytest
-from harness import case, check_parity, run_parity
+from harness import case, check_parity, parity_jobs, parity_results
 
 pytestmark = pytest.mark.distributed
 BUDGET_S = 100  # seconds in make test (tests/conftest.py)
@@ -33,10 +33,22 @@ def strategy_cases(version):
             for shard in shards for opt in ("sgd", "adamw")]
 
 
+def shared_jobs(tmp):
+    """Every case of this module (both versions, strategies and options) in the suite's shared
+    launches (shared.py): one train phase and one resume phase."""
+    cases = [c for v in (2, 1) for c in strategy_cases(v) + feature_cases(v)]
+    return parity_jobs(tmp, cases)
+
+
+@pytest.fixture(scope="module")
+def results(shared):
+    return parity_results(*shared[__name__])
+
+
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("version", [2, 1])
-def test_every_sharding_strategy_matches_single_process(tmp_path, version):
-    results = run_parity(tmp_path, strategy_cases(version), timeout=360)
+def test_every_sharding_strategy_matches_single_process(results, version):
+    results = {c["name"]: results[c["name"]] for c in strategy_cases(version)}
     worst = {name: check_parity(name, res) for name, res in results.items()}
     print(f"FSDP{version} max |loss - reference| per case: {worst}")
 
@@ -66,8 +78,8 @@ def feature_cases(version):
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("version", [2, 1])
-def test_options_keep_parity(tmp_path, version):
-    results = run_parity(tmp_path, feature_cases(version), timeout=360)
+def test_options_keep_parity(results, version):
+    results = {c["name"]: results[c["name"]] for c in feature_cases(version)}
     for name, res in results.items():
         tol = next(c for c in feature_cases(version) if c["name"] == name).get("tol", 1e-5)
         diff = check_parity(name, res, tol=tol, norm_tol=1e-4 if tol <= 1e-5 else 0.1)

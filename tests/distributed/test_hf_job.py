@@ -6,13 +6,13 @@ import json
 
 import matrix
 import pytest
-from harness import ROOT, needs_both, torchrun
+from harness import needs_both
+from shared import job as launch_job, read
 
 pytestmark = pytest.mark.distributed
 BUDGET_S = 100  # seconds in make test (tests/conftest.py)
 
 CASES = matrix.cases(world=2, micro_batch_size=2)
-WORKER = ROOT / "tests" / "distributed" / "hf_job_worker.py"
 
 
 def sources() -> dict:
@@ -22,26 +22,36 @@ def sources() -> dict:
     return {n: n if n == "zero0" else names[(i + 1) % len(names)] for i, n in enumerate(names)}
 
 
-def run(tmp, phase: str) -> dict:
-    """{case: [rank 0's record, rank 1's ...]} of one phase, one launch per launch group."""
+def shared_jobs(tmp):
+    """Save (phase 1) and load (phase 2, fresh processes), one job per launch group, in the
+    suite's shared launches (shared.py)."""
+    jobs = []
+    for number, phase in ((1, "save"), (2, "load")):
+        for i, group in enumerate(matrix.by_launch(CASES)):
+            cases = [{"name": c.name, "spec": c.spec, "source": sources()[c.name]} for c in group]
+            file = tmp / f"{phase}{i}.json"
+            file.write_text(json.dumps(cases))
+            jobs.append(launch_job("hf_job_worker", [
+                "--cases", file, "--phase", phase, "--root", tmp / "ckpt",
+                "--out", tmp / f"{phase}{i}"], group[0].nproc, group[0].env, number))
+    return jobs
+
+
+def records(tmp, run, phase: str) -> dict:
+    """{case: [rank 0's record, rank 1's ...]} of one phase."""
     out = {}
     for i, group in enumerate(matrix.by_launch(CASES)):
-        cases = [{"name": c.name, "spec": c.spec, "source": sources()[c.name]} for c in group]
-        file = tmp / f"{phase}{i}.json"
-        file.write_text(json.dumps(cases))
-        torchrun(group[0].nproc, [str(WORKER), "--cases", str(file), "--phase", phase,
-                                  "--root", str(tmp / "ckpt"), "--out", str(tmp / f"{phase}{i}")],
-                 timeout=600, env=group[0].env)
         for rank in range(group[0].nproc):
-            for name, record in json.loads((tmp / f"{phase}{i}.rank{rank}").read_text()).items():
+            file = tmp / f"{phase}{i}.rank{rank}"
+            for name, record in read(file, run, "hf_job_worker").items():
                 out.setdefault(name, []).append(record)
     return out
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("hf-job")
-    return run(tmp, "save"), run(tmp, "load")
+def job(shared):
+    tmp, run = shared[__name__]
+    return records(tmp, run, "save"), records(tmp, run, "load")
 
 
 @needs_both

@@ -13,10 +13,10 @@ import json
 
 import matrix
 import pytest
-from harness import ROOT, needs_both, torchrun
+from harness import ROOT, needs_both
+from shared import job, read
 from reliability import record
 
-from parallel.launch.torchrun import run_locally
 from parallel.registry import get
 from parallel.spec.io import SpecError, load_spec
 from parallel.tools.bench.report import NATIVE_DIR
@@ -50,16 +50,25 @@ RAISE = {f"{g[0].name}-raise": g[0].name for g in GROUPS}
 BY_NAME = {c.name: c for c in CASES}
 
 
-def engine_counts(tmp, cases: dict, nproc: int, env=None) -> dict:
-    (tmp / "cases.json").write_text(json.dumps(cases))
-    torchrun(nproc, [str(DIST / "hot_path_worker.py"), "--cases", str(tmp / "cases.json"),
-                     "--rows", str(ROWS), "--out", str(tmp / "engine.json")], timeout=400, env=env)
-    return json.loads((tmp / "engine.json").read_text())
+def shared_jobs(tmp):
+    """Every case's engine, and one with on_nonfinite: raise, per launch group, in the suite's
+    shared launches (shared.py)."""
+    jobs = []
+    for group in GROUPS:
+        cases = {c.name: c.spec for c in group}
+        cases[f"{group[0].name}-raise"] = {**group[0].spec, "on_nonfinite": "raise"}
+        (tmp / f"cases-{group[0].name}.json").write_text(json.dumps(cases))
+        jobs.append(job("hot_path_worker", ["--cases", tmp / f"cases-{group[0].name}.json",
+                                            "--rows", ROWS, "--out",
+                                            tmp / f"engine-{group[0].name}.json"],
+                        group[0].nproc, group[0].env))
+        jobs.append(native_job(tmp, group))
+    return jobs
 
 
-def native_counts(tmp, group) -> dict:
-    """Every case of a launch group's hand-written loop, counted in one launch (benchmarks/cases.py:
-    one process group, the loops one after another, each as its script's main runs it)."""
+def native_job(tmp, group):
+    """Every case of a launch group's hand-written loop, counted in one job (benchmarks/cases.py:
+    the loops one after another, each as its script's main runs it)."""
     jobs = {}
     for c in group:
         script, flags = get(c.backend).bench.native(load_spec(c.spec))
@@ -67,15 +76,18 @@ def native_counts(tmp, group) -> dict:
                         f"--global-rows={ROWS}", "--clip=1.0", "--count", *flags,
                         f"--out={tmp / f'native-{c.name}.json'}"]
     (tmp / f"native-{group[0].name}-cases.json").write_text(json.dumps(jobs))
-    raw = run_locally(load_spec(group[0].spec), str(NATIVE_DIR / "cases.py"),
-                      [f"--cases={tmp / f'native-{group[0].name}-cases.json'}"],
-                      tmp / f"native-{group[0].name}.json", timeout=600)
-    assert "error" not in raw, raw["error"]
+    return job(str(NATIVE_DIR / "cases.py"), ["--cases", tmp / f"native-{group[0].name}-cases.json",
+                                              "--out", tmp / f"native-{group[0].name}.json"],
+               group[0].nproc, group[0].env)
+
+
+def native_counts(tmp, group, run) -> dict:
+    raw = read(tmp / f"native-{group[0].name}.json", run, str(NATIVE_DIR / "cases.py"))
     out = {}
-    for name in jobs:
-        steps = raw[name]["counts"]
-        assert all(s == steps[0] for s in steps), (name, steps)  # steady: every counted step alike
-        out[name] = dict(sorted(steps[0].items()))
+    for c in group:
+        steps = raw[c.name]["counts"]
+        assert all(s == steps[0] for s in steps), (c.name, steps)  # steady: every counted step
+        out[c.name] = dict(sorted(steps[0].items()))
     return out
 
 
@@ -85,16 +97,14 @@ def split(counts: dict) -> tuple[dict, int, int]:
 
 
 @pytest.fixture(scope="module")
-def counted(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("hot")
+def counted(shared):
+    tmp, run = shared[__name__]
     engine = {}
-    for group in GROUPS:  # one launch per group: every case's engine, and one with raise
-        cases = {c.name: c.spec for c in group}
-        cases[f"{group[0].name}-raise"] = {**group[0].spec, "on_nonfinite": "raise"}
-        engine.update(engine_counts(tmp, cases, group[0].nproc, group[0].env))
+    for group in GROUPS:
+        engine.update(read(tmp / f"engine-{group[0].name}.json", run, "hot_path_worker"))
     native = {}
-    for group in GROUPS:  # one launch per group for the native loops too
-        native.update(native_counts(tmp, group))
+    for group in GROUPS:
+        native.update(native_counts(tmp, group, run))
     return engine, native
 
 

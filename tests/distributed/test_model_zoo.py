@@ -6,13 +6,16 @@ families) on every backend variant the registry lists (matrix.py: FSDP2, FSDP1, 
 one process to 1e-5, then each backend's checkpoint resumes on the next backend of a cycle and
 steps 4-5 match the uninterrupted single-process run. Backends that step flat tensors (ZeRO, XLA v1)
 update experts no rank used: on MoE models they must say so, naming the experts, and stay within the
-difference docs/moe.md records."""
+difference docs/moe.md records. make test runs every model on every torch variant and every model
+but the MoE family on XLA; make test-full adds the MoE family on XLA v1 and v2 (XLA compiles a graph
+per routing: 4-12 s a step, docs/moe.md), in processes of their own."""
 
 import json
 
 import matrix
 import pytest
-from harness import ROOT, torchrun, needs_both
+from harness import needs_both
+from shared import Shared, job, read
 from zoo import ZOO
 
 from parallel import registry
@@ -22,7 +25,6 @@ ZOO_MOE = {name: bool(entry.get("moe")) for name, entry in ZOO.items()}
 pytestmark = pytest.mark.distributed
 BUDGET_S = 450  # seconds in make test (tests/conftest.py)
 
-WORKER = ROOT / "tests" / "distributed" / "zoo_worker.py"
 # Every backend variant in the registry but ZeRO-0: its load of another backend's checkpoint hangs at
 # 2 gloo ranks (found when the matrix added it, 2026-11-24; open, docs/deepspeed.md "Known problems")
 CASES = matrix.cases(world=2, micro_batch_size=2, skip=("zero0",))
@@ -35,54 +37,71 @@ ALONE = [m for m, e in ZOO.items() if e.get("xla") == "alone"]  # a fresh XLA pr
 
 
 def _launches():
-    """Multi-process groups run every model in one launch; a single-process client (XLA's CPU
-    client) runs the models it shares in one process and the heavy ones each in a fresh one."""
-    out = []
+    """Multi-process groups run every model in one job; a single-process client (XLA's CPU client)
+    runs the models it shares in one job (make test), and the heavy ones (HF MoE: a graph compiled
+    per routing, 4-12 s a step) each in a fresh process of their own (make test-full: ALONE_JOBS)."""
+    quick, alone = [], []
     for group in matrix.by_launch(CASES):
         names, how = [c.name for c in group], {"nproc": group[0].nproc, "env": group[0].env}
         if group[0].nproc > 1:
-            out.append((names, list(ZOO), how))
+            quick.append((names, list(ZOO), how))
         else:
-            out += [(names, SHARED, how), *[(names, [m], how) for m in ALONE]]
-    return out
+            quick.append((names, SHARED, how))
+            alone += [(names, [m], how) for m in ALONE]
+    return quick, alone
 
 
-LAUNCHES = _launches()
+LAUNCHES, ALONE_JOBS = _launches()
 CELLS = [(b, m) for names, models, _ in LAUNCHES for b in names for m in models]
+ALONE_CELLS = [(b, m) for names, models, _ in ALONE_JOBS for b in names for m in models]
 
 
 def source_of() -> dict[str, str]:
-    """Each cell loads the checkpoint of the backend before it in the cycle that ran the model."""
+    """Each cell loads the checkpoint of the backend before it in the cycle that ran the model;
+    make test-full's cells continue make test's cycle (the first loads its last)."""
     out = {}
-    for backend, model in CELLS:
-        ran = [b for b in CYCLE if (b, model) in CELLS]
-        out[f"{backend}-{model}"] = f"{ran[ran.index(backend) - 1]}-{model}"
+    for cells in (CELLS, CELLS + ALONE_CELLS):
+        for backend, model in cells:
+            ran = [b for b in CYCLE if (b, model) in cells]
+            out.setdefault(f"{backend}-{model}", f"{ran[ran.index(backend) - 1]}-{model}")
     return out
 
 
-def launch(tmp, phase, names, models, how):
-    out = tmp / f"{phase}-{names[0]}-{models[0]}.json"
-    args = [str(WORKER), "--phase", phase, "--backends", str(tmp / "backends.json"),
-            "--names", ",".join(names), "--models", ",".join(models),
-            "--source-of", str(tmp / "source_of.json"), "--root", str(tmp / "ckpt"),
-            "--out", str(out)]
-    names_backends = {BACKENDS[n]["backend"] for n in names}
-    env = {k: v for b in names_backends for k, v in registry.get(b).launch.env().items()}
-    torchrun(how["nproc"], args, timeout=500, env={**env, **how["env"]})
-    return json.loads(out.read_text())
+def out_of(tmp, phase, names, models):
+    return tmp / f"{phase}-{names[0]}-{models[0]}.json"
+
+
+def zoo_jobs(tmp, launches) -> list:
+    """Save (phase 1), then load another backend's checkpoint in fresh processes (phase 2)."""
+    jobs = []
+    for phase, number in (("save", 1), ("load", 2)):
+        for names, models, how in launches:
+            names_backends = {BACKENDS[n]["backend"] for n in names}
+            env = {k: v for b in names_backends for k, v in registry.get(b).launch.env().items()}
+            jobs.append(job("zoo_worker", [
+                "--phase", phase, "--backends", tmp / "backends.json", "--names", ",".join(names),
+                "--models", ",".join(models), "--source-of", tmp / "source_of.json",
+                "--root", tmp / "ckpt", "--out", out_of(tmp, phase, names, models)],
+                how["nproc"], {**env, **how["env"]}, number))
+    return jobs
+
+
+def shared_jobs(tmp):
+    """make test's cells in the suite's shared launches (shared.py)."""
+    (tmp / "backends.json").write_text(json.dumps(BACKENDS))
+    (tmp / "source_of.json").write_text(json.dumps(source_of()))
+    (tmp / "ckpt").mkdir()
+    return zoo_jobs(tmp, LAUNCHES)
 
 
 @needs_both
 @pytest.mark.timeout(1500)
-def test_model_zoo_matches_one_process_and_moves_between_backends(tmp_path):
-    (tmp_path / "backends.json").write_text(json.dumps(BACKENDS))
-    (tmp_path / "source_of.json").write_text(json.dumps(source_of()))
-    (tmp_path / "ckpt").mkdir()
+def test_model_zoo_matches_one_process_and_moves_between_backends(shared):
+    tmp_path, run = shared[__name__]
     saved, loaded = {}, {}
-    for names, models, how in LAUNCHES:
-        saved.update(launch(tmp_path, "save", names, models, how))
-    for names, models, how in LAUNCHES:
-        loaded.update(launch(tmp_path, "load", names, models, how))
+    for names, models, _ in LAUNCHES:
+        saved.update(read(out_of(tmp_path, "save", names, models), run, "zoo_worker"))
+        loaded.update(read(out_of(tmp_path, "load", names, models), run, "zoo_worker"))
     refused = {k: loaded.pop(k, None) or saved.pop(k) for k in
                ("refusal-xla1-split-groups", "refusal-zero2-other-groups")}
     split, other = refused["refusal-xla1-split-groups"], refused["refusal-zero2-other-groups"]
@@ -90,6 +109,38 @@ def test_model_zoo_matches_one_process_and_moves_between_backends(tmp_path):
     assert "flatten_parameters: false" in split["message"], split
     assert other["error_type"] == "PortableStateError", other
     assert "other param groups than in the checkpoint" in other["message"], other
+    worst, moe = check_cells(saved, loaded)
+    assert len(worst) + len(moe) == 2 * len(CELLS)
+    assert {m for _, m in CELLS} == set(ZOO)  # every model, on every torch variant at least
+    exported = check_lora_exports(tmp_path, saved["reference-lora"])
+    top = sorted(worst.items(), key=lambda kv: -kv[1])[:4]
+    print(f"{len(worst)} cells, max |loss - one process| = {max(worst.values()):.2e} ({top}); flat backends "
+          f"on MoE ({len(moe)} cells, declared): max {max(moe.values()):.2e}; LoRA exports loaded "
+          f"by from_pretrained: max {max(exported.values()):.2e} ({len(exported)})")
+
+
+@needs_both
+@pytest.mark.full
+@pytest.mark.timeout(1500)
+def test_mixture_of_experts_on_xla_matches_and_moves(shared):
+    """make test-full: the MoE family on XLA v1 and v2, each in a process of its own (XLA compiles
+    a graph per routing), loading make test's checkpoints in the cycle and saving its own."""
+    tmp, _ = shared[__name__]
+    run = Shared(tmp / "alone")
+    run.root.mkdir()
+    run.run(zoo_jobs(tmp, ALONE_JOBS))
+    saved, loaded = {}, {}
+    for names, models, _ in ALONE_JOBS:
+        saved.update(read(out_of(tmp, "save", names, models), run, "zoo_worker"))
+        loaded.update(read(out_of(tmp, "load", names, models), run, "zoo_worker"))
+    worst, moe = check_cells(saved, loaded)
+    assert len(worst) + len(moe) == 2 * len(ALONE_CELLS) > 0
+    print(f"MoE on XLA: exact {worst}; flat (declared) {moe}")
+
+
+def check_cells(saved: dict, loaded: dict) -> tuple[dict, dict]:
+    """Every cell's losses against its model's one-process run: ({cell: diff} within 1e-5, {cell:
+    diff} of flat backends on MoE models, within the bound docs/moe.md records)."""
     errors = {k: v["error"] for k, v in {**saved, **loaded}.items() if "error" in v}
     assert not errors, "\n\n".join(f"{k}:\n{v[-2500:]}" for k, v in errors.items())
     worst, moe = {}, {}
@@ -114,12 +165,7 @@ def test_model_zoo_matches_one_process_and_moves_between_backends(tmp_path):
             assert diff <= 1e-5, (
                 f"{key} {phase} (from {res.get('source', 'scratch')}): {res['loss']} vs {ref[start:]}")
             worst[f"{key} {phase}"] = diff
-    assert len(worst) + len(moe) == 2 * len(CELLS)
-    exported = check_lora_exports(tmp_path, saved["reference-lora"])
-    top = sorted(worst.items(), key=lambda kv: -kv[1])[:4]
-    print(f"{len(worst)} cells, max |loss - one process| = {max(worst.values()):.2e} ({top}); flat backends "
-          f"on MoE ({len(moe)} cells, declared): max {max(moe.values()):.2e}; LoRA exports loaded "
-          f"by from_pretrained: max {max(exported.values()):.2e} ({len(exported)})")
+    return worst, moe
 
 
 def check_lora_exports(tmp, reference) -> dict[str, float]:

@@ -11,7 +11,9 @@ import json
 
 import matrix
 import pytest
-from harness import ROOT, case, check_parity, needs_both, run_parity, torchrun
+from harness import (ROOT, case, check_parity, needs_both, parity_jobs, parity_results,
+                     run_parity, torchrun)
+from shared import job, read
 
 from parallel.spec.io import SpecError, load_spec
 
@@ -42,14 +44,21 @@ VARIANTS = {c.name: c for c in tp_variants()}
 GROUPS = {"+".join(c.name for c in group): group for group in matrix.by_launch(tp_variants())}
 
 
-def cases(c):
+def cases(c, tier="full"):
+    """A variant's TP cases. make test ("quick") runs one case per variant holding every option at
+    once (a tied head, padded rows, accumulation, clipping, checkpointing, AdamW) and what only one
+    backend has; make test-full ("full") runs each option on its own too."""
     base = with_tp(c)
-    out = [case("dp2-tp2", base, optimizer="adamw"),
-           # the head tied to the embedding stays whole (the model's plan would split it)
-           case("tied-head", base, model={"tie_word_embeddings": True}),
-           case("padded-accum-clip-ac", {**base, "micro_batch_size": 1, "grad_accum_steps": 2,
-                                         "grad_clip": 0.5, "activation_checkpointing": True},
-                optimizer="adamw", padded=True)]
+    everything = {**base, "micro_batch_size": 1, "grad_accum_steps": 2, "grad_clip": 0.5,
+                  "activation_checkpointing": True}
+    if tier == "quick":
+        # the head tied to the embedding stays whole (the model's plan would split it)
+        out = [case("tied-padded-accum-clip-ac", everything, optimizer="adamw", padded=True,
+                    model={"tie_word_embeddings": True})]
+    else:
+        out = [case("dp2-tp2", base, optimizer="adamw"),
+               case("tied-head", base, model={"tie_word_embeddings": True}),
+               case("padded-accum-clip-ac", everything, optimizer="adamw", padded=True)]
     if c.name == "zero3":  # built partitioned under zero.Init, then split by AutoTP
         out.append(case("zero-init", base, optimizer="adamw", factory=True))
     if c.name == "fsdp2":  # what only FSDP2 has
@@ -68,20 +77,42 @@ def test_the_registry_has_tp_variants():
     assert {"fsdp2", "xla2", "zero0", "zero1", "zero2", "zero3"} <= set(VARIANTS), sorted(VARIANTS)
 
 
+def shared_jobs(tmp):
+    """make test's tier in the suite's shared launches (shared.py): each group's parity cases, and
+    the checkpoint transfers' saves (phase 1) and loads (phase 2)."""
+    jobs = []
+    for group, variants in sorted(GROUPS.items()):
+        key = "tp-" + group.replace("+", "-")
+        jobs += parity_jobs(tmp, [one for c in variants for one in cases(c, "quick")],
+                            nproc=variants[0].nproc, env=variants[0].env, key=key)
+    transfers = tmp / "transfers"
+    transfers.mkdir()
+    for phase, names, c in transfer_launches(transfers, "quick"):
+        jobs.append(job("transfer_worker", transfer_args(transfers, phase, names), c.nproc, c.env,
+                        1 if phase == "save" else 2))
+    return jobs
+
+
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("tier", ["quick", pytest.param("full", marks=pytest.mark.full)])
 @pytest.mark.parametrize("group", sorted(GROUPS))
-def test_tp_matches_one_process_and_resumes(tmp_path, group):
+def test_tp_matches_one_process_and_resumes(request, tmp_path, group, tier):
     variants = GROUPS[group]
-    results = run_parity(tmp_path, [one for c in variants for one in cases(c)],
-                         nproc=variants[0].nproc, timeout=500, env=variants[0].env)
+    if tier == "quick":
+        tmp, run = request.getfixturevalue("shared")[__name__]
+        results = parity_results(tmp, run, key="tp-" + group.replace("+", "-"))
+    else:  # make test-full: every option on its own, launches of its own
+        results = run_parity(tmp_path, [one for c in variants for one in cases(c, tier)],
+                             nproc=variants[0].nproc, timeout=500, env=variants[0].env)
     # XLA SPMD at tp 2 resumed from padded rows with accumulation: the first resumed step is
     # identical, the second 4.8e-7 off (measured; docs/tp.md; the cause is not pinned down: lost
     # or stale state shows at 1e-3, as the transfer test below would)
     spmd = variants[0].spec.get("xla", {}).get("fsdp_version") == 2
     worst = {name: check_parity(name, res, resume_tol=1e-6 if spmd else 0.0)
              for name, res in results.items()}
+    tied = "tied-padded-accum-clip-ac" if tier == "quick" else "tied-head"
     for c in variants:
-        notices = " ".join(results[f"{c.name}-tied-head"]["train"].get("notices", []))
+        notices = " ".join(results[f"{c.name}-{tied}"]["train"].get("notices", []))
         assert "lm_head.weight stays whole" in notices, (c.name, notices)
     for name, res in results.items():  # the checkpoint read whole in one process: full shapes
         assert abs(res["train"]["consolidated_loss"] - res["train"]["loss"][3]) <= 1e-5, name
@@ -99,40 +130,70 @@ TRANSFER = ROOT / "tests" / "distributed" / "transfer_worker.py"
 TARGETS = ("fsdp2", "zero2")
 
 
-@needs_both
-@pytest.mark.timeout(900)
-def test_tp_checkpoints_load_at_tp1_other_worlds_and_backends(tmp_path):
-    """Every TP variant saves at tp 2 on 2 ranks or devices (dp 1, micro-batch 4); each checkpoint
-    loads, with AdamW's moments and step counts, into every TP variant at dp 2 x tp 2 (4 ranks or
-    devices: another world size, and the other backend's split) and at tp 1 on FSDP2 and ZeRO-2:
-    the uninterrupted run's losses."""
+def transfer_setup(tmp, tier):
+    """(sources, loaders, plan): every TP variant saves at tp 2 on 2 ranks or devices (dp 1,
+    micro-batch 4); loaders are the TP variants at dp 2 x tp 2 and FSDP2 and ZeRO-2 at tp 1. make
+    test: every source and every loader once, round robin (each source into another backend where
+    there is one); make test-full: every pair."""
     sources = {f"{c.name}-tp2": (c, with_tp(c, micro_batch_size=4)) for c in tp_variants(world=2)}
     targets = [c for c in matrix.cases(world=2, micro_batch_size=2) if c.name in TARGETS]
-    wide = [c for c in tp_variants(world=4)]
-    loaders = {c.name: c.spec for c in targets}
-    loaders.update({f"{c.name}-dp2-tp2": with_tp(c) for c in wide})
-    specs = {**{name: spec for name, (_, spec) in sources.items()}, **loaders}
-    (tmp_path / "backends.json").write_text(json.dumps(specs))
-    (tmp_path / "ckpt").mkdir()
-    plan = {name: [f"{s}-adamw" for s in sources] for name in loaders}
-    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    wide = list(tp_variants(world=4))
+    loaders = {c.name: (c, c.spec) for c in targets}
+    loaders.update({f"{c.name}-dp2-tp2": (c, with_tp(c)) for c in wide})
+    if tier == "full":
+        plan = {name: [f"{s}-adamw" for s in sources] for name in loaders}
+    else:  # round robin, the loaders shifted by one: a source meets another backend's split
+        names, plan = list(sources), {name: [] for name in loaders}
+        for i, name in enumerate(loaders):
+            plan[name].append(f"{names[(i + 1) % len(names)]}-adamw")
+        for i, source in enumerate(names[len(loaders):]):  # sources left over, if any
+            plan[list(loaders)[i]].append(f"{source}-adamw")
+    specs = {**{n: s for n, (_, s) in sources.items()}, **{n: s for n, (_, s) in loaders.items()}}
+    (tmp / "backends.json").write_text(json.dumps(specs))
+    (tmp / "plan.json").write_text(json.dumps(plan))
+    (tmp / "ckpt").mkdir(exist_ok=True)
+    return sources, loaders, plan
 
-    def launch(phase, names, c):
-        out = tmp_path / f"{phase}-{names[0]}.json"
-        torchrun(c.nproc, [str(TRANSFER), "--phase", phase, "--backends",
-                           str(tmp_path / "backends.json"), "--names", ",".join(names), "--root",
-                           str(tmp_path / "ckpt"), "--out", str(out), "--plan",
-                           str(tmp_path / "plan.json"), "--optimizers", "adamw"],
-                 timeout=300, env=c.env)
-        return json.loads(out.read_text())
 
+def transfer_launches(tmp, tier):
+    """(phase, names, the case whose launch they share): one launch per layout and phase."""
+    sources, loaders, _ = transfer_setup(tmp, tier)
+    out = []
+    for group in matrix.by_launch([c for c, _ in sources.values()]):
+        out.append(("save", [f"{c.name}-tp2" for c in group], group[0]))
+    by_case = {id(c): n for n, (c, _) in loaders.items()}
+    for group in matrix.by_launch([c for c, _ in loaders.values()]):
+        out.append(("load", [by_case[id(c)] for c in group], group[0]))
+    return out
+
+
+def transfer_args(tmp, phase, names) -> list:
+    return ["--phase", phase, "--backends", tmp / "backends.json", "--names", ",".join(names),
+            "--root", tmp / "ckpt", "--out", tmp / f"{phase}-{names[0]}.json", "--plan",
+            tmp / "plan.json", "--optimizers", "adamw"]
+
+
+@needs_both
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("tier", ["quick", pytest.param("full", marks=pytest.mark.full)])
+def test_tp_checkpoints_load_at_tp1_other_worlds_and_backends(request, tmp_path, tier):
+    """Every TP variant's tp 2 checkpoint loads, with AdamW's moments and step counts, at dp 2 x tp
+    2 (4 ranks or devices: another world size, and another backend's split) and at tp 1 on FSDP2
+    and ZeRO-2: the uninterrupted run's losses (transfer_setup says which pairs)."""
+    if tier == "quick":
+        tmp, run = request.getfixturevalue("shared")[__name__]
+        tmp = tmp / "transfers"
+    else:  # make test-full: every pair, launches of its own
+        tmp, run = tmp_path, None
+        transfer_setup(tmp, tier)
+        for phase, names, c in transfer_launches(tmp, tier):
+            torchrun(c.nproc, [str(TRANSFER), *map(str, transfer_args(tmp, phase, names))],
+                     timeout=300, env=c.env)
+    sources, loaders, plan = transfer_setup(tmp, tier)
     saved, loaded = {}, {}
-    for group in matrix.by_launch([c for c, _ in sources.values()]):  # one launch per layout
-        saved.update(launch("save", [f"{c.name}-tp2" for c in group], group[0]))
-    for group in matrix.by_launch(targets):
-        loaded.update(launch("load", [c.name for c in group], group[0]))
-    for group in matrix.by_launch(wide):
-        loaded.update(launch("load", [f"{c.name}-dp2-tp2" for c in group], group[0]))
+    for phase, names, _ in transfer_launches(tmp, tier):
+        (saved if phase == "save" else loaded).update(
+            read(tmp / f"{phase}-{names[0]}.json", run, "transfer_worker"))
     errors = {k: v["error"] for k, v in {**saved, **loaded}.items() if "error" in v}
     assert not errors, "\n\n".join(f"{k}:\n{v[-3000:]}" for k, v in errors.items())
     ref = saved["reference-adamw"]["loss"]
@@ -140,13 +201,15 @@ def test_tp_checkpoints_load_at_tp1_other_worlds_and_backends(tmp_path):
     assert len(sources) >= 2 and len(loaders) >= 4, (sources, loaders)
     for source in sources:
         assert max(abs(a - b) for a, b in zip(saved[f"{source}-adamw"]["loss"], ref[:3])) <= 1e-5
-        for target in loaders:  # (each source resuming itself: the parity test above)
+        # (each source resuming itself: the parity test above)
+        for target in (t for t in loaders if f"{source}-adamw" in plan[t]):
             res = loaded[f"{source}->{target}-adamw"]
             assert res["start"] == 3, (source, target, res)
             diff = max(abs(a - b) for a, b in zip(res["loss"], ref[3:]))
             assert diff <= 1e-5, f"{source} -> {target}: {res['loss']} vs {ref[3:]}"
             pairs += 1
-    assert pairs == len(sources) * len(loaders)
+    assert pairs == sum(len(p) for p in plan.values())
+    assert {s for p in plan.values() for s in p} == {f"{s}-adamw" for s in sources}
     print(f"{pairs} tp checkpoint transfers within 1e-5")
 
 

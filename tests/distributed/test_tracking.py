@@ -8,13 +8,13 @@ import struct
 
 import matrix
 import pytest
-from harness import ROOT, needs_both, torchrun
+from harness import needs_both
+from shared import job, read
 
 pytestmark = pytest.mark.distributed
 BUDGET_S = 60  # seconds in make test (tests/conftest.py)
 
 CASES = matrix.cases(world=2, micro_batch_size=2)
-WORKER = ROOT / "tests" / "distributed" / "tracking_worker.py"
 ALL = ["jsonl", "tensorboard", "mlflow", "wandb"]
 
 
@@ -22,17 +22,28 @@ def to(name: str) -> list[str]:
     return ALL if name == CASES[0].name else ["jsonl"]
 
 
+def shared_jobs(tmp):
+    """One job per launch group in the suite's shared launches (shared.py)."""
+    jobs = []
+    for i, group in enumerate(matrix.by_launch(CASES)):
+        (tmp / f"tracking{i}").mkdir()
+        (tmp / f"tracking{i}" / "cases.json").write_text(json.dumps(
+            [{"name": c.name, "spec": c.spec, "to": to(c.name)} for c in group]))
+        jobs.append(job("tracking_worker", ["--cases", tmp / f"tracking{i}" / "cases.json",
+                                            "--out", tmp / f"tracking{i}"],
+                        group[0].nproc, group[0].env))
+    return jobs
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(shared):
+    root, run = shared[__name__]
     out = {}
     for i, group in enumerate(matrix.by_launch(CASES)):
-        tmp = tmp_path_factory.mktemp(f"tracking{i}")
-        (tmp / "cases.json").write_text(json.dumps(
-            [{"name": c.name, "spec": c.spec, "to": to(c.name)} for c in group]))
-        torchrun(group[0].nproc, [str(WORKER), "--cases", str(tmp / "cases.json"), "--out",
-                                  str(tmp)], timeout=600, env=group[0].env)
+        tmp = root / f"tracking{i}"
         for rank in range(group[0].nproc):
-            for name, record in json.loads((tmp / f"records.rank{rank}.json").read_text()).items():
+            for name, record in read(tmp / f"records.rank{rank}.json", run,
+                                     "tracking_worker").items():
                 out.setdefault(name, {"dir": tmp / name, "ranks": []})["ranks"].append(record)
     return out
 

@@ -5,7 +5,7 @@ Plain full-shard SGD/AdamW runs of both versions, with save and load, are in
 test_checkpoint_transfer.py's matrix; the cases here add the other options."""
 
 import pytest
-from harness import case, check_parity, run_parity
+from harness import case, check_parity, parity_jobs, parity_results
 
 pytest.importorskip("torch_xla")
 pytestmark = pytest.mark.distributed
@@ -30,9 +30,8 @@ def checked(results, cases):
     return out
 
 
-@pytest.mark.timeout(500)
-def test_v1_world_size_1(tmp_path):
-    cases = [
+def v1_cases():
+    return [
         case("v1-grad_op-adamw", {**V1, "shard": "grad_op"}, optimizer="adamw"),
         case("v1-grad-ckpt", {**V1, "xla": {**V1["xla"], "xla_fsdp_grad_ckpt": True}},
              optimizer="adamw"),
@@ -40,7 +39,30 @@ def test_v1_world_size_1(tmp_path):
                                "grad_clip": 0.5}, optimizer="adamw"),
         case("v1-bf16", {**V1, "precision": "bf16"}, optimizer="adamw", tol=5e-2),
     ]
-    results = run_parity(tmp_path, cases, nproc=1, timeout=450, env=xla_env(1))
+
+
+def v2_cases(devices):
+    if devices == 4:
+        return [case("v2-d4-adamw", V2, optimizer="adamw", facts=True)]
+    return [case("v2-d2-ckpt", {**V2, "activation_checkpointing": True}, optimizer="sgd",
+                 facts=True),
+            # state_dict: full is honoured, as on every backend: whole tensors, one chunk each
+            case("v2-d2-bf16-full", {**V2, "precision": "bf16", "state_dict": "full"},
+                 optimizer="adamw", tol=5e-2)]
+
+
+def shared_jobs(tmp):
+    """Each layout's cases in the suite's shared launches (shared.py): the CPU client's one process
+    per device count."""
+    return [*parity_jobs(tmp, v1_cases(), nproc=1, env=xla_env(1), key="v1"),
+            *(j for d in (2, 4) for j in parity_jobs(tmp, v2_cases(d), nproc=1, env=xla_env(d),
+                                                      key=f"v2-{d}"))]
+
+
+@pytest.mark.timeout(500)
+def test_v1_world_size_1(shared):
+    cases = v1_cases()
+    results = parity_results(*shared[__name__], key="v1")
     print(checked(results, cases))
     for name in ("v1-grad_op-adamw", "v1-grad-ckpt"):  # checkpoint weights in plain PyTorch
         train = results[name]["train"]
@@ -49,16 +71,9 @@ def test_v1_world_size_1(tmp_path):
 
 @pytest.mark.timeout(500)
 @pytest.mark.parametrize("devices", [2, 4])
-def test_v2_spmd_over_virtual_devices(tmp_path, devices):
-    if devices == 4:
-        cases = [case("v2-d4-adamw", V2, optimizer="adamw", facts=True)]
-    else:
-        cases = [case("v2-d2-ckpt", {**V2, "activation_checkpointing": True}, optimizer="sgd",
-                      facts=True),
-                 # state_dict: full is honoured, as on every backend: whole tensors, one chunk each
-                 case("v2-d2-bf16-full", {**V2, "precision": "bf16", "state_dict": "full"},
-                      optimizer="adamw", tol=5e-2)]
-    results = run_parity(tmp_path, cases, nproc=1, timeout=450, env=xla_env(devices))
+def test_v2_spmd_over_virtual_devices(shared, devices):
+    cases = v2_cases(devices)
+    results = parity_results(*shared[__name__], key=f"v2-{devices}")
     print(checked(results, cases))
     if devices == 2:
         assert results["v2-d2-ckpt"]["train"]["chunks"] == 2  # sharded: one chunk per device

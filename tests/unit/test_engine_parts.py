@@ -5,7 +5,6 @@ experts.py). The multi-process guarantees they serve are in tests/distributed.""
 
 import os
 import signal
-from pathlib import Path
 
 import pytest
 import torch
