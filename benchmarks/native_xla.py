@@ -2,7 +2,6 @@
 is the step; as a script, a whole job."""
 
 import torch_xla
-import torch_xla.core.xla_model as xm
 from common import args, model, run, token_share
 from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as XFSDP
 
@@ -25,7 +24,7 @@ def build(a, rank: int, world: int):
             net.clip_grad_norm_(a.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        xm.mark_step()
+        torch_xla.sync()
         return loss.cpu()
 
     return step

@@ -1,6 +1,6 @@
 """What XLA FSDP v1 and SPMD v2 engines share: the runtime set-up, MpDeviceLoader input, building
 the model on the device (tied weights re-tied after the move), wrapping units, and the step's end
-(`optimizer.step()` then `xm.mark_step()`: FSDP has already reduce-scattered the gradients, so
+(`optimizer.step()` then `torch_xla.sync()`: FSDP has already reduce-scattered the gradients, so
 `xm.optimizer_step`, which all-reduces them again, would be wrong)."""
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ class _Xla(ModuleStateTensors, Engine):
     def _generate(self, input_ids, kwargs: dict):
         """Static shapes: one graph per (rows, bucketed width), every step alike (generate.py)."""
         import torch
-        import torch_xla.core.xla_model as xm
+        import torch_xla
 
         from parallel.engine.infer.generate import check_static, library_model, static_generate
 
@@ -123,7 +123,7 @@ class _Xla(ModuleStateTensors, Engine):
         check_static(model, kwargs)
         with torch.no_grad(), self._autocast():
             # through the sharded wrapper: its forward gathers (v1) or is partitioned (SPMD)
-            return static_generate(model, self.model, input_ids, end_step=xm.mark_step,
+            return static_generate(model, self.model, input_ids, end_step=torch_xla.sync,
                                    place=self._generation_layout(len(input_ids)),
                                    device=self.device, **kwargs)
 
@@ -138,18 +138,18 @@ class _Xla(ModuleStateTensors, Engine):
         return _XlaWatch(self.device)
 
     def _skip_step(self):
-        import torch_xla.core.xla_model as xm
+        import torch_xla
 
         self.optimizer.zero_grad(set_to_none=True)
-        xm.mark_step()  # end the skipped step's graph here, as a taken step's would end
+        torch_xla.sync()  # end the skipped step's graph here, as a taken step's would end
         return None
 
     def _finish_step(self, norm):
-        import torch_xla.core.xla_model as xm
+        import torch_xla
 
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        xm.mark_step()  # one compiled graph per step: forward, backward, update
+        torch_xla.sync()  # one compiled graph per step: forward, backward, update
         return norm, True
 
 

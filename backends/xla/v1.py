@@ -62,14 +62,14 @@ class XlaFsdpEngine(_Xla):
         return self._finish_step(self.model.clip_grad_norm_(self.spec.grad_clip or float("inf")))
 
     def _save_model_optim(self, sink: Sink) -> None:
-        import torch_xla.core.xla_model as xm
+        import torch_xla
 
         if self.spec.state_dict == "full":  # rank 0 writes everything, gathered one at a time
             return self._save_gathered(sink)
         # sharded: each rank writes the ranges of the original parameters its flat shards hold,
         # from host copies of its own shards (its part of the state: O(model / N)), no gather
         layout, model, state = v1_layout(self.model), {}, {}
-        xm.mark_step()
+        torch_xla.sync()
         for p, members in layout:
             ranges = member_ranges(p.detach().cpu(), members, self.rank)
             model.update(ranges)
@@ -127,11 +127,11 @@ class XlaFsdpEngine(_Xla):
     def _load_model_optim(self, path: Path, manifest: dict) -> None:
         """Each rank reads the ranges its flat shards hold into host buffers (one per shard and
         optimizer entry: O(model / N)), then copies them to the device."""
-        import torch_xla.core.xla_model as xm
+        import torch_xla
 
         layout = v1_layout(self.model)
         init_optimizer_state(self.optimizer)  # entries to fill; lr 0 leaves the weights as they are
-        xm.mark_step()
+        torch_xla.sync()
         reader = open_state(path)
         merged = merge_groups(self.optimizer.param_groups, read_groups(path, reader),
                               self._group_names(layout))  # before anything is read
@@ -168,4 +168,4 @@ class XlaFsdpEngine(_Xla):
         groups = [{**g, "params": [order[id(q)] for q in live["params"]]}
                   for g, live in zip(merged, self.optimizer.param_groups)]
         self.optimizer.load_state_dict({"state": per_shard, "param_groups": groups})
-        xm.mark_step()
+        torch_xla.sync()

@@ -109,7 +109,7 @@ def xla_fsdp_v1(out: Path):
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad()
-        xm.mark_step()
+        torch_xla.sync()
     out.mkdir(parents=True, exist_ok=True)
     state = {"model": model.state_dict(), "shard_metadata": model.get_shard_metadata(),
              "optimizer": opt.state_dict()}

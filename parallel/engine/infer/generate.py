@@ -69,7 +69,7 @@ def static_generate(model: nn.Module, call: Callable, input_ids: torch.Tensor, *
                     device=None) -> torch.Tensor:
     """Prompt plus `max_new_tokens` generated ids per row, shape (batch, prompt + new), on the
     host. `model`: the Hugging Face model (its config and forward's arguments); `call`: what runs a
-    forward (the sharded wrapper); `end_step`: cuts the step's graph (xm.mark_step)."""
+    forward (the sharded wrapper); `end_step`: cuts the step's graph (torch_xla.sync)."""
     del use_cache  # never: the cache's growth is what would change shapes
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
     if bool((mask[:, -1] == 0).any()):
