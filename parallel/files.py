@@ -5,6 +5,7 @@ refused before they expand (docs/security.md). Checkpoint pickles: parallel/chec
 from __future__ import annotations
 
 import json
+import math
 import os
 import stat
 from pathlib import Path
@@ -56,14 +57,23 @@ def read_text(path: Path, what: str, limit: int = CONFIG_LIMIT, follow: bool = T
 
 
 def check_depth(data, path: Path, what: str, limit: int = MAX_DEPTH) -> None:
-    stack = [(data, 1)]
+    """Nesting within `limit`, and every number finite: YAML's .inf / .nan and hjson's 1e999 parse
+    as floats that no config means (a gradient_clipping of .nan read as 'no clipping', a batch of
+    1e999 as a crash deep inside an import); refused naming the key."""
+    stack = [(data, 1, "")]
     while stack:
-        node, depth = stack.pop()
+        node, depth, where = stack.pop()
         if depth > limit:
             raise FileError(f"{path}: nested more than {limit} levels deep ({what})")
-        children = node.values() if isinstance(node, dict) else node if isinstance(
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(
             node, list) else ()
-        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+        for key, child in items:
+            at = f"{where}.{key}" if where else str(key)
+            if isinstance(child, (dict, list)):
+                stack.append((child, depth + 1, at))
+            elif isinstance(child, float) and not math.isfinite(child):
+                raise FileError(f"{path}: {at[:200]}: {child} is not a finite number ({what}); "
+                                "write a finite value, or leave the key out")
 
 
 def load_json(path: Path, what: str, limit: int = CONFIG_LIMIT, follow: bool = True):
@@ -104,3 +114,50 @@ def load_yaml(path: Path, what: str, limit: int = CONFIG_LIMIT):
             from None
     check_depth(data, path, what)
     return data
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write a small run file (a tracker's kept run id) whole or not at all, never through a link:
+    a temporary file created anew beside it (O_EXCL | O_NOFOLLOW), fsynced, then renamed over
+    `path` (a rename replaces a planted link itself, never what it points at)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def open_append(path: Path, what: str):
+    """A run file opened to append (metrics.jsonl), refused when it is a link or not a regular
+    file (a FIFO would block the job, a link would write elsewhere)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK,
+                     0o644)
+    except OSError as err:
+        raise FileError(f"{path}: cannot append to it ({what}: {err.strerror}; a symbolic link "
+                        "or a FIFO is refused)") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise FileError(f"{path}: not a regular file ({what})")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "a", encoding="utf-8")
+
+
+def plain_folder(path: Path, what: str) -> Path:
+    """A folder polyshard writes run files into: created if missing, refused when it, or anything
+    directly in it, is a symbolic link (a tracker's library would write through it)."""
+    path = Path(path)
+    if path.is_symlink():
+        raise FileError(f"{path}: a symbolic link where {what} must be a folder of its own")
+    path.mkdir(parents=True, exist_ok=True)
+    links = [e.name for e in os.scandir(path) if e.is_symlink()]
+    if links:
+        raise FileError(f"{path / links[0]}: a symbolic link inside {what} ({len(links)} such); "
+                        "polyshard writes run files only into a folder of plain files: remove it")
+    return path

@@ -81,10 +81,9 @@ def model_config(source: str):
     if "auto_map" in data:
         raise SpecError([("--model", f"{path}: needs its repository's own code (auto_map "
                           f"{sorted(data['auto_map'])}), which polyshard never runs")])
-    too_big = [f"{k} {v}" for k, v in _sizes(data) if k in MODEL_LIMITS and v > MODEL_LIMITS[k]]
-    if too_big:
-        raise SpecError([("--model", f"{path}: {', '.join(too_big)} exceed what any model has "
-                          f"({', '.join(f'{k} <= {MODEL_LIMITS[k]:,}' for k in sorted({t.split()[0] for t in too_big}))})")])
+    problem = model_size_problem(data)
+    if problem:
+        raise SpecError([("--model", f"{path}: {problem}")])
     fields = {k: v for k, v in data.items() if k != "model_type"}
     try:
         return AutoConfig.for_model(data["model_type"], **fields)
@@ -93,12 +92,54 @@ def model_config(source: str):
             from None
 
 
+# The product too: each field within its limit still allows 1.7e13 parameters (a dry run of it
+# allocated 34 GB). Twice the largest model announced (2T parameters).
+PARAM_LIMIT = 4 * 10**12
+
+
+def model_size_problem(data: dict) -> str | None:
+    """What is wrong with a config's sizes, or None: a size field that is not a positive integer,
+    above its limit (MODEL_LIMITS), or parameters (estimated from the sizes, sub-configs summed)
+    above PARAM_LIMIT. For `--model` configs and a checkpoint's hf_config.json alike."""
+    wrong = [f"{k} {v!r}" for k, v in _sizes(data) if v is not None and not (
+        isinstance(v, int) and not isinstance(v, bool) and v >= 1)]
+    if wrong:
+        return f"{', '.join(wrong[:4])}: a size is a positive integer"
+    too_big = [k for k, v in _sizes(data) if v is not None and v > MODEL_LIMITS[k]]
+    if too_big:
+        return (f"{', '.join(f'{k} {v}' for k, v in _sizes(data) if k in too_big)} exceed what any "
+                f"model has ({', '.join(f'{k} <= {MODEL_LIMITS[k]:,}' for k in sorted(set(too_big)))})")
+    params = estimated_params(data)
+    if params > PARAM_LIMIT:
+        return (f"its sizes make about {params:.2g} parameters, more than the {PARAM_LIMIT:.0e} "
+                "polyshard builds (twice the largest model announced); check the layer, hidden, "
+                "expert and vocabulary sizes")
+    return None
+
+
+def estimated_params(data: dict) -> float:
+    """Parameters from a config's sizes (attention 4h^2, MLP 3h x intermediate per expert,
+    embeddings and head 2 x vocab x h per layer stack), sub-configs summed: an upper-bound-ish
+    estimate, for limits only (plan counts the built model)."""
+    def first(*keys, default=0):
+        return next((data[k] for k in keys if isinstance(data.get(k), int)), default)
+
+    layers = first("num_hidden_layers", "n_layer", "num_layers")
+    hidden = first("hidden_size", "n_embd", "d_model")
+    mlp = max(first("intermediate_size", default=4 * hidden),
+              first("num_local_experts", "num_experts", "n_routed_experts", default=1)
+              * first("moe_intermediate_size", "intermediate_size", default=4 * hidden))
+    own = float(layers) * (4.0 * hidden * hidden + 3.0 * hidden * mlp) + 2.0 * first(
+        "vocab_size") * hidden
+    return own + sum(estimated_params(v) for v in data.values() if isinstance(v, dict))
+
+
 def _sizes(data: dict):
-    """Every int in the config and its sub-configs (text_config, vision_config, ...)."""
+    """Every size-named value in the config and its sub-configs (text_config, vision_config, ...)."""
     for key, value in data.items():
         if isinstance(value, dict):
             yield from _sizes(value)
-        elif isinstance(value, int) and not isinstance(value, bool):
+        elif key in MODEL_LIMITS:
             yield key, value
 
 

@@ -112,15 +112,20 @@ def _from_plugin(imp: Import, ds: dict) -> None:
 
 def _yaml_fields(imp: Import, ds: dict) -> None:
     accum = ds.get("gradient_accumulation_steps", 1)
-    imp.set("grad_accum_steps", int(accum), "deepspeed_config.gradient_accumulation_steps",
-            "mapped" if "gradient_accumulation_steps" in ds else "default")
+    accum = imp.whole("deepspeed_config.gradient_accumulation_steps", accum)
+    if accum is not None:
+        imp.set("grad_accum_steps", accum, "deepspeed_config.gradient_accumulation_steps",
+                "mapped" if "gradient_accumulation_steps" in ds else "default")
     clip = ds.get("gradient_clipping")
     if clip is None:
         imp.set("grad_clip", 1.0, "deepspeed_config.gradient_clipping", "default",
                 "absent: accelerate's Accelerator fills 1.0")
-    else:
-        imp.set("grad_clip", float(clip) if float(clip) > 0 else None,
+    elif isinstance(clip, (int, float)) and not isinstance(clip, bool) and clip >= 0:
+        imp.set("grad_clip", float(clip) if clip > 0 else None,
                 "deepspeed_config.gradient_clipping")
+    else:
+        imp.problems.append(("deepspeed_config.gradient_clipping",
+                             f"{str(clip)[:80]!r} is not a number >= 0"))
     if "zero3_save_16bit_model" in ds:  # absent: false, as zero_section already wrote
         imp.set("deepspeed.gather_16bit_weights_on_model_save", bool(ds["zero3_save_16bit_model"]),
                 "deepspeed_config.zero3_save_16bit_model")

@@ -8,11 +8,6 @@ from backends.deepspeed.autotp import plan_of
 from parallel.interop.importing import Import
 
 
-def _whole_number(imp: Import, source: str, value):
-    if isinstance(value, bool) or not isinstance(value, int):
-        imp.problems.append((source, f"{value!r} is not a whole number"))
-        return None
-    return value
 
 
 def tensor_parallel_section(imp: Import, block) -> None:
@@ -26,7 +21,7 @@ def tensor_parallel_section(imp: Import, block) -> None:
         imp.problems.append((src, f"{block!r} is not a JSON object"))
         return
     inner = block.get("tp", block.get("tensor_parallel")) or {}
-    size = _whole_number(imp, f"{src}.autotp_size", block.get("autotp_size", 0) or 0)
+    size = imp.whole(f"{src}.autotp_size", block.get("autotp_size", 0) or 0)
     if size is None or size <= 1:
         imp.note(src, "ignored", f"autotp_size {block.get('autotp_size', 0)}: AutoTP is off")
         return

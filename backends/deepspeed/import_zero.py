@@ -30,7 +30,7 @@ def zero_section(imp: Import, zero) -> None:
         imp.note(f"zero_optimization.{fields.pop('pin_memory')[0]}", "ignored", "deprecated; "
                  "DeepSpeed 0.19.8 reads it into no setting (offload blocks pin by default)")
     stage = fields.pop("stage", ("stage", 0))[1]
-    if stage not in SHARD_OF_STAGE:
+    if isinstance(stage, bool) or not isinstance(stage, int) or stage not in SHARD_OF_STAGE:
         imp.problems.append(("zero_optimization.stage", f"{stage!r} is no ZeRO stage; use 0, 1, 2 "
                              "or 3"))
         return

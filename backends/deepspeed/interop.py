@@ -49,7 +49,7 @@ def read_config(path: Path) -> Any:
         raise SpecError([(str(path), "is nested too deeply to parse")]) from None
     except FileError as err:
         raise SpecError([(str(path), str(err).partition(": ")[2])]) from None
-    except ValueError as err:  # hjson.HjsonDecodeError and json.JSONDecodeError are ValueErrors
+    except (ValueError, OverflowError) as err:  # decode errors; hjson overflows on 1e999
         raise SpecError([(str(path), f"is not a DeepSpeed config DeepSpeed could read: {err}")]) \
             from None
 
@@ -150,11 +150,6 @@ def _has_auto(value) -> bool:
     return value == "auto"
 
 
-def _int(imp: Import, source: str, value):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
-        imp.problems.append((source, f"{value!r} is not a whole number"))
-        return None
-    return int(value)
 
 
 def _batch(imp: Import, cfg: dict) -> None:
@@ -171,7 +166,7 @@ def _batch(imp: Import, cfg: dict) -> None:
                      f"decided by the spec ({field})" if value == "auto" else
                      f"derived as DeepSpeed derives it, or the spec's {field}")
             continue
-        values[field] = _int(imp, key, value)
+        values[field] = imp.whole(key, value)
     if None in values.values():
         return
     nodes = imp.given_value("topology.nodes") or 1

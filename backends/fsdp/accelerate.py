@@ -57,7 +57,9 @@ def section(imp: Import, cfg: dict, base) -> None:
 def fsdp_section(imp: Import, fsdp: dict) -> None:
     imp.set("backend", "fsdp", "distributed_type")
     _unknown_keys(imp, fsdp)
-    version = int(fsdp.get("fsdp_version", 1))
+    version = imp.whole("fsdp_config.fsdp_version", fsdp.get("fsdp_version", 1))
+    if version is None:
+        return
     if version not in (1, 2):
         imp.problems.append(("fsdp_config.fsdp_version", f"{version!r}: accelerate runs FSDP 1 or 2"))
         return

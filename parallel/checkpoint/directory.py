@@ -28,7 +28,7 @@ from parallel.checkpoint.manifest import (
 from parallel.checkpoint.safe import CheckpointError, UnsafeFileError, child_name, read_text
 from parallel.checkpoint.sink import Sink
 
-STEP_NAME = re.compile(r"step-\d+")  # the checkpoints maybe_save writes, and keep_last may remove
+STEP_NAME = re.compile(r"step-\d{1,18}")  # the checkpoints maybe_save writes, and keep_last may remove
 
 
 def _barrier(group=None) -> None:
@@ -131,7 +131,8 @@ def resolve(path: str | Path) -> Path:
         if path.is_symlink():
             raise UnsafeFileError(f"{path}: `latest` names a symbolic link, not a checkpoint")
     previous = path.with_name(f".{path.name}.old")
-    if not (path / MANIFEST).exists() and (previous / MANIFEST).is_file():
+    if (not (path / MANIFEST).exists() and not previous.is_symlink()
+            and (previous / MANIFEST).is_file()):  # our own copy, never a planted link out
         return previous
     return path
 
@@ -154,11 +155,28 @@ def publish(path: Path, keep_last: int | None, managed: Path | None = None) -> N
     tmp.rename(path.parent / LATEST)
     if keep_last is None or managed is None or path.parent.resolve() != Path(managed).resolve():
         return
-    ours = [(read_manifest(d)["step"], d) for d in path.parent.iterdir()
-            if d != path and STEP_NAME.fullmatch(d.name) and is_ours(d)]
-    ours.sort()
+    ours = sorted(_older_steps(path))
     for _, old in ours[:max(0, len(ours) + 1 - keep_last)]:
         shutil.rmtree(old)
+
+
+def _older_steps(path: Path):
+    """(step, directory) of the checkpoints maybe_save wrote before `path`, ordered by the step in
+    their names, never by what a manifest claims: a planted step-99999999 whose manifest says step
+    10**18 neither outranks the user's checkpoints nor counts among them. A directory is a candidate
+    only when its name, its manifest and the order agree (step-N, manifest step N, N below the
+    step being published); anything else is not ours to judge, and is left alone."""
+    now = _name_step(path.name)
+    for d in path.parent.iterdir():
+        step = _name_step(d.name)
+        if d == path or step is None or (now is not None and step >= now) or not is_ours(d):
+            continue
+        if read_manifest(d)["step"] == step:
+            yield step, d
+
+
+def _name_step(name: str) -> int | None:
+    return int(name[5:]) if STEP_NAME.fullmatch(name) else None
 
 
 def _fsync_files(files) -> None:

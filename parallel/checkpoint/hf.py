@@ -19,8 +19,12 @@ from types import MappingProxyType
 
 import torch
 
+from parallel.checkpoint.contents import Contents
 from parallel.checkpoint.directory import resolve
 from parallel.checkpoint.manifest import verify_checkpoint
+from parallel.checkpoint.safe import UnsafeFileError
+from parallel.checkpoint.schemas import PeftFile
+from parallel.checkpoint.tokenizer import check_tokenizer_dir, save_tokenizer
 from parallel.checkpoint.portable import open_state, read_tensors, tensor_shapes
 
 MAX_SHARD_BYTES = 5_000_000_000  # save_pretrained's default max_shard_size, "5GB"
@@ -66,11 +70,14 @@ def export_hf(path: str | Path, out: str | Path, config: str | Path | None = Non
     tokenizer: the layout `from_pretrained` reads."""
     path, out = resolve(path), Path(out)
     manifest = verify_checkpoint(path)
-    cfg = _hf_config(path, config)
+    files = Contents(path, manifest)
+    cfg = _hf_config(files, config)
     dtype_name = dtype or (manifest.get("spec") or {}).get("precision", "fp32")
     if dtype_name not in DTYPES:
         raise ExportError(f"--dtype {dtype_name!r}: one of {', '.join(DTYPES)}")
-    peft_cfg = _read_json(path / "peft_config.json")
+    if tokenizer:
+        check_tokenizer_dir(Path(tokenizer))  # before anything is written
+    peft_cfg = _peft_config(files)
     weights = _merged_weights(path, cfg, peft_cfg) if peft_cfg else _plain_weights(path, cfg)
     out.mkdir(parents=True, exist_ok=True)
     _write_shards(out, weights, DTYPES[dtype_name], max_shard_bytes)
@@ -78,9 +85,7 @@ def export_hf(path: str | Path, out: str | Path, config: str | Path | None = Non
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     _generation_config(cfg, out)
     if tokenizer:
-        from transformers import AutoTokenizer
-
-        AutoTokenizer.from_pretrained(str(tokenizer), local_files_only=True).save_pretrained(str(out))
+        save_tokenizer(tokenizer, out)  # as data: no code, no link, names inside OUT (tokenizer.py)
     return out
 
 
@@ -89,13 +94,13 @@ def export_peft(path: str | Path, out: str | Path, adapter: str | None = None) -
     from safetensors.torch import save_file
 
     path, out = resolve(path), Path(out)
-    verify_checkpoint(path)
-    peft_cfg = _read_json(path / "peft_config.json")
+    files = Contents(path, verify_checkpoint(path))
+    peft_cfg = _peft_config(files)
     if peft_cfg is None:
         raise ExportError(f"{path}: not a PEFT run (no peft_config.json): it has no adapter; export "
                           "it --to hf")
     name = adapter or peft_cfg["active"]
-    model, config = _meta_peft_model(_hf_config(path, None), peft_cfg, name)
+    model, config = _meta_peft_model(_hf_config(files, None), peft_cfg, name)
     from peft.utils import get_peft_model_state_dict
 
     full = {n: t for n, t in model.state_dict().items()}
@@ -172,14 +177,21 @@ def _meta_peft_model(cfg: dict, peft_cfg: dict, adapter: str):
     import transformers
 
     data = {k: v for k, v in cfg.items() if k not in ("dtype", "torch_dtype")}
-    config = transformers.AutoConfig.for_model(data.pop("model_type"), **data)
-    arch = (cfg.get("architectures") or [None])[0]
-    if not hasattr(transformers, str(arch)):
-        raise ExportError(f"hf_config.json: architectures {cfg.get('architectures')} names no "
-                          "transformers model class; pass --config with the model's config.json")
+    archs = cfg.get("architectures")
+    arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
+    cls = getattr(transformers, arch, None) if arch and arch.isidentifier() else None
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
+        raise ExportError(f"hf_config.json: architectures {str(archs)[:80]} names no transformers "
+                          "model class; pass --config with the model's config.json")
     if adapter not in peft_cfg["adapters"]:
         raise ExportError(f"--adapter {adapter!r}: the run has {sorted(peft_cfg['adapters'])}")
-    peft_config = peft.PeftConfig.from_peft_type(**peft_cfg["adapters"][adapter])
+    try:
+        config = transformers.AutoConfig.for_model(data.pop("model_type"), **data)
+        peft_config = peft.PeftConfig.from_peft_type(**peft_cfg["adapters"][adapter])
+    except (ValueError, TypeError, KeyError, AttributeError) as err:
+        raise ExportError(f"peft_config.json / hf_config.json: transformers or peft cannot build "
+                          f"them ({type(err).__name__}: {str(err)[:200]})") from None
+    arch = cls.__name__
     with torch.device("meta"):
         base = getattr(transformers, arch)(config)
         model = peft.get_peft_model(base, peft_config, adapter_name=adapter)
@@ -225,19 +237,36 @@ def _generation_config(cfg: dict, out: Path) -> None:
         GenerationConfig.from_model_config(PretrainedConfig.from_dict(cfg)).save_pretrained(str(out))
 
 
-def _hf_config(path: Path, config: str | Path | None) -> dict:
-    source = Path(config) if config else path / "hf_config.json"
-    data = _read_json(source)
+def _hf_config(files: Contents, config: str | Path | None) -> dict:
+    """The model's config (the checkpoint's hf_config.json, or --config), as bounded data: a JSON
+    object with a model_type, no auto_map (a repository's code), sizes within toy's limits (a
+    10**7-layer config would be built, on the meta device, without end)."""
+    from parallel.files import load_json
+    from parallel.toy import model_size_problem
+
+    if config:
+        source, data = Path(config), load_json(Path(config), "a model config")
+    else:
+        source = files.path / "hf_config.json"
+        data = files.load_json("hf_config.json", "the model's Hugging Face config")
     if data is None:
-        raise ExportError(f"{path}: no hf_config.json (imported, or saved from a model without a "
-                          "Hugging Face config); pass --config CONFIG.json")
+        raise ExportError(f"{files.path}: no hf_config.json (imported, or saved from a model "
+                          "without a Hugging Face config); pass --config CONFIG.json")
+    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
+        raise UnsafeFileError(f"{source}: a Hugging Face config is a JSON object with a model_type")
+    if "auto_map" in data:
+        raise UnsafeFileError(f"{source}: auto_map asks for its repository's own code, which "
+                              "polyshard never runs")
+    problem = model_size_problem(data)
+    if problem:
+        raise UnsafeFileError(f"{source}: {problem}")
     return data
 
 
-def _read_json(file: Path) -> dict | None:
-    from parallel.files import load_json
-
-    return load_json(file, "a JSON file of the checkpoint", follow=False) if file.exists() else None
+def _peft_config(files: Contents) -> dict | None:
+    """peft_config.json as data (schemas.PeftFile): no module named by it is imported, its patterns
+    bounded; None for a run without adapters."""
+    return files.load_json("peft_config.json", "the run's adapter configs", PeftFile)
 
 
 def _numel(shape) -> int:

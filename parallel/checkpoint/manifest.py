@@ -26,6 +26,7 @@ from parallel.checkpoint.safe import (
     load_json,
     relative_inside,
 )
+from parallel.checkpoint.schemas import Manifest, parse
 
 FORMAT_VERSION = 2
 READS = (1, 2)  # format versions this polyshard loads (tests/unit/test_format_versions.py)
@@ -60,6 +61,7 @@ def read_manifest(path: str | Path) -> dict:
                               "manifest polyshard wrote")
     if not 0 < manifest.get("writers", 1) <= MAX_WRITERS:
         raise UnsafeFileError(f"{manifest_file}: writers {manifest['writers']} out of range")
+    parse(Manifest, manifest, manifest_file, "a checkpoint manifest")  # spec, user state, versions
     return manifest
 
 
@@ -67,17 +69,17 @@ def _tables(path: Path, manifest: dict, rank: int = 0, world: int = 1) -> dict[s
     """{file: {size, digest}} of this rank's share: the tables of writers rank, rank + world, ...
     (version 1: the manifest's one table, split the same way by position)."""
     if manifest["format_version"] == 1:
-        return _typed(dict(list(manifest["files"].items())[rank::world]), path / MANIFEST)
+        return typed_table(dict(list(manifest["files"].items())[rank::world]), path / MANIFEST)
     out = {}
     for writer in range(rank, manifest["writers"], world):
         table = path / HASHES / f"rank{writer}.json"
         if not table.is_file():
             raise CheckpointError(f"{table}: missing (rank {writer}'s file hashes)")
-        out.update(_typed(load_json(table, "a hash table", TABLE_LIMIT, follow=False), table))
+        out.update(typed_table(load_json(table, "a hash table", TABLE_LIMIT, follow=False), table))
     return out
 
 
-def _typed(table, source: Path) -> dict[str, dict]:
+def typed_table(table, source: Path) -> dict[str, dict]:
     """A hash table as {relative file: {size: int, DIGEST: hex}} (DIGEST xxh3_128, or sha256 in
     checkpoints written before), every file inside the checkpoint."""
     if not isinstance(table, dict):
@@ -98,7 +100,8 @@ def _problems(path: Path, table: dict[str, dict], workers: int = 1) -> str | Non
         if (path / name).is_symlink():  # its size and hash would be another file's
             return f"{path / name}: a symbolic link inside a checkpoint (refused)"
         if not (path / name).is_file():
-            return f"{path / name}: listed in the checkpoint's hashes but missing"
+            return f"{path / name}: " + ("not a regular file (a FIFO, device or directory)" if (
+                path / name).exists() else "listed in the checkpoint's hashes but missing")
         kind = next(d for d in DIGESTS if d in expected)
         size = (path / name).stat().st_size
         if size != expected["size"]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from parallel.cli import ckpt as cli_ckpt, interop as cli_interop, plan as cli_plan
+from parallel.cli.args import COUNT, GBPS, SEQ, STEPS, bounded
 
 EXAMPLES = {
     "validate": "polyshard validate configs/demo.yaml --set backend=deepspeed",
@@ -58,18 +59,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_spec_args(p)
     p.add_argument("--model", required=True, help="HF config.json, toy:demo / toy:tiny, or a "
                    "parameter count such as 7.5e9")
-    p.add_argument("--world", type=int, required=True)
-    p.add_argument("--budget", type=float, help="GiB per device")
-    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--world", type=COUNT, required=True)
+    p.add_argument("--budget", type=bounded(float, 1e-6, 1 << 30), help="GiB per device")
+    p.add_argument("--seq", type=SEQ, default=2048)
     p.add_argument("--json", action="store_true", help="every number as JSON on stdout")
-    p.add_argument("--per-node", type=int, default=8, help="devices per node: which collectives "
+    p.add_argument("--per-node", type=bounded(int, 1, 1 << 10), default=8, help="devices per node: which collectives "
                    "cross nodes (default 8)")
     for flag, default, what in (("intra-gbps", 300.0, "GB/s between ranks of a node"),
                                 ("inter-gbps", 50.0, "GB/s per rank across nodes"),
                                 ("pcie-gbps", 25.0, "GB/s host <-> device (offload)"),
                                 ("context-gib", 0.5, "GiB the CUDA context takes"),
                                 ("fragmentation", 0.10, "allocator fragmentation, a fraction")):
-        p.add_argument(f"--{flag}", type=float, default=default, help=f"{what} (default {default})")
+        p.add_argument(f"--{flag}", type=bounded(float, 0.0, 0.99) if flag == "fragmentation" else GBPS, default=default, help=f"{what} (default {default})")
     cli_plan.add_dryrun(command("dryrun", "build one rank of a world of N in this process (fake "
                                 "process group), run a step, and print its measured memory and "
                                 "collectives beside plan's"), add_spec_args)
@@ -79,11 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_launch(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nproc", type=int, help="processes per node (sets topology.procs_per_node)")
-    p.add_argument("--nnodes", type=int, help="number of nodes (sets topology.nodes)")
-    p.add_argument("--node-rank", type=int, help="this node's rank (multi-node)")
+    p.add_argument("--nproc", type=bounded(int, 1, 1 << 10), help="processes per node (sets topology.procs_per_node)")
+    p.add_argument("--nnodes", type=bounded(int, 1, 1 << 16), help="number of nodes (sets topology.nodes)")
+    p.add_argument("--node-rank", type=bounded(int, 0, (1 << 16) - 1), help="this node's rank (multi-node)")
     p.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous (multi-node)")
-    p.add_argument("--max-restarts", type=int, default=0, help="elastic restarts on failure")
+    p.add_argument("--max-restarts", type=bounded(int, 0, 1000), default=0, help="elastic restarts on failure")
     p.add_argument("--verbose", action="store_true", help="show third-party start-up noise "
                    "(gloo's peer-connection lines, torchrun's banner), hidden by default")
     p.add_argument("--emit", choices=["tpu-vm", "slurm", "k8s"], help="print what runs this job on "
@@ -103,13 +104,13 @@ def _add_launch(p: argparse.ArgumentParser) -> None:
 def _add_parity(p: argparse.ArgumentParser) -> None:
     add_spec_args(p)
     p.add_argument("--backends", help="comma-separated (default: every registered backend)")
-    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--steps", type=STEPS, default=5)
     p.add_argument("--model", default="toy:tiny", help="toy:tiny, toy:demo or a Hugging Face "
                    "config.json (random weights from the spec's seed)")
-    p.add_argument("--seq", type=int, default=32, help="tokens per sample")
+    p.add_argument("--seq", type=SEQ, default=32, help="tokens per sample")
     p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
-    p.add_argument("--lr", type=float, default=1e-2)
-    p.add_argument("--tol", type=float, help="loss tolerance (default 1e-5 fp32, 5e-2 bf16/fp16)")
+    p.add_argument("--lr", type=bounded(float, 0.0, 1e6), default=1e-2)
+    p.add_argument("--tol", type=bounded(float, 0.0, 1e6), help="loss tolerance (default 1e-5 fp32, 5e-2 bf16/fp16)")
     p.add_argument("--json", help="also write every number to this file")
 
 
@@ -119,10 +120,10 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
                    "deepspeed, zero0-zero3, xla_fsdp, xla1, xla2 (default: every backend)")
     p.add_argument("--shard", help="comma-separated shard levels (default: the spec's)")
     p.add_argument("--world", help="comma-separated world sizes (default: the spec's)")
-    p.add_argument("--steps", type=int, default=5, help="measured steps (after --warmup)")
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=STEPS, default=5, help="measured steps (after --warmup)")
+    p.add_argument("--warmup", type=bounded(int, 0, 1 << 24), default=2)
     p.add_argument("--model", default="toy:demo")
-    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--seq", type=SEQ, default=64)
     p.add_argument("--data", help="your batches: module:function returning the global batches "
                    "(dicts of tensors, e.g. an HF collator's), called with those of rows, seq, "
                    "steps, seed, vocab_size it names (default: random ids, the same on every cell)")
@@ -131,11 +132,11 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
                    "loop (benchmarks/) and report polyshard's step time over it")
     p.add_argument("--wide", action="store_true", help="every column (default: a table that fits "
                    "80 columns; bench.csv always has every column)")
-    p.add_argument("--startup", type=int, default=0, metavar="PAIRS", help="also time start-up to the "
+    p.add_argument("--startup", type=bounded(int, 0, 1000), default=0, metavar="PAIRS", help="also time start-up to the "
                    "first step: `polyshard launch` of the spec's job against torchrun of the "
                    "backend's hand-written loop, PAIRS alternating runs (median)")
     p.add_argument("--save", action="store_true", help="also time how long a sync and an async "
                    "save (checkpoint.async_save) of the trained state block training")
-    p.add_argument("--profile", type=int, default=0, metavar="STEPS", help="with --vs-native: "
+    p.add_argument("--profile", type=bounded(int, 0, 1000), default=0, metavar="STEPS", help="with --vs-native: "
                    "after the timed steps, profile STEPS more of each side (torch.profiler); "
                    "traces and an operator-by-operator difference go to OUT/profile-CELL/")

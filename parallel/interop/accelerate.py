@@ -149,8 +149,17 @@ def _precision(imp: Import, cfg: dict) -> None:
 
 
 def _topology(imp: Import, cfg: dict, kind: str) -> None:
-    machines = int(cfg.get("num_machines", 1) or 1)
+    machines = cfg.get("num_machines")
+    machines = imp.whole("num_machines", 1 if machines is None else machines)
     procs = cfg.get("num_processes")
+    if procs not in (None, -1):
+        procs = imp.whole("num_processes", procs)
+    if machines is None or procs is None and cfg.get("num_processes") is not None:
+        return  # named in imp.problems
+    if machines < 1 or (procs is not None and procs < -1):
+        imp.problems.append(("num_machines" if machines < 1 else "num_processes",
+                             f"{machines if machines < 1 else procs}: a count of at least 1"))
+        return
     if kind == "NO":
         imp.set("topology.nodes", 1, "distributed_type", detail="NO: one process")
         imp.set("topology.procs_per_node", 1, "num_processes", "default",

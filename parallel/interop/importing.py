@@ -9,6 +9,7 @@ accelerate's, shared by every backend that reads an accelerate file.
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Callable
 
 from parallel.spec.errors import SpecError
@@ -42,6 +43,16 @@ class Import:
                 return None
             node = node[part]
         return node
+
+    def whole(self, source: str, value) -> int | None:
+        """`value` as a whole number, or None with a problem naming `source`: a bool, string, list,
+        fraction or non-finite number is not a count (what the tool would have crashed on, or
+        read as something else)."""
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+                isinstance(value, float) and not (math.isfinite(value) and value.is_integer())):
+            self.problems.append((source, f"{str(value)[:80]!r} is not a whole number"))
+            return None
+        return int(value)
 
     def set(self, path: str, value, source: str, outcome: str = "mapped", detail: str = "") -> None:
         node = self.spec

@@ -91,12 +91,16 @@ def listen_on_loopback() -> None:
     every interface (measured: two ports on *:N per launch, unauthenticated, and hang reports travel
     through them); here each server gets a socket already bound to the loopback interface
     (TCPStore's master_listen_fd). Multi-node launches keep torch's behaviour: the other nodes must
-    reach the rendezvous (docs/security.md)."""
+    reach the rendezvous (docs/security.md). notebook_launch's ranks call it too: their rank 0
+    serves the env:// store of init_process_group."""
+    import importlib
     import socket
 
     import torch.distributed as dist
     import torch.distributed.elastic.rendezvous.c10d_rendezvous_backend as c10d_backend
 
+    # the module itself (torch.distributed's attribute `rendezvous` is a function of that name)
+    env_rendezvous = importlib.import_module("torch.distributed.rendezvous")
     original = dist.TCPStore
 
     def loopback_store(host_name, port, *args, is_master=False, **kwargs):
@@ -109,7 +113,11 @@ def listen_on_loopback() -> None:
             kwargs.update(master_listen_fd=sock.detach(), use_libuv=False)  # the store owns it now
         return original(host_name, port, *args, is_master=is_master, **kwargs)
 
-    dist.TCPStore = c10d_backend.TCPStore = loopback_store
+    if getattr(original, "__name__", "") == "loopback_store":
+        return  # already in place (a second job in this process)
+    # every name torch creates stores through: torchrun's agent, the c10d rendezvous, and env://
+    # (init_process_group's rank 0 in a notebook_launch or an in-process job)
+    dist.TCPStore = c10d_backend.TCPStore = env_rendezvous.TCPStore = loopback_store
 
 
 def main(argv: list[str] | None = None) -> int:

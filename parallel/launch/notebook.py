@@ -110,6 +110,9 @@ def _child(job: str, out: str) -> int:
 
     from parallel.spec.io import load_spec
 
+    from parallel.launch.agent import listen_on_loopback
+
+    listen_on_loopback()  # rank 0's env:// store: on 127.0.0.1 only, as `polyshard launch`'s
     try:
         fn, data, args = dill.loads(Path(job).read_bytes())
         result = fn(load_spec(data), *args)

@@ -42,12 +42,15 @@ def validate_as(cls: type[BaseModel], data: dict):
 def explain_validation_error(err: ValidationError, model: type[BaseModel]) -> list[tuple[str, str]]:
     """pydantic's errors of validating `model` as (field path, message) pairs."""
     problems: list[tuple[str, str]] = []
-    for e in err.errors():
+    errors = err.errors()
+    if len(errors) > MAX_SHOWN:  # a file with 300k bad entries gets a page, not 30 MB
+        problems.append(("<spec>", f"{len(errors):,} problems; the first {MAX_SHOWN} follow"))
+    for e in errors[:MAX_SHOWN]:
         ctx = e.get("ctx") or {}
         if e["type"] == "spec_rule":
             problems.extend(tuple(p) for p in ctx["problems"])
             continue
-        path = ".".join(str(x) for x in e["loc"]) or "<spec>"
+        path = ".".join(_short(x) for x in e["loc"]) or "<spec>"
         problems.append((path, _message(e, model)))
     return problems
 
@@ -59,14 +62,14 @@ def _message(e: dict, root: type[BaseModel]) -> str:
         known = list(_model_at(root, e["loc"][:-1]).model_fields)
         hint = _closest(str(e["loc"][-1]), known)
         fix = f"did you mean {hint!r}?" if hint else f"known fields: {', '.join(known)}"
-        return f"unknown field (value {value!r}); {fix}"
+        return f"unknown field (value {_shown(value)}); {fix}"
     if kind == "literal_error":
         choices = re.findall(r"'([^']*)'|(\d+)", e["ctx"]["expected"])
         choices = [a or b for a, b in choices]
         hint = _closest(str(value), choices)
         fix = f"did you mean {hint!r}?" if hint else f"choose one of {', '.join(choices)}"
-        return f"{value!r} is not allowed; {fix}"
-    return f"{e['msg']} (got {value!r})"
+        return f"{_shown(value)} is not allowed; {fix}"
+    return f"{e['msg']} (got {_shown(value)})"
 
 
 def _model_at(model: type[BaseModel], loc: tuple) -> type[BaseModel]:
@@ -98,3 +101,17 @@ def merge_native(computed: dict, origins: dict[str, str], native: dict, where: s
     if problems:
         raise SpecError(problems)
     return {**computed, **{k: v for k, v in native.items() if v != "auto"}}
+
+
+MAX_SHOWN = 20
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 100 else f"{text[:97]}..."
+
+
+def _short(part) -> str:
+    """A path component as printed: a 300k-character key from a file is cut, not echoed whole."""
+    text = str(part)
+    return text if len(text) <= 60 else f"{text[:57]}..."

@@ -21,7 +21,7 @@ from pydantic import Field, field_validator, model_validator
 from parallel.spec.compiling import Compile
 from parallel.spec.dims import HYBRID, ParallelDims
 from parallel.spec.errors import SpecError, rule_error
-from parallel.spec.sections import Checkpointing, LossScale, Section, Topology, Wrap
+from parallel.spec.sections import MAX_BATCH, Checkpointing, LossScale, Section, Topology, Wrap
 from parallel.spec.tracking import Tracking
 
 Shard = Literal["full", "grad_op", "optimizer", "none", "hybrid", "hybrid_grad_op"]
@@ -98,11 +98,11 @@ class Spec(Section):
                        "the defaults).")
     ] = Compile()
     micro_batch_size: Annotated[
-        int, Field(ge=1, description="Samples per rank per forward pass.")
+        int, Field(ge=1, le=MAX_BATCH, description="Samples per rank per forward pass.")
     ] = 1
     grad_accum_steps: Annotated[
         int,
-        Field(ge=1, description="Micro-batches per optimizer step. A step's batch on each rank holds "
+        Field(ge=1, le=MAX_BATCH, description="Micro-batches per optimizer step. A step's batch on each rank holds "
               "micro_batch_size * grad_accum_steps samples; how their losses combine: loss_weighting."),
     ] = 1
     loss_weighting: Annotated[
@@ -119,7 +119,7 @@ class Spec(Section):
     ] = "tokens"
     global_batch_size: Annotated[
         int | None,
-        Field(ge=1, description="Samples per optimizer step over all data-parallel ranks "
+        Field(ge=1, le=1 << 50, description="Samples per optimizer step over all data-parallel ranks "
               "(DeepSpeed's train_batch_size). Optional: when set, micro_batch_size x "
               "grad_accum_steps x the data-parallel size must equal it, so a launch at another "
               "world size fails instead of silently changing the batch."),
@@ -129,7 +129,8 @@ class Spec(Section):
         Field(gt=0, description="Clip the global gradient 2-norm to this value. Off when unset "
               "(DeepSpeed's hidden default of 1.0 is overridden explicitly)."),
     ] = None
-    seed: Annotated[int, Field(ge=0, description="Seeds torch, numpy and random on every rank.")] = 0
+    seed: Annotated[int, Field(ge=0, le=2**32 - 1, description="Seeds torch, numpy and random on "
+                               "every rank (numpy takes 0 <= seed < 2**32).")] = 0
     state_dict: Annotated[
         Literal["sharded", "full"],
         Field(description="How `save` writes model and optimizer state: sharded (each rank writes "
@@ -148,7 +149,7 @@ class Spec(Section):
               "raise and skip read the loss to the host once per step (docs/reliability.md)."),
     ] = "raise_deferred"
     timeout_s: Annotated[
-        float, Field(gt=0, description="Collective timeout in seconds: a stalled rank fails the "
+        float, Field(gt=0, le=7 * 86400, description="Collective timeout in seconds: a stalled rank fails the "
                      "job after this long instead of hanging.")
     ] = 600.0
     topology: Annotated[Topology, Field(description="Hosts and processes.")] = Topology()

@@ -10,13 +10,23 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from parallel.spec.errors import rule_error
 
 
+# Upper bounds of the layout (hostile numbers are refused naming the field, never reach a mesh):
+# 1M ranks, as the checkpoint format's MAX_WRITERS.
+MAX_WORLD = 1 << 20
+MAX_NODES = 1 << 16
+MAX_PER_NODE = 1 << 10
+MAX_BATCH = 1 << 24  # samples per micro-batch, micro-batches per step
+
+
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # inf / nan are refused in every float field (pydantic accepts them by default: a timeout of
+    # inf or a clip of nan would pass validation and fail, or hang, inside a step)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     def neutral(self) -> dict[str, tuple[object, str]]:
         """A backend section's own spelling of a neutral field: {neutral field: (value, this
@@ -26,22 +36,24 @@ class Section(BaseModel):
 
 
 class Topology(Section):
-    nodes: Annotated[int, Field(ge=1, description="Number of hosts (torchrun --nnodes).")] = 1
+    nodes: Annotated[int, Field(ge=1, le=MAX_NODES, description="Number of hosts (torchrun "
+                                "--nnodes).")] = 1
     procs_per_node: Annotated[
         int,
-        Field(ge=1, description="Processes per host: one per GPU; on CPU, one per rank you want."),
+        Field(ge=1, le=MAX_PER_NODE, description="Processes per host: one per GPU; on CPU, one per "
+              "rank you want."),
     ] = 1
     shard_group_size: Annotated[
         int | None,
         Field(
-            ge=1,
+            ge=1, le=MAX_WORLD,
             description="Hybrid sharding only: ranks in one shard group; groups replicate each other. "
             "Default: procs_per_node (shard inside a host, replicate across hosts).",
         ),
     ] = None
     tp: Annotated[
         int,
-        Field(ge=1, description="Tensor-parallel degree N: a Megatron column/row split of the "
+        Field(ge=1, le=MAX_WORLD, description="Tensor-parallel degree N: a Megatron column/row split of the "
               "attention and MLP projections over N ranks, as `tp_plan` (or the model's own tp "
               "plan) says; embeddings, norms and what the plan leaves out stay whole. TP is the "
               "innermost mesh dimension (N consecutive ranks, one host), every rank of a TP group "
@@ -50,24 +62,26 @@ class Topology(Section):
     ] = 1
     cp: Annotated[
         int,
-        Field(ge=1, description="Context-parallel degree N: each sequence split over N ranks (every "
+        Field(ge=1, le=MAX_WORLD, description="Context-parallel degree N: each sequence split over N ranks (every "
               "rank of a cp group takes the same rows). No backend implements it yet: N > 1 is "
               "refused naming the backend (docs/tp.md)."),
     ] = 1
     pp: Annotated[
         int,
-        Field(ge=1, description="Pipeline-parallel degree N: the layers split into N stages over "
+        Field(ge=1, le=MAX_WORLD, description="Pipeline-parallel degree N: the layers split into N stages over "
               "ranks. No backend implements it yet: N > 1 is refused naming the backend."),
     ] = 1
     ep: Annotated[
         int,
-        Field(ge=1, description="Expert-parallel degree N: a mixture-of-experts layer's experts "
+        Field(ge=1, le=MAX_WORLD, description="Expert-parallel degree N: a mixture-of-experts layer's experts "
               "split over N ranks borrowed from data (and context) parallelism. No backend "
               "implements it yet: N > 1 is refused naming the backend (docs/moe.md)."),
     ] = 1
     tp_plan: Annotated[
-        dict[str, Literal["colwise", "rowwise", "colwise_rep"]] | None,
-        Field(description="With tp > 1: {module path (fnmatch, from the model's root, e.g. "
+        dict[Annotated[str, StringConstraints(min_length=1, max_length=512)],
+             Literal["colwise", "rowwise", "colwise_rep"]] | None,
+        Field(max_length=4096, description="With tp > 1 (at most 4,096 entries of 512 "
+              "characters: a plan names module patterns, not every module): {module path (fnmatch, from the model's root, e.g. "
               "`model.layers.*.mlp.up_proj`): style}; colwise splits a Linear's outputs, rowwise "
               "its inputs (then sums over the TP group), colwise_rep splits outputs and gathers "
               "them whole (an LM head). Unset: the model's own plan (Hugging Face's "
@@ -83,6 +97,15 @@ class Topology(Section):
     @property
     def world_size(self) -> int:
         return self.nodes * self.procs_per_node
+
+    @model_validator(mode="after")
+    def _bounded_world(self) -> Topology:
+        if self.world_size > MAX_WORLD:
+            raise rule_error(("topology.nodes", f"{self.nodes} nodes x {self.procs_per_node} "
+                              f"procs_per_node = {self.world_size:,} ranks, more than the "
+                              f"{MAX_WORLD:,} polyshard lays out; nearest valid: nodes "
+                              f"{MAX_WORLD // self.procs_per_node:,}"))
+        return self
 
 
 class Checkpointing(Section):
@@ -102,7 +125,8 @@ class Checkpointing(Section):
     keep_last: Annotated[
         int | None,
         Field(ge=1, description="After each save, delete all but the newest `keep_last` checkpoints "
-              "next to it (directories with a polyshard manifest, ordered by step). Unset keeps all."),
+              "next to it (directories step-N with a polyshard manifest of step N, ordered by the N "
+              "of their names; nothing else is touched). Unset keeps all."),
     ] = None
 
     preemption_signals: Annotated[

@@ -127,6 +127,23 @@ def materialise(model: torch.nn.Module, device) -> None:
                 b.uniform_(0.0, 1.0)
 
 
+HOST_SHARE = 0.8  # of this machine's available memory a dry run may take
+
+
+def check_fits(planned_bytes: float, world: int, rank: int) -> None:
+    """SpecError naming --world when plan says rank `rank` needs more than HOST_SHARE of the memory
+    this machine has available now."""
+    from parallel.spec.errors import SpecError
+
+    pages, size = os.sysconf("SC_AVPHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+    available = pages * size
+    if planned_bytes > HOST_SHARE * available:
+        raise SpecError([("--world", f"rank {rank} of {world} would hold about "
+                          f"{planned_bytes / 2**30:,.1f} GiB (plan's prediction) and this machine "
+                          f"has {available / 2**30:,.1f} GiB available: raise --world, or shard more "
+                          "(shard: full, offload), or `polyshard plan` it without building")])
+
+
 def run(spec, source: str, world: int, rank: int, seq: int, optimizer: str = "adamw") -> DryRun:
     """Build rank `rank` of `world` for `spec` and `source` (a config.json, toy:NAME or a
     module:function) over the fake group, run two steps, measure the second's collectives and the
@@ -138,6 +155,11 @@ def run(spec, source: str, world: int, rank: int, seq: int, optimizer: str = "ad
     from parallel.toy import meta_model
 
     spec, changed = dryrun_spec(spec, world)
+    # plan's prediction first: a rank that would not fit in this machine's memory is refused
+    # before anything is allocated (1.7e13 parameters at world 8 allocated 34 GB, then died)
+    shapes, cfg, unit = model_facts(source, spec.wrap, spec.topology.tp, spec.topology.tp_plan)
+    est = predict(spec, shapes, cfg, seq, optimizer, unit)
+    check_fits(est.total, world, rank)
     join_fake_world(rank, world, spec.topology.procs_per_node)
     engine = create_engine(spec)
     model = meta_model(source)
@@ -162,8 +184,6 @@ def run(spec, source: str, world: int, rank: int, seq: int, optimizer: str = "ad
     state = [t for s in engine.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
     measured = {"params": held_bytes(params), "grads": grads.get("bytes"),
                 "optimizer": held_bytes(state), "peak": peak["peak"] if peak else None}
-    shapes, cfg, unit = model_facts(source, spec.wrap, spec.topology.tp, spec.topology.tp_plan)
-    est = predict(spec, shapes, cfg, seq, optimizer, unit)
     planned = {"params": est.params, "grads": est.grads, "optimizer": est.optimizer,
                "peak": est.total}
     snap = counter.snapshot()

@@ -220,6 +220,12 @@ def model_facts(source: str, wrap, tp: int = 1, tp_plan: dict | None = None
     except ValueError:
         count = None
     if count is not None:
+        from parallel.spec.errors import SpecError
+        from parallel.toy import PARAM_LIMIT
+
+        if not (math.isfinite(count) and 1 <= count <= PARAM_LIMIT):
+            raise SpecError([("--model", f"{source}: a parameter count is a number from 1 to "
+                              f"{PARAM_LIMIT:.0e}")])
         return [(int(count) // tp,)], None, None
     from parallel.engine.model.tp_plan import local_shapes
     from parallel.engine.model.wrap import plan_wrap

@@ -66,6 +66,6 @@ def test_saved_and_restored_with_the_checkpoint(tmp_path):
     manifest = tmp_path / "ckpt" / "manifest.json"
     data = json.loads(manifest.read_text())
     manifest.write_text(json.dumps({**data, "user_state": ["../../x"]}))
-    with pytest.raises(UnsafeFileError, match="user_state is a table"):
+    with pytest.raises(UnsafeFileError, match="field user_state"):
         engine.load(tmp_path / "ckpt")
     engine.close()

@@ -10,6 +10,8 @@ import re
 import secrets
 from pathlib import Path
 
+from parallel.files import open_append, write_atomic
+
 
 def kept_id(run_dir: Path, name: str, pattern: str) -> str | None:
     """The run id a previous launch of this run kept in its folder (read as bounded data: a
@@ -22,7 +24,7 @@ def kept_id(run_dir: Path, name: str, pattern: str) -> str | None:
 
 
 def keep_id(run_dir: Path, name: str, run_id: str) -> None:
-    (run_dir / name).write_text(run_id + "\n", encoding="ascii")
+    write_atomic(run_dir / name, (run_id + "\n").encode("ascii"))  # no-follow, whole or nothing
 
 
 class JsonlSink:
@@ -30,7 +32,7 @@ class JsonlSink:
     line so a killed run keeps what it logged. No dependency."""
 
     def __init__(self, run_dir: Path, project: str, run_name: str, options):
-        self.file = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+        self.file = open_append(run_dir / "metrics.jsonl", "the run's metrics")  # no link followed
 
     def hparams(self, params: dict) -> None:
         self._write({"hparams": params})

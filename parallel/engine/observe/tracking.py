@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from parallel.engine.observe.flops import flops_per_token, peak_flops
+from parallel.files import plain_folder
 
 def device_peak(device: torch.device, precision: str, configured: float | None) -> float | None:
     """tracking.peak_tflops, else the table's figure for this GPU (flops.py); None on a CPU."""
@@ -75,7 +76,7 @@ class Tracker:
         from parallel.engine.observe.trackers import SINKS
 
         run_dir = Path(self.options.dir) / self.run_name
-        run_dir.mkdir(parents=True, exist_ok=True)
+        plain_folder(run_dir, "a run folder")  # a planted link would take the trackers' writes
         self.sinks = [SINKS[name](run_dir, self.options.project, self.run_name, self.options)
                       for name in self.options.to]
         self._flops, self.devices = flops, devices

@@ -24,7 +24,9 @@ from parallel.checkpoint.directory import (
 from parallel.checkpoint.manifest import Verification
 from parallel.checkpoint.hf import hf_config_json, peft_config_json
 from parallel.checkpoint.portable import write_queued
-from parallel.checkpoint.safe import NUMPY_ARRAY, torch_load
+from parallel.checkpoint.contents import Contents
+from parallel.checkpoint.safe import NUMPY_ARRAY
+from parallel.checkpoint.schemas import TrainerState
 from parallel.checkpoint.sink import Sink
 
 
@@ -166,14 +168,18 @@ class Checkpointer:
             verifying.agree()  # a damaged file explains the failure better than the reader's error
             raise
         verifying.agree()
-        trainer = torch_load(path / "trainer.pt", "the trainer state", trust=trust)
-        rng_file = path / "rng" / f"rank{e.rank}.pt"
-        same_world = manifest["world_size"] == e.world_size and rng_file.is_file()
+        # the small files through the one reader: listed in their writer's table, no link, bounded,
+        # parsed into their schema (contents.py)
+        files = Contents(path, manifest)
+        trainer = files.load("trainer.pt", 0, "the trainer state", TrainerState, trust=trust)
+        rng_file = f"rng/rank{e.rank}.pt"
+        same_world = manifest["world_size"] == e.world_size and files.has(rng_file, e.rank)
         # format <= 2 kept numpy's RNG keys as an ndarray: those few numpy classes are allowed
-        rng = torch_load(rng_file, "an RNG state", NUMPY_ARRAY, trust) if same_world else None
+        rng = files.load(rng_file, e.rank, "an RNG state", allow=NUMPY_ARRAY,
+                         trust=trust) if same_world else None
         e.load_trainer_state(trainer)
-        e.user_state.load(path, user, e.rank, lambda file, what: torch_load(file, what, trust=trust),
-                          e.say)
+        e.user_state.load(user, e.rank, lambda name, writer, what: files.load(
+            name, writer, what, trust=trust), e.say)
         if rng is not None:  # another world size has other ranks: each keeps its seeded generator
             pdist.set_rng_state(rng)
         return manifest

@@ -61,13 +61,7 @@ class UserState:
 
     def check(self, path: Path, manifest: dict, world_size: int) -> dict:
         """Before anything is loaded: the manifest's table, and what cannot be restored here."""
-        saved = manifest.get("user_state", {})
-        if not isinstance(saved, dict) or not all(
-                isinstance(k, str) and v in ("per_rank", "shared") for k, v in saved.items()):
-            from parallel.checkpoint.safe import UnsafeFileError
-
-            raise UnsafeFileError(f"{path / 'manifest.json'}: user_state is a table of name -> "
-                                  f"'per_rank' | 'shared', not {str(saved)[:200]}")
+        saved = manifest.get("user_state", {})  # its shape checked by read_manifest (schemas.py)
         for name, reg in self.objects.items():
             kind, now = saved.get(name), "per_rank" if reg.per_rank else "shared"
             if kind is not None and kind != now:
@@ -80,17 +74,17 @@ class UserState:
                                  f"{manifest.get('world_size')} ranks, or register it shared")
         return saved
 
-    def load(self, path: Path, saved: dict, rank: int, read: Callable,
-             say: Callable[[str], None]) -> None:
-        """Restore every registered object (`saved`: check()'s table); `read(file, what)` loads
-        one file as data."""
+    def load(self, saved: dict, rank: int, read: Callable, say: Callable[[str], None]) -> None:
+        """Restore every registered object (`saved`: check()'s table); `read(name, writer, what)`
+        loads one file of the checkpoint as data (contents.py: listed by its writer rank's table)."""
         for name, reg in self.objects.items():
             if name not in saved:
                 say(f"registered state {name!r} is not in the checkpoint (it has "
                     f"{sorted(saved)}): it keeps its current state")
                 continue
-            file = path / "user" / (f"{name}/rank{rank}.pt" if reg.per_rank else f"{name}.pt")
-            reg.obj.load_state_dict(read(file, f"registered state {name!r}"))
+            file = f"user/{name}/rank{rank}.pt" if reg.per_rank else f"user/{name}.pt"
+            reg.obj.load_state_dict(read(file, rank if reg.per_rank else 0,
+                                         f"registered state {name!r}"))
         dropped = sorted(set(saved) - set(self.objects))
         if dropped:
             say(f"the checkpoint's registered state(s) {dropped} were not registered in this run; "
