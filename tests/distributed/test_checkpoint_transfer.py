@@ -21,10 +21,8 @@ pytestmark = pytest.mark.distributed
 BUDGET_S = 160  # seconds in make test (tests/conftest.py)
 
 WORKER = ROOT / "tests" / "distributed" / "transfer_worker.py"
-# Every variant in the registry (tests/distributed/matrix.py) is a source and a target. ZeRO-0 is left
-# out: DeepSpeed's ZeRO-0 load of another backend's checkpoint hangs at 2 gloo ranks
-# (docs/deepspeed.md, "Known problems"); its own resume is covered by the model zoo's resume phase.
-CASES = matrix.cases(world=2, micro_batch_size=2, skip=("zero0",))
+# Every variant in the registry (tests/distributed/matrix.py) is a source and a target, ZeRO-0 included.
+CASES = matrix.cases(world=2, micro_batch_size=2)
 SOURCES = [c.name for c in CASES]
 # one rank of the first variant: loads the 2-rank checkpoints (2 -> 1), and XLA v1's (1 -> 1)
 ONE = matrix.cases(world=1, micro_batch_size=4)[0]

@@ -16,10 +16,9 @@ CASES = matrix.cases(world=2, micro_batch_size=2)
 
 
 def sources() -> dict:
-    """Each case loads the checkpoint the next case wrote (ZeRO-0 its own: its load of another
-    backend's checkpoint hangs at 2 gloo ranks, docs/deepspeed.md)."""
+    """Each case loads the checkpoint the next case wrote."""
     names = [c.name for c in CASES]
-    return {n: n if n == "zero0" else names[(i + 1) % len(names)] for i, n in enumerate(names)}
+    return {n: names[(i + 1) % len(names)] for i, n in enumerate(names)}
 
 
 def shared_jobs(tmp):
