@@ -214,6 +214,17 @@ def data_parallel_group(mesh):
     return mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
 
 
+def forget_meshes() -> None:
+    """Once the default process group is destroyed, every DeviceMesh of the job is dead: torch's
+    mesh caches (submeshes' roots, flattened dims) are keyed by a mesh's layout, not its groups, and
+    would hand the next job of the same layout in this process the destroyed ones (measured: HSDP x
+    TP run twice, "Could not resolve the process group registered under the name 9"). They are
+    emptied here (torch's private _mesh_resources: pinned with torch)."""
+    from torch.distributed.device_mesh import _mesh_resources
+
+    _mesh_resources.__init__()
+
+
 def all_mean(value: torch.Tensor, group) -> torch.Tensor:
     """Mean over `group`. gloo has no ReduceOp.AVG, so sum then divide."""
     if dist.is_initialized() and dist.get_world_size(group) > 1:

@@ -33,6 +33,7 @@ from backends.deepspeed.state import (
     zero_state,
 )
 from backends.deepspeed.translate import STAGES, fill_model_autos, translate
+from parallel import dist as pdist
 from parallel.checkpoint.sink import Sink
 from parallel.checkpoint import portable as ps
 from parallel.checkpoint.dcp_state import read_model_optim, write_model_optim
@@ -239,6 +240,7 @@ class DeepSpeedEngine(Engine):
         import deepspeed.comm
 
         deepspeed.comm.destroy_process_group()
+        pdist.forget_meshes()  # the engine's mesh, as the base hook forgets it
 
     def native_checkpoint(self):
         """(save, load) as DeepSpeed's docs do it: engine.save_checkpoint / load_checkpoint."""

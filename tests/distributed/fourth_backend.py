@@ -27,9 +27,14 @@ class ReplicaEngine(Engine):
 
     def _optimizer_step(self):
         if dist.is_initialized() and dist.get_world_size() > 1:
-            for p in self.model.parameters():  # the shares are already weighed: a sum is the mean
+            # the mean over ranks, as DDP and FSDP reduce: the engine weighs each rank's loss so
+            # that the mean of the ranks' gradients is one process's. A sum (this backend until
+            # #41) trained the same (Adam is blind to a constant factor) with moments world-size
+            # times FSDP2's, so a move between them was off at the step after (2.6e-5)
+            for p in self.model.parameters():
                 if p.grad is not None:
                     dist.all_reduce(p.grad)
+                    p.grad.div_(dist.get_world_size())
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
                                               self.spec.grad_clip or float("inf"))
         self.optimizer.step()

@@ -226,6 +226,10 @@ def test_tp_jobs_one_after_another_in_one_process(tmp_path):
     jobs = {}
     for c in group:  # at 4 ranks: at 2 (dp 1) nothing of this showed
         jobs[f"{c.name}-first"] = jobs[f"{c.name}-again"] = with_tp(c)
+        if c.name == "fsdp2":  # HSDP x TP: 2 replicas of 1 shard, the flattened dp group
+            hsdp = with_tp(c, shard="hybrid")
+            hsdp["topology"]["shard_group_size"] = 1
+            jobs["fsdp2-hsdp-first"] = jobs["fsdp2-hsdp-again"] = hsdp
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
     torchrun(group[0].nproc, [str(SEQUENTIAL), "--jobs", str(tmp_path / "jobs.json"), "--out",
                               str(tmp_path / "out.json")], timeout=240, env=group[0].env)

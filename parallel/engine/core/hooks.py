@@ -153,6 +153,7 @@ class BackendHooks(ABC):
         """The job's process group, torn down at close; a backend whose library keeps groups of
         its own past it tears those down too."""
         torch.distributed.destroy_process_group()
+        pdist.forget_meshes()
 
     def native_checkpoint(self):
         """(save(path), load(path)) of this backend's own checkpointing, as its docs write it, for
