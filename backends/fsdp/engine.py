@@ -3,7 +3,7 @@ translate.py's plain arguments. On CPU the process group is gloo and FSDP1 gets 
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -221,11 +221,22 @@ class FSDP1Engine(_TorchFSDP):
     @contextmanager
     def _unwrapped(self):
         # The root unit's own parameters (embeddings, final norm, head) are gathered for the block;
-        # the inner units still gather theirs in each forward (recurse=False: never the whole model)
+        # the inner units still gather theirs in each forward (recurse=False: never the whole model).
+        # Under mixed precision the gathered root parameters are fp32 while each inner unit computes
+        # in 16 bits, and only the root's forward (bypassed here) casts inputs: autocast in the
+        # training dtype joins them (measured before: generate after bf16 training raised "expected
+        # m1 and m2 to have the same dtype" in the first q_proj).
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-        with FSDP.summon_full_params(self.model, writeback=False, recurse=False):
+        with FSDP.summon_full_params(self.model, writeback=False, recurse=False), \
+                self._unwrapped_autocast():
             yield self.model.module
+
+    def _unwrapped_autocast(self):
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.spec.precision)
+        if dtype is None:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=dtype)
 
     def _grad_norm_and_clip(self) -> torch.Tensor:
         # FSDP1's own clip reduces the norm over flat-parameter shards; inf means "report only".

@@ -45,7 +45,11 @@ def hf_config_json(model) -> str | None:
         config = getattr(module, "config", None)
         if hasattr(type(module), "config_class") and hasattr(config, "to_json_string"):
             data = json.loads(config.to_json_string())
-            data["architectures"] = data.get("architectures") or [type(module).__name__]
+            # the library's class: FSDP2 subclasses it in place (FSDPLlamaForCausalLM), which no
+            # from_pretrained or export could name
+            library = next((c for c in type(module).__mro__
+                            if c.__module__.startswith("transformers.")), type(module))
+            data["architectures"] = data.get("architectures") or [library.__name__]
             return json.dumps(data, indent=2)
     return None
 
@@ -65,9 +69,11 @@ def peft_config_json(model) -> str | None:
 
 def export_hf(path: str | Path, out: str | Path, config: str | Path | None = None,
               dtype: str | None = None, tokenizer: str | Path | None = None,
-              max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+              max_shard_bytes: int = MAX_SHARD_BYTES, part: tuple[int, int] = (0, 1)) -> Path:
     """Weights (a LoRA run's merged) as sharded safetensors with config.json, generation config and
-    tokenizer: the layout `from_pretrained` reads."""
+    tokenizer: the layout `from_pretrained` reads. `part` (i, n): this process writes the weight
+    files i, i + n, ... (engine.save_pretrained: each rank a share, none the whole model); part 0
+    also the index, configs and tokenizer."""
     path, out = resolve(path), Path(out)
     manifest = verify_checkpoint(path)
     files = Contents(path, manifest)
@@ -80,7 +86,9 @@ def export_hf(path: str | Path, out: str | Path, config: str | Path | None = Non
     peft_cfg = _peft_config(files)
     weights = _merged_weights(path, cfg, peft_cfg) if peft_cfg else _plain_weights(path, cfg)
     out.mkdir(parents=True, exist_ok=True)
-    _write_shards(out, weights, DTYPES[dtype_name], max_shard_bytes)
+    _write_shards(out, weights, DTYPES[dtype_name], max_shard_bytes, part)
+    if part[0]:
+        return out
     cfg["dtype"] = cfg["torch_dtype"] = HF_DTYPE[DTYPES[dtype_name]]  # 4.57 reads dtype; older torch_
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     _generation_config(cfg, out)
@@ -100,7 +108,13 @@ def export_peft(path: str | Path, out: str | Path, adapter: str | None = None) -
         raise ExportError(f"{path}: not a PEFT run (no peft_config.json): it has no adapter; export "
                           "it --to hf")
     name = adapter or peft_cfg["active"]
-    model, config = _meta_peft_model(_hf_config(files, None), peft_cfg, name)
+    cfg = _hf_config(files, None)
+    model, config = _meta_peft_model(cfg, peft_cfg, name)
+    # get_peft_model renamed it after the meta base (no path): the run's own base, as trained, so
+    # PeftModel.from_pretrained(adapter) finds it (peft warned "was renamed from ... to ''")
+    config.base_model_name_or_path = (peft_cfg["adapters"][name].get("base_model_name_or_path")
+                                      or cfg.get("_name_or_path") or None)
+    config.inference_mode = True  # as PeftModel.save_pretrained writes it
     from peft.utils import get_peft_model_state_dict
 
     full = {n: t for n, t in model.state_dict().items()}
@@ -198,8 +212,10 @@ def _meta_peft_model(cfg: dict, peft_cfg: dict, adapter: str):
     return model, peft_config
 
 
-def _write_shards(out: Path, weights: Weights, dtype: torch.dtype, max_bytes: int) -> None:
-    """Shards planned from the shapes, then written one at a time (memory: one shard)."""
+def _write_shards(out: Path, weights: Weights, dtype: torch.dtype, max_bytes: int,
+                  part: tuple[int, int] = (0, 1)) -> None:
+    """Shards planned from the shapes, then written one at a time (memory: one shard); `part` (i, n)
+    writes shards i, i + n, ... and part 0 the index."""
     from safetensors.torch import save_file
 
     size = torch.empty((), dtype=dtype).element_size()
@@ -215,13 +231,15 @@ def _write_shards(out: Path, weights: Weights, dtype: torch.dtype, max_bytes: in
     n = len(shards)
     names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors"
                                                    for i in range(n)]
-    weight_map = {}
-    for file_name, shard in zip(names, shards):
+    weight_map = {name: file_name for file_name, shard in zip(names, shards) for name, _, _ in shard}
+    mine, parts = part
+    for i, (file_name, shard) in enumerate(zip(names, shards)):
+        if i % parts != mine:
+            continue
         tensors = {name: read().to(dtype).contiguous() for name, _, read in shard}
         save_file(tensors, str(out / file_name), metadata={"format": "pt"})
-        weight_map.update({name: file_name for name in tensors})
         del tensors
-    if n > 1:
+    if n > 1 and mine == 0:
         index = {"metadata": {"total_size": sum(size * _numel(s) for _, s, _ in weights)},
                  "weight_map": weight_map}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))

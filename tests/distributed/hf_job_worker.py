@@ -133,6 +133,12 @@ def train_and_save(engine, root: Path, name: str, out):
         mine.add(float(engine.rank))
     engine.save(root / name)
     out["tally"], out["mine"] = shared.seen(), mine.seen()
+    # Hugging Face format in process, every rank its share of the files (small shards: several
+    # files, so every rank writes some); from_pretrained in the test gives this loss back
+    engine.save_pretrained(root / f"{name}-hf", max_shard_bytes=40_000)
+    batch = global_batches(1, 1, 2)[0]
+    out["hf_batch"] = batch.tolist()
+    out["hf_eval"] = engine.evaluate([{"input_ids": batch, "labels": batch}])["loss"]
 
 
 def load(engine, source: Path, out):

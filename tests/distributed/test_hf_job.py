@@ -50,14 +50,18 @@ def records(tmp, run, phase: str) -> dict:
 @pytest.fixture(scope="module")
 def job(shared):
     tmp, run = shared[__name__]
-    return records(tmp, run, "save"), records(tmp, run, "load")
+    return records(tmp, run, "save"), records(tmp, run, "load"), tmp / "ckpt"
+
+
+def job_root(job):
+    return job[2]
 
 
 @needs_both
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize("name", [c.name for c in CASES])
 def test_evaluate_generate_unwrap_and_registered_state(job, name):
-    saved, loaded = job
+    saved, loaded, _ = job
     ranks = saved[name]
     for rank, r in enumerate(ranks):
         assert "error" not in r, f"{name} rank {rank}:\n{r['error']}"
@@ -80,6 +84,16 @@ def test_evaluate_generate_unwrap_and_registered_state(job, name):
         if static:  # 16 and 24 new tokens: the same compiles, a constant (no graph per token)
             first, second = r["xla_new_compiles"]
             assert first == second <= 2, (name, r["xla_new_compiles"])
+    # engine.save_pretrained: from_pretrained loads the trained weights (the engine's eval loss)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    r = ranks[0]
+    hf = AutoModelForCausalLM.from_pretrained(job_root(job) / f"{name}-hf")
+    batch = torch.tensor(r["hf_batch"])
+    with torch.no_grad():
+        loss = float(hf(input_ids=batch, labels=batch).loss)
+    assert abs(loss - r["hf_eval"]) <= 1e-5, (name, loss, r["hf_eval"])
     source = saved[matrix_source(name)]
     for rank, r in enumerate(loaded[name]):
         assert "error" not in r, f"{name} load rank {rank}:\n{r['error']}"

@@ -59,6 +59,14 @@ class EngineCalls(BackendHooks):
         memory; the files are written and published in the background."""
         return self.checkpoints.save(path, async_save)
 
+    def save_pretrained(self, directory, tokenizer=None, max_shard_bytes: int = 5_000_000_000) -> Path:
+        """The model in Hugging Face format, as `save_pretrained` writes it (sharded safetensors,
+        config, generation config; a PEFT model: its adapter), written by every rank from its own
+        shards, never gathered on one; `tokenizer`: a tokenizer object, saved beside it.
+        `from_pretrained(directory)` loads the trained weights. `max_shard_bytes`: the largest
+        weight file (save_pretrained's max_shard_size, 5 GB)."""
+        return self.checkpoints.save_pretrained(directory, tokenizer, max_shard_bytes)
+
     def load(self, path, trust: bool = False) -> dict:
         """Verify and restore what `save` wrote, whichever backend and world size wrote it; `path`
         may be a directory of checkpoints (its `latest`). Returns the manifest."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import shutil
 from pathlib import Path
 from collections.abc import Callable
 from typing import Protocol
@@ -85,7 +86,34 @@ class Checkpointer:
         with paused_gc():
             return self._save(Path(path), async_save)
 
-    def _save(self, path: Path, async_save: bool | None) -> Path:
+    def save_pretrained(self, directory, tokenizer=None, max_shard_bytes: int = 5_000_000_000
+                        ) -> Path:
+        """Hugging Face format: the state saved (every rank its shards) into a staging directory
+        beside `directory`, then every rank writes its share of the safetensors files from it
+        (export_hf's `part`: no rank holds the model), or the main rank a PEFT run's adapter; the
+        staging directory, polyshard's own, is removed."""
+        from parallel.checkpoint.hf import export_hf, export_peft
+
+        e, out = self.engine, Path(directory)
+        staging = out.parent / f".{out.name}.polyshard-state"
+        with paused_gc():
+            self._save(staging, async_save=False, pointer=False)  # no `latest` beside the user's
+        try:
+            if peft_config_json(e.model) is not None:
+                if e.is_main:
+                    export_peft(staging, out)
+            else:
+                export_hf(staging, out, max_shard_bytes=max_shard_bytes,
+                          part=(e.rank, e.world_size))
+            if tokenizer is not None and e.is_main:
+                tokenizer.save_pretrained(str(out))  # the caller's own object
+            e.barrier()
+        finally:
+            if e.is_main:
+                shutil.rmtree(staging, ignore_errors=True)
+        return out
+
+    def _save(self, path: Path, async_save: bool | None, pointer: bool = True) -> Path:
         """Write model, optimizer, scheduler, step, RNG and data position under `path`, atomically,
         then point `latest` beside it at `path` and apply `checkpoint.keep_last`. With
         `checkpoint.async_save` (or `async_save=True`), return once this rank's state is copied to
@@ -113,7 +141,7 @@ class Checkpointer:
             for name, obj in small.items():
                 (sink.write_text if isinstance(obj, str) else sink.save_file)(name, obj)
             finish_checkpoint(path, sink, e.rank, meta)
-            if e.is_main:
+            if e.is_main and pointer:
                 publish(path, keep, managed)
 
         try:
