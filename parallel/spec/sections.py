@@ -118,9 +118,12 @@ class Checkpointing(Section):
         int | None, Field(ge=1, description="`engine.maybe_save()` saves when this divides the step.")
     ] = None
     resume: Annotated[
-        Literal["never", "auto"],
+        Literal["never", "auto", "latest_valid"],
         Field(description="auto: `engine.resume()` loads `dir`'s latest complete checkpoint when one "
-              "exists (after a crash or an elastic restart), else starts fresh. never: it does not."),
+              "exists (after a crash or an elastic restart), else starts fresh, saying which; a "
+              "damaged `latest` stops the job naming the newest intact checkpoint. latest_valid: "
+              "the same, but a damaged `latest` falls back to the newest intact checkpoint by "
+              "itself, said loudly. never: it does not."),
     ] = "never"
     keep_last: Annotated[
         int | None,
@@ -154,8 +157,9 @@ class Checkpointing(Section):
 
     @model_validator(mode="after")
     def _needs_dir(self) -> Checkpointing:
-        if self.dir is None and (self.every is not None or self.resume == "auto"):
-            raise rule_error(("checkpoint.dir", "is required by checkpoint.every / resume: auto; "
+        if self.dir is None and (self.every is not None or self.resume != "never"):
+            raise rule_error(("checkpoint.dir", f"is required by checkpoint.every / resume: "
+                              f"{self.resume}; "
                               "set it to a directory such as runs/job/ckpt"))
         return self
 

@@ -47,7 +47,7 @@ def default_run_name(spec) -> str:
     """<backend>-<shard>-<start time>; a job that resumes (checkpoint.resume: auto) is one run
     across its launches: <backend>-<shard>-<its checkpoint directory's name>, so a relaunch finds
     the run its first launch started (trackers.py keeps each tracker's run id in its folder)."""
-    if spec.checkpoint.resume == "auto" and spec.checkpoint.dir:
+    if spec.checkpoint.resume != "never" and spec.checkpoint.dir:
         return f"{spec.backend}-{spec.shard}-{Path(spec.checkpoint.dir).resolve().name}"
     return f"{spec.backend}-{spec.shard}-{time.strftime('%Y%m%d-%H%M%S')}"
 

@@ -15,7 +15,6 @@ from typing import Protocol
 from parallel import dist as pdist
 from parallel.checkpoint.background import BackgroundSaver
 from parallel.checkpoint.directory import (
-    LATEST,
     begin_checkpoint,
     finish_checkpoint,
     library_versions,
@@ -29,6 +28,7 @@ from parallel.checkpoint.contents import Contents
 from parallel.checkpoint.safe import NUMPY_ARRAY
 from parallel.checkpoint.schemas import TrainerState
 from parallel.checkpoint.sink import Sink
+from parallel.engine.state.resuming import resume
 
 
 @contextlib.contextmanager
@@ -221,13 +221,11 @@ class Checkpointer:
         return self.save(Path(root) / f"step-{e.step:08d}")
 
     def resume(self) -> dict | None:
-        """With `checkpoint.resume: auto`, load checkpoint.dir's latest complete checkpoint if there
-        is one (after a crash or an elastic restart) and return its manifest; else None."""
-        root = self.engine.spec.checkpoint.dir
-        if (self.engine.spec.checkpoint.resume != "auto" or not root
-                or not (Path(root) / LATEST).is_file()):
-            return None
-        return self.load(root)
+        """With `checkpoint.resume: auto | latest_valid`, load checkpoint.dir's latest complete
+        checkpoint if there is one (after a crash or an elastic restart) and return its manifest;
+        else None. What it did is said (resuming.py)."""
+        ckpt = self.engine.spec.checkpoint
+        return resume(ckpt.dir, ckpt.resume, self.load, self.engine.say)
 
     def close(self) -> None:
         self.saver.wait()  # an async save in flight is published (or its error raised) first
