@@ -137,11 +137,11 @@ def local_layout(spec) -> tuple[dict, dict[str, str], str | None]:
     changed = [f"{key} {before} -> {adapted_value}" for key, before, adapted_value in
                _differences(written, adapted)]
     ours = {k: v for k, v in env.items() if k not in get(spec.backend).launch.env()}
-    if not changed:
+    if not changed and not ours:
         return data, env, None
-    sets = "".join(f", {k}={v}" for k, v in sorted(ours.items()))
-    return data, env, (f"{spec.backend} on this host runs as {', '.join(changed)}{sets} (the "
-                       "layout its runtime supports here; the global batch is unchanged)")
+    what = ", ".join([*changed, *(f"{k}={v}" for k, v in sorted(ours.items()))])
+    return data, env, (f"{spec.backend} on this host runs as {what} (the layout its runtime "
+                       "supports here; the global batch is unchanged)")
 
 
 def _differences(a: dict, b: dict, prefix: str = ""):

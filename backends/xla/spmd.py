@@ -76,7 +76,10 @@ class XlaSpmdEngine(_Xla):
 
         n, tp = xr.global_runtime_device_count(), self.spec.topology.tp
         if n % tp:
-            raise SpecError([("topology.tp", f"{tp} does not divide this host's {n} devices")])
+            raise SpecError([("topology.tp", f"{tp} does not divide this host's {n} devices "
+                              f"({xr.device_type()}); on CPU the devices are virtual: "
+                              f"CPU_NUM_DEVICES={tp} (or a multiple) gives {tp}, and `polyshard "
+                              "launch` sets it when unset")])
         shape = tuple(self.spec.xla.mesh_shape or (n // tp, tp))
         if int(np.prod(shape)) != n or len(shape) != 2:
             raise SpecError([("xla.mesh_shape", f"{list(shape)} must be 2-D (fsdp, model) with "

@@ -4,6 +4,8 @@ job laid out for this host's runtime. Its SpecErrors are the backend's validatio
 
 from __future__ import annotations
 
+import os
+
 from parallel.spec.errors import SpecError, merge_native
 from parallel.spec.model import Spec
 
@@ -97,6 +99,10 @@ def local_run(spec: Spec, devices: int | None = None) -> tuple[dict, dict]:
         return data, {"CPU_NUM_DEVICES": "1"}
     if devices is None and spec.world_size == 1:
         # one SPMD process as written: its devices are the runtime's (CPU_NUM_DEVICES as the user
-        # set it), not ours to override
+        # set it), not ours to override; unset, the fewest that hold the model dimensions (tp: 2
+        # on one CPU device failed at launch, naming nothing to set)
+        model_dims = spec.topology.tp * spec.topology.cp
+        if model_dims > 1 and "CPU_NUM_DEVICES" not in os.environ:
+            return data, {"CPU_NUM_DEVICES": str(model_dims)}
         return data, {}
     return data, {"CPU_NUM_DEVICES": str(world)}
