@@ -53,9 +53,11 @@ class ModelStates(Protocol):
 
 
 class CommVolume(Protocol):
-    def __call__(self, spec, psi: float, output_share: float = 0.0) -> float:
+    def __call__(self, spec, psi: float, output_share: float = 0.0, root_share: float = 0.0
+                 ) -> float:
         """Collective volume per step in units of Psi elements (`psi`: the parameter count, 0
-        when unknown; `output_share`: the fraction of Psi in the final norm and output layer)."""
+        when unknown; `output_share`: the fraction of Psi in the final norm and output layer;
+        `root_share`: in what no wrap unit holds, the root's: embeddings, final norm, head)."""
 
 
 class Transient(Protocol):

@@ -46,7 +46,7 @@ def transient(spec, psi: float, unit: float, low: int) -> tuple[float, float]:
     return 0.0, bucket + gather
 
 
-def comm(spec, psi: float, output_share: float = 0.0) -> float:
+def comm(spec, psi: float, output_share: float = 0.0, root_share: float = 0.0) -> float:
     stage = STAGES[spec.shard]
     zero = translate(spec)["config"]["zero_optimization"]
     if stage in (1, 2):

@@ -31,12 +31,15 @@ def transient(spec, psi: float, unit: float, low: int) -> tuple[float, float]:
     return gathered, unit * red
 
 
-def comm(spec, psi: float, output_share: float = 0.0) -> float:
+def comm(spec, psi: float, output_share: float = 0.0, root_share: float = 0.0) -> float:
     """NO_SHARD all-reduces (2 Psi), SHARD_GRAD_OP gathers once and reduce-scatters (2 Psi),
-    FULL_SHARD gathers again in backward (3 Psi) -- except FSDP2's output unit (final norm and
-    output layer, backends/fsdp/layout.py), kept gathered from forward into backward unless
-    fsdp.reshard_output: 3 Psi less its share. Measured in tests/distributed/test_bench_plan.py."""
+    FULL_SHARD gathers again in backward (3 Psi) -- except what stays gathered from forward into
+    backward: FSDP2's output unit (final norm and output layer, backends/fsdp/layout.py) unless
+    fsdp.reshard_output, FSDP1's root unit (embeddings, final norm, head: FSDP1 never reshards
+    the root after forward; measured by `polyshard dryrun`, tests/distributed/test_dryrun.py):
+    3 Psi less its share. Measured in tests/distributed/test_bench_plan.py too."""
     if spec.shard in ("none", "grad_op"):
         return 2.0
-    kept = spec.fsdp.version == 2 and not spec.fsdp.reshard_output
-    return 3.0 - (output_share if kept else 0.0)
+    if spec.fsdp.version == 1:
+        return 3.0 - root_share
+    return 3.0 - (0.0 if spec.fsdp.reshard_output else output_share)

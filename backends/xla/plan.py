@@ -21,6 +21,6 @@ def transient(spec, psi: float, unit: float, low: int) -> tuple[float, float]:
     return 2 * unit * low, unit * 4
 
 
-def comm(spec, psi: float, output_share: float = 0.0) -> float:
+def comm(spec, psi: float, output_share: float = 0.0, root_share: float = 0.0) -> float:
     """Predicted like torch FSDP; the collectives are compiled into the graph and not counted."""
     return 2.0 if spec.shard in ("none", "grad_op") else 3.0

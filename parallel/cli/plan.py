@@ -137,10 +137,13 @@ def run_dryrun(spec, args) -> int:
                       f"{err:+.1%}" if err is not None else "-")
     console.print(table)
     comm = Table(title="collectives in one step (all-gather: output bytes; reduce-scatter: input)")
-    for col in ("type", "calls", "bytes"):
+    for col in ("type", "calls", "bytes", "plan", "plan error"):
         comm.add_column(col, justify="left" if col == "type" else "right")
     for kind, row in got.collectives.items():
-        comm.add_row(kind, str(row["calls"]), f"{row['bytes']:,}")
+        planned, counted = row.get("planned"), row["bytes"]
+        comm.add_row(kind, str(row["calls"]), f"{counted:,}",
+                     f"{planned:,.0f}" if planned is not None else "-",
+                     f"{(planned - counted) / counted:+.1%}" if planned and counted else "-")
     console.print(comm)
     console.print(f"changed for the dry run: {got.changed} (values are garbage; memory, shapes "
                   "and collectives are the job's)", highlight=False)

@@ -29,7 +29,7 @@ class DryRun:
     tp: int
     measured: dict  # params, grads, optimizer, peak: bytes on this rank
     planned: dict  # the same from `plan`
-    collectives: dict  # {type: {"calls": n, "bytes": b}} in one step
+    collectives: dict  # {type: {"calls": n, "bytes": b, "planned": plan's bytes}} in one step
     changed: dict  # the spec overrides the backend needed
 
     def rows(self) -> list[tuple[str, int, float, float | None]]:
@@ -127,6 +127,34 @@ def materialise(model: torch.nn.Module, device) -> None:
                 b.uniform_(0.0, 1.0)
 
 
+def by_type(planned: dict[str, float], tp_bytes: float) -> dict[str, float]:
+    """plan's bytes under the collective types a counter sees (its all-reduces are one type)."""
+    out = {k: v for k, v in planned.items() if not k.startswith("all_reduce")}
+    reduced = sum(v for k, v in planned.items() if k.startswith("all_reduce")) + tp_bytes
+    if reduced:
+        out["all_reduce"] = reduced
+    return out
+
+
+def kept_shares(model, wrap) -> tuple[float, float]:
+    """(output, root): the fractions of the parameters in the output layer with the final norm
+    before it (Hugging Face names: model.norm, transformer.ln_f), and in what no wrap unit holds
+    (embeddings, final norm, head): what a backend may keep gathered from forward into backward
+    (its plan model's `comm`)."""
+    from parallel.engine.model.wrap import plan_wrap
+
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    norm = next((getattr(base, n) for n in ("norm", "ln_f", "final_layer_norm")
+                 if isinstance(getattr(base, n, None), torch.nn.Module)), None)
+    total = sum(p.numel() for p in model.parameters()) or 1
+    kept = {id(p): p.numel() for m in (out, norm) if m is not None for p in m.parameters()}
+    inside = {id(p) for _, unit in plan_wrap(model, wrap) if unit is not model
+              for p in unit.parameters()}
+    root = sum(p.numel() for p in model.parameters() if id(p) not in inside)
+    return sum(kept.values()) / total, root / total
+
+
 HOST_SHARE = 0.8  # of this machine's available memory a dry run may take
 
 
@@ -151,7 +179,9 @@ def run(spec, source: str, world: int, rank: int, seq: int, optimizer: str = "ad
     from parallel.registry import create_engine
     from parallel.tools.bench.measure import CommCounter, held_bytes, step_peak_bytes
     from parallel.tools.parity.cell import optimizer_arg
+    from parallel.tools.comm import planned_collectives, tp_comm_bytes
     from parallel.tools.plan import model_facts, predict
+    from parallel.tools.sizes import numel
     from parallel.toy import meta_model
 
     spec, changed = dryrun_spec(spec, world)
@@ -187,7 +217,11 @@ def run(spec, source: str, world: int, rank: int, seq: int, optimizer: str = "ad
     planned = {"params": est.params, "grads": est.grads, "optimizer": est.optimizer,
                "peak": est.total}
     snap = counter.snapshot()
-    collectives = {k: {"calls": snap["calls"][k], "bytes": snap["bytes"].get(k, 0)}
-                   for k in sorted(snap["calls"])}
+    output, root = kept_shares(model, spec.wrap)
+    predicted = by_type(planned_collectives(spec, float(numel(shapes)), output, root),
+                        tp_comm_bytes(cfg, spec, seq))
+    collectives = {k: {"calls": snap["calls"].get(k, 0), "bytes": snap["bytes"].get(k, 0),
+                       "planned": predicted.get(k)}
+                   for k in sorted({*snap["calls"], *predicted})}
     engine.close()
     return DryRun(world, rank, spec.topology.tp, measured, planned, collectives, changed)

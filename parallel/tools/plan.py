@@ -20,20 +20,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from parallel.tools.comm import (  # noqa: F401 (plan's communication, re-exported)
+    Links,
+    comm_seconds,
+    comm_volume,
+    offload_seconds,
+    planned_collectives,
+    tp_comm_bytes,
+)
 from parallel.tools.sizes import numel
 
 GB = 1e9  # the ZeRO paper's unit
 ADAM, SGD = 8, 4  # optimizer state bytes per parameter (fp32 moments / momentum)
-
-
-@dataclass(frozen=True)
-class Links:
-    """Bandwidths in GB/s (1e9 bytes) one rank sees: the defaults are an 8-GPU NVLink node (NCCL
-    bus bandwidth), 400 Gb/s of network per GPU, and PCIe Gen4 x16."""
-
-    intra: float = 300.0
-    inter: float = 50.0
-    pcie: float = 25.0
 
 
 @dataclass(frozen=True)
@@ -109,30 +107,6 @@ def transient(spec, psi: float, unit: float) -> tuple[float, float]:
     if rule is None:
         return (0.0 if spec.shard == "none" else 2 * unit * low), unit * 4
     return rule(spec, psi, unit, low)
-
-
-def comm_seconds(spec, psi: float, links: Links, output_share: float = 0.0) -> float:
-    """The backend's collective volume (Psi units) as ring collectives in the reduce dtype: each
-    rank moves (n-1)/n of the bytes, over the slowest link the group spans."""
-    red = 4 if spec.grad_reduce_dtype == "fp32" else 2
-    n, per_node = spec.shard_group_size, spec.topology.procs_per_node
-    link = links.intra if n <= per_node else links.inter
-    seconds = comm_volume(spec, psi, output_share) * psi * red * (n - 1) / n / (link * 1e9) \
-        if n > 1 else 0.0
-    replicas = spec.dims.dp_size // n
-    if replicas > 1:  # hybrid: each shard's gradient all-reduced across replicas (2 x its bytes)
-        seconds += 2 * psi / n * red * (replicas - 1) / replicas / (links.inter * 1e9)
-    return seconds
-
-
-def offload_seconds(spec, psi: float, links: Links) -> float:
-    """PCIe copies per step and rank: gradients down (fp32) and updated parameters up; with params
-    offload, the parameters up again for forward and backward."""
-    if spec.offload == "none":
-        return 0.0
-    low, part = (4 if spec.precision == "fp32" else 2), psi / spec.shard_group_size
-    copies = (4 + low) * part + (2 * low * part if spec.offload == "params" else 0.0)
-    return copies / (links.pcie * 1e9)
 
 
 def activations(cfg: dict | None, micro_batch: int, seq: int, precision: str,
@@ -251,27 +225,6 @@ def model_facts(source: str, wrap, tp: int = 1, tp_plan: dict | None = None
     return list(local.values()), cfg, float(max(units)) if units else None
 
 
-def tp_comm_bytes(cfg: dict | None, spec, seq: int, rowwise: int = 2, colwise: int = 5) -> float:
-    """Bytes one rank all-reduces per step for tensor parallelism without sequence parallelism, as
-    torch's DTensor runs it (counted by `polyshard dryrun`): per layer and micro-batch, s x b x h in
-    the compute dtype for each rowwise output in forward (all but the last again in activation
-    checkpointing's recomputation) and each colwise module's input gradient in backward (Hugging Face's Llama-style
-    plan: 2 rowwise, o/down; 5 colwise, q/k/v/gate/up: one all-reduce each, where Megatron fuses
-    q/k/v and gate/up into 2); plus the head's logits gathered whole once forward and its input
-    gradient all-reduced."""
-    tp = spec.topology.tp
-    if tp == 1 or not cfg:
-        return 0.0
-    low = 4 if spec.precision == "fp32" else 2
-    s, b, h = seq, spec.micro_batch_size, cfg["hidden_size"]
-    # activation checkpointing's recomputation stops at the last saved tensor backward needs, so
-    # the block's last rowwise all-reduce is not run again (measured: 9 -> 8 per layer, not 10)
-    again = rowwise - 1 if spec.checkpoint_activations else 0
-    per_layer = (rowwise + again + colwise) * s * b * h * low
-    head = 4 * s * b * cfg["vocab_size"] + s * b * h * low
-    return spec.grad_accum_steps * (cfg["num_hidden_layers"] * per_layer + head)
-
-
 def predict(spec, shapes, cfg: dict | None, seq: int, optimizer: str = "adamw",
             unit: float | None = None) -> Estimate:
     """One spec's tensors at the peak per rank, without the margin (what `polyshard bench`
@@ -283,15 +236,3 @@ def predict(spec, shapes, cfg: dict | None, seq: int, optimizer: str = "adamw",
                                spec.checkpoint_activations, spec.topology.tp))
     est.gathered, est.buffers = transient(spec, psi, unit or psi)
     return est
-
-
-def comm_volume(spec, psi: float = 0, output_share: float = 0.0) -> float:
-    """Collective volume per step in units of Psi elements: all-gather output + reduce-scatter (or
-    reduce) input + 2 x all-reduce (a ring all-reduce is a reduce-scatter and an all-gather), from
-    the spec's backend. ZeRO paper: DP and ZeRO-1/2 2 Psi, ZeRO-3 / FULL_SHARD 3 Psi; DeepSpeed's
-    defaults differ (docs/deepspeed.md). `output_share`: the fraction of Psi in the final norm and
-    output layer, which a backend may keep gathered from forward into backward (Llama-3-8B: 0.065,
-    a 2-layer toy: 0.235)."""
-    from parallel.registry import get
-
-    return get(spec.backend).plan.comm(spec, psi, output_share)

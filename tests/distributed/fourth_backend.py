@@ -66,4 +66,4 @@ DESCRIPTOR = BackendDescriptor(
         s: Unsupported("replica shards nothing", "shard: none")
         for s in ("full", "grad_op", "optimizer", "hybrid", "hybrid_grad_op")}}),
     translate=translate, engine="fourth_backend:ReplicaEngine",
-    plan=PlanModel(model_states=_states, comm=lambda spec, psi, output_share=0.0: 2.0))
+    plan=PlanModel(model_states=_states, comm=lambda spec, psi, output_share=0.0, root_share=0.0: 2.0))
