@@ -19,7 +19,13 @@ STYLES = ("colwise", "rowwise", "colwise_rep")
 def hf_tp_plan(model: nn.Module) -> dict[str, str]:
     """The model's tensor-parallel plan as {module path (fnmatch, from the model's root): style},
     from transformers' `base_model_tp_plan` (under the base model's attribute) and the head
-    class's `_tp_plan`; {} for a model without one."""
+    class's `_tp_plan`; {} for a model without one. A PEFT model: its Hugging Face model's plan
+    under the path PEFT puts it at (base_model.model.)."""
+    inner = getattr(model, "get_base_model", None)
+    if callable(inner) and inner() is not model:
+        base = inner()
+        path = next((n for n, m in model.named_modules() if m is base), "")
+        return {f"{path}.{k}" if path else k: v for k, v in hf_tp_plan(base).items()}
     config = getattr(model, "config", None)
     base = getattr(config, "base_model_tp_plan", None) or {}
     prefix = getattr(model, "base_model_prefix", "")
@@ -39,7 +45,7 @@ def resolve_plan(model: nn.Module, tp: int, spec_plan: dict[str, str] | None,
     An entry whose weight is tied to a module the plan keeps whole (a head tied to the input
     embedding) stays whole: dropped from the model's own plan (`say` tells it), refused in yours."""
     field = "topology.tp_plan" if spec_plan is not None else "topology.tp"
-    plan = spec_plan if spec_plan is not None else hf_tp_plan(model)
+    plan = lora_parts(model, spec_plan if spec_plan is not None else hf_tp_plan(model))
     unknown = {k: v for k, v in plan.items() if v not in STYLES}
     if unknown:  # the model's own (Mixtral's experts: local_colwise, gather, ...)
         raise SpecError([(field, f"{type(model).__name__}'s tp plan has entries in styles polyshard "
@@ -83,6 +89,27 @@ def resolve_plan(model: nn.Module, tp: int, spec_plan: dict[str, str] | None,
     if problems:
         raise SpecError(problems)
     return dict(plan)
+
+
+def lora_parts(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """The plan carried into PEFT's LoRA layers, which wrap the Linear a plan names: the base layer
+    splits as planned, and the adapter so that its delta is laid out like the base's output:
+    colwise (outputs split) splits lora_B's outputs too (lora_A whole: its input is whole);
+    rowwise (inputs split) splits lora_A's inputs (its output then summed over the TP group, as
+    the base's is) and keeps lora_B whole. One process's LoRA, split."""
+    out = {}
+    for pattern, style in plan.items():
+        hits = [m for n, m in model.named_modules() if fnmatch(n, pattern)]
+        lora = [m for m in hits if isinstance(getattr(m, "base_layer", None), nn.Linear)
+                and isinstance(getattr(m, "lora_A", None), nn.ModuleDict)]
+        if not lora:
+            out[pattern] = style
+            continue
+        out[f"{pattern}.base_layer"] = style
+        part = "lora_A" if style == "rowwise" else "lora_B"
+        for adapter in getattr(lora[0], part):
+            out[f"{pattern}.{part}.{adapter}"] = style
+    return out
 
 
 def _tied_to_whole(model: nn.Module, plan: dict[str, str]) -> dict[str, tuple[str, str]]:
