@@ -44,7 +44,10 @@ def test_zero_stages_fp32_match_single_process(every):
         assert abs(train["consolidated_loss"] - train["loss"][3]) <= 1e-5, (name, train)
 
 
-MIXED = 5e-2
+# bf16 against the fp32 reference: about twice what was measured (2026-11-26: ZeRO-0 2.8e-3, ZeRO-1/3
+# 3.2e-3); zero.Init's other initial draws: 2.9e-2 measured, held to INIT
+MIXED = 7e-3
+INIT = 5e-2
 
 
 def option_cases():
@@ -59,7 +62,7 @@ def option_cases():
         # zero.Init draws the initial weights in another order (same distribution, other numbers:
         # docs/deepspeed.md), so it is held to the mixed-precision tolerance, resume still exact.
         case("zero3-zero-init", spec(3, deepspeed={"zero_init": True}), optimizer="adamw",
-             factory=True, tol=MIXED, norm_tol=0.5),
+             factory=True, tol=INIT, norm_tol=0.5),
         # ZeRO-0 bf16 (DeepSpeed's BF16_Optimizer) drifts further in grad norm than the ZeRO stages
         # (13% vs <10% by step 5, docs/deepspeed.md): a stated, wider norm tolerance.
         *[case(f"zero{s}-bf16", spec(s, precision="bf16"), optimizer="adamw", tol=MIXED,

@@ -70,9 +70,10 @@ def feature_cases(version):
         case(f"v{v}-prefetch", spec(v, "full", fsdp={"version": v, "forward_prefetch": True})),
         *([case("v1-flat-params", spec(1, "full", fsdp={"version": 1, "use_orig_params": False}),
                 optimizer="adamw")] if v == 1 else []),
-        # Mixed precision: compute in 16 bits against an fp32 reference, so a stated tolerance.
-        case(f"v{v}-bf16", spec(v, "full", precision="bf16"), optimizer="adamw", tol=5e-2),
-        case(f"v{v}-fp16", spec(v, "grad_op", precision="fp16"), optimizer="adamw", tol=5e-2),
+        # Mixed precision: compute in 16 bits against an fp32 reference, so a stated tolerance:
+        # about twice what was measured (2026-11-26: bf16 3.7e-3, fp16 6.8e-4 on both versions)
+        case(f"v{v}-bf16", spec(v, "full", precision="bf16"), optimizer="adamw", tol=8e-3),
+        case(f"v{v}-fp16", spec(v, "grad_op", precision="fp16"), optimizer="adamw", tol=1.5e-3),
     ]
 
 

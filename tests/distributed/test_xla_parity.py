@@ -37,7 +37,8 @@ def v1_cases():
              optimizer="adamw"),
         case("v1-accum-clip", {**V1, "micro_batch_size": 1, "grad_accum_steps": 2,
                                "grad_clip": 0.5}, optimizer="adamw"),
-        case("v1-bf16", {**V1, "precision": "bf16"}, optimizer="adamw", tol=5e-2),
+        # about twice what was measured (2026-11-26: 3.1e-3)
+        case("v1-bf16", {**V1, "precision": "bf16"}, optimizer="adamw", tol=6e-3),
     ]
 
 
@@ -48,7 +49,7 @@ def v2_cases(devices):
                  facts=True),
             # state_dict: full is honoured, as on every backend: whole tensors, one chunk each
             case("v2-d2-bf16-full", {**V2, "precision": "bf16", "state_dict": "full"},
-                 optimizer="adamw", tol=5e-2)]
+                 optimizer="adamw", tol=5e-3)]  # measured 2.2e-3 (2026-11-26)
 
 
 def shared_jobs(tmp):
