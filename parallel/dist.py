@@ -77,6 +77,26 @@ def launched_world(env=None) -> tuple[int, int, int]:
     return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
 
 
+# What a launcher (or a library joining for itself) says of the world, in the environment
+LAUNCH_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+              "GROUP_RANK", "CROSS_RANK", "CROSS_SIZE")
+
+
+def launch_env() -> dict[str, str | None]:
+    return {k: os.environ.get(k) for k in LAUNCH_ENV}
+
+
+def restore_launch_env(saved: dict[str, str | None]) -> None:
+    """The launcher's variables as they were before a job: DeepSpeed's initialize sets LOCAL_RANK
+    in a process started by hand, and a later Hugging Face object (TrainingArguments, accelerate's
+    PartialState) then took the process for a launched rank and failed joining env:// (measured)."""
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
 def init_distributed(timeout_s: float) -> DistContext:
     """Join (or create) the default process group: NCCL on CUDA with gloo for CPU tensors, else gloo.
 

@@ -181,3 +181,4 @@ class Engine(EngineSetup):
         if dist.is_initialized():
             dist.barrier()
             self._destroy_process_group()
+        pdist.restore_launch_env(self._launch_env)

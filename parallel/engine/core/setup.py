@@ -42,6 +42,7 @@ class EngineSetup(EngineCalls):
         """`packages`: distributions whose versions this engine's checkpoints record beside torch's
         (the backend's descriptor's; the registry passes them)."""
         self.spec = spec
+        self._launch_env = pdist.launch_env()  # restored at close (a library may add to it)
         self.ctx = pdist.init_distributed(spec.timeout_s)
         self.hang = HangWatch(self.ctx.rank)  # idle until a collective times out; never per step
         self.progress = self.hang.progress
