@@ -178,6 +178,7 @@ def batches(rows, seed):
 
 @needs_both
 @pytest.mark.timeout(900)
+@pytest.mark.full  # make test-full: the cells' own training is make test's (above)
 def test_bench_of_the_users_own_model_and_batches(tmp_path):
     """--model module:factory (LoRA through peft) and --data module:function (padded batches from
     an HF collator): every backend trains the same job from the same start, tokens/s counts the

@@ -70,7 +70,7 @@ def _dryrun(spec: dict, world: int, tmp_path) -> dict:
 
 LAYOUTS = [(v, shard, precision) for v in (2, 1) for shard in ("full", "grad_op", "none", "hybrid")
            for precision in ("fp32", "bf16")]
-QUICK = {(2, "full", "bf16"), (1, "hybrid", "fp32"), (2, "none", "fp32")}
+QUICK = {(2, "full", "bf16"), (1, "hybrid", "fp32")}  # make test; every layout in test-full
 
 
 @pytest.mark.timeout(300)

@@ -10,7 +10,7 @@ BUDGET_S = 30  # seconds in make test (tests/conftest.py)
 
 
 @needs_deepspeed
-@pytest.mark.parametrize("zero_init", [False, True])
+@pytest.mark.parametrize("zero_init", [pytest.param(False, marks=pytest.mark.full), True])
 def test_zero3_is_what_transformers_expects(tmp_path, zero_init):
     import torch
     from transformers import LlamaForCausalLM

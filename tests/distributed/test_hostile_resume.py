@@ -25,6 +25,9 @@ class Payload:
         return os.system, (f"touch {self.marker}",)
 
 
+# make test-full: tests/unit/test_hostile_files.py proves the same reader refusing planted pickles,
+# links and FIFOs in an engine's load in one process
+@pytest.mark.full
 def test_planted_pickles_are_refused_on_resume(tmp_path):
     root, marker = tmp_path / "run", tmp_path / "PWNED"
     torchrun(2, [str(WORKER), "--phase", "save", "--root", str(root)], timeout=180)

@@ -42,6 +42,7 @@ def test_launch_fsdp_two_ranks_quietly_and_tracked(tmp_path):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.full  # make test-full: make test's launches are the quiet ones (test above)
 def test_launch_verbose_shows_what_quiet_hides(tmp_path):
     text = launch(tmp_path, [f"tracking.dir={tmp_path / 'track'}"], flags=["--verbose"])
     # gloo's C++ lines from both ranks share stderr unbuffered and may interleave mid-line (seen in

@@ -25,9 +25,10 @@ ZOO_MOE = {name: bool(entry.get("moe")) for name, entry in ZOO.items()}
 pytestmark = pytest.mark.distributed
 BUDGET_S = 450  # seconds in make test (tests/conftest.py)
 
-# Every backend variant in the registry (ZeRO-0's load of another backend's checkpoint, which hung at
-# 2 gloo ranks on 2026-11-24, loads since DeepSpeed's groups are torn down between jobs: #31, #41)
-CASES = matrix.cases(world=2, micro_batch_size=2)
+# Every backend variant in the registry but ZeRO-0, whose engine is ZeRO-1's without partitioning
+# (the same model code paths): its cross-backend load, which hung at 2 gloo ranks on 2026-11-24 and
+# loads since (#41), is make test's in the transfer matrix and the Hugging Face job (25 minutes)
+CASES = matrix.cases(world=2, micro_batch_size=2, skip=("zero0",))
 BACKENDS = {c.name: c.spec for c in CASES}
 CYCLE = list(BACKENDS)
 FLAT = {c.name for c in CASES if c.flat}  # one optimizer tensor per flat partition / unit
