@@ -147,7 +147,7 @@ def check_cells(saved: dict, loaded: dict) -> tuple[dict, dict]:
     worst, moe = {}, {}
     for phase, results, (start, stop) in (("trained", saved, (0, 3)), ("resumed", loaded, (3, 5))):
         for key, res in results.items():
-            if key.startswith("reference-"):
+            if key.startswith(("reference-", "refusal-")):  # refusals: checked apart (above)
                 continue
             backend, model_name = key.split("-", 1)
             ref = saved[f"reference-{model_name}"]
