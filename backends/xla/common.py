@@ -171,6 +171,8 @@ class ShapeWatch:
         self.said = False
 
     def see(self, micro_batches: list, step: int, say) -> None:
+        if self.said:  # said once: nothing more to track on the hot path
+            return
         for micro in micro_batches:
             ids = micro.get("input_ids") if isinstance(micro, dict) else None
             if ids is not None and hasattr(ids, "shape"):
