@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from backends.deepspeed.autotp import Split
+from backends.deepspeed.autotp_split import Split
 from backends.deepspeed.fragments import load_sharded, sharded_state
 from backends.deepspeed.parallelize import (
     apply_autotp_plan,

@@ -12,7 +12,8 @@ import re
 import torch
 from torch import nn
 
-from backends.deepspeed.autotp import Split, with_plan
+from backends.deepspeed.autotp import with_plan
+from backends.deepspeed.autotp_split import Split
 from backends.deepspeed.ops import announce_builds, check_locks
 from parallel.checkpoint import portable as ps
 from parallel.engine.model.tp_plan import split_shapes
