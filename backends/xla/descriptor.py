@@ -29,6 +29,9 @@ DESCRIPTOR = BackendDescriptor(
                     "params": Unsupported("XLA FSDP has no CPU offload", "offload: none")},
         "precision": {"fp16": Unsupported("TPUs compute in bf16; XLA FSDP has no fp16 loss "
                                           "scaling", "precision: bf16")},
+        "sequence.offload_activations": {True: Unsupported(
+            "an XLA graph keeps its saved activations on the device (torch's save_on_cpu would "
+            "move them out of the graph at every step)", "activation_checkpointing: true")},
         "checkpoint.async_save": {True: Unsupported(
             "XLA's checkpoints are written from device tensors by its own planners (SPMD) or "
             "gathered through XLA collectives (v1), which a background thread cannot drive",

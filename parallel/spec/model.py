@@ -22,6 +22,7 @@ from parallel.spec.compiling import Compile
 from parallel.spec.dims import HYBRID, ParallelDims
 from parallel.spec.errors import SpecError, rule_error
 from parallel.spec.sections import MAX_BATCH, Checkpointing, LossScale, Section, Topology, Wrap
+from parallel.spec.sequence import Sequence
 from parallel.spec.tracking import Tracking
 
 Shard = Literal["full", "grad_op", "optimizer", "none", "hybrid", "hybrid_grad_op"]
@@ -93,6 +94,8 @@ class Spec(Section):
               "them (non-reentrant checkpoint on every unit the wrap policy selects)."),
     ] = False
     wrap: Annotated[Wrap, Field(description="Which modules become shard units.")] = Wrap()
+    sequence: Annotated[Sequence, Field(description="Long rows: a tiled loss, activations "
+                                        "offloaded to host memory.")] = Sequence()
     compile: Annotated[
         Compile, Field(description="torch.compile: what is compiled and how (`compile: true` for "
                        "the defaults).")
@@ -232,6 +235,10 @@ class Spec(Section):
             problems.append(("loss_scale", f"loss scaling applies to precision: fp16 only, not "
                              f"{self.precision!r}; remove loss_scale or use precision: fp16"))
         problems += self._batch_rules()
+        if self.sequence.loss_tile is not None and self.topology.tp > 1:
+            problems.append(("sequence.loss_tile", f"{self.sequence.loss_tile} with topology.tp "
+                             f"{self.topology.tp}: a tensor-parallel lm_head splits the vocabulary, "
+                             "which the tiled loss does not reduce over; unset one of them"))
         for value, path in self._spelled("activation_checkpointing"):
             if ("activation_checkpointing" in self.model_fields_set
                     and value != self.activation_checkpointing):

@@ -110,14 +110,18 @@ def transient(spec, psi: float, unit: float) -> tuple[float, float]:
 
 
 def activations(cfg: dict | None, micro_batch: int, seq: int, precision: str,
-                checkpointing: bool, tp: int = 1) -> float | None:
+                checkpointing: bool, tp: int = 1, loss_tile: int | None = None,
+                offload: bool = False) -> float | None:
     """Korthikanti et al. per layer, times layers, plus the logits (fp32); with full
     recomputation each layer keeps its input, and one layer's whole activations exist again
     while its backward runs. The 5as/h term is the stored attention scores: eager attention
     keeps them, SDPA / flash attention (transformers' default) recompute them, so it is counted
     only for `attn_implementation: eager`. Tensor parallelism without sequence parallelism
     (their eq. 3): 10 of the 34 (norms, dropouts, residuals: whole on every rank) stay, 24 and
-    the scores split over tp; the logits are gathered whole (colwise_rep)."""
+    the scores split over tp; the logits are gathered whole (colwise_rep). `loss_tile`
+    (sequence.loss_tile): one tile's logits instead of the batch's. `offload`
+    (sequence.offload_activations): what backward keeps lives in host memory; the device holds
+    the layer in flight."""
     if not cfg:
         return None
     h, a, layers, vocab = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_hidden_layers"], \
@@ -126,8 +130,10 @@ def activations(cfg: dict | None, micro_batch: int, seq: int, precision: str,
     eager = (cfg.get("_attn_implementation") or cfg.get("attn_implementation")) == "eager"
     full = s * b * h * (10 + 24 / tp + (5 * a * s / (h * tp) if eager else 0))
     kept = (2 * s * b * h * layers + full) if checkpointing else full * layers
+    if offload:
+        kept = full
     scale = 2 if precision == "fp32" else 1
-    return scale * kept + 4 * s * b * vocab
+    return scale * kept + 4 * min(s * b, loss_tile or s * b) * vocab
 
 
 def candidates(spec_data: dict) -> list[dict]:
@@ -233,6 +239,7 @@ def predict(spec, shapes, cfg: dict | None, seq: int, optimizer: str = "adamw",
     est = Estimate(spec.backend, spec.shard, spec.offload,
                    *model_states(spec, shapes, optimizer=optimizer),
                    activations(cfg, spec.micro_batch_size, seq, spec.precision,
-                               spec.checkpoint_activations, spec.topology.tp))
+                               spec.checkpoint_activations, spec.topology.tp,
+                               spec.sequence.loss_tile, spec.sequence.offload_activations))
     est.gathered, est.buffers = transient(spec, psi, unit or psi)
     return est

@@ -6,6 +6,8 @@ save phase, per case: a tiny Llama (a copy kept in this process as the one-proce
   unwrap: the Hugging Face model's logits on this rank's prompts;
   generate: greedy on this rank's left-padded prompts, and sampling where rank 1 stops at its first
   token (every id is its EOS) while rank 0 runs on; on XLA the compiles of a second, longer call;
+  packing: tokenized documents of 2-13 tokens, pack_to 16 (engine.dataloader): an evaluation and two
+  training steps against the same documents run one by one on the reference (and an AdamW step);
   registered state: a shared object and a per-rank one, two training steps, a checkpoint.
 load phase, per case: a fresh engine loads the checkpoint another case wrote (--sources) and
   reports what its registered objects hold afterwards.
@@ -121,6 +123,45 @@ def generate(engine, reference, out):
             out["xla_new_compiles"].append(met.metric_data("CompileTime")[0] - compiles)
 
 
+def documents():
+    from tests.unit.test_packing import documents as make
+
+    return make(40, seed=3)
+
+
+def one_by_one(model, docs) -> torch.Tensor:
+    from tests.unit.test_packing import one_by_one as mean
+
+    return mean(model, docs)
+
+
+def packed(engine, reference, out):
+    """engine.dataloader(pack_to=16): evaluated, then trained two steps; the reference runs each
+    step's documents one by one (the rows every rank read, rebuilt from the same plan)."""
+    from parallel.engine.data.packing import PackedRows
+
+    docs = documents()
+    loader = engine.dataloader(docs, pack_to=16, shuffle=False, eval=True, batch_size=2)
+    out["packed_eval"] = engine.evaluate(loader)["loss"]
+    with torch.no_grad():
+        out["packed_eval_ref"] = float(one_by_one(reference, docs))
+    rows = PackedRows(docs, 16, 0, lambda _: None).rows
+    per_step = engine.samples_per_step * max(engine.dp_size, 1)
+    train = engine.dataloader(docs, pack_to=16, shuffle=False, name="packed")
+    model = copy.deepcopy(reference).train()
+    cls, kwargs = optimizer_arg("adamw")
+    optimizer = cls(model.parameters(), **kwargs)
+    out["packed_losses"], out["packed_ref"] = [], []
+    for step, batch in zip(range(2), train):
+        out["packed_losses"].append(engine.train_step(batch).loss)
+        step_docs = [docs[i] for r in rows[step * per_step:(step + 1) * per_step] for i in r]
+        loss = one_by_one(model, step_docs)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        out["packed_ref"].append(float(loss))
+
+
 def train_and_save(engine, root: Path, name: str, out):
     shared, mine = Tally(), Tally(100.0 * engine.rank)
     engine.register_for_checkpointing(shared, "tally")
@@ -170,6 +211,7 @@ def main():
             if args.phase == "save":
                 evaluate(engine, reference, out)
                 generate(engine, reference, out)
+                packed(engine, reference, out)
                 train_and_save(engine, root, case["name"], out)
             else:
                 load(engine, root / case["source"], out)

@@ -1,7 +1,9 @@
-"""Evaluation, generation, unwrap and the user's registered state on every case of the registry, at 2
-ranks (XLA: its CPU layout), with real `datasets` / `transformers` objects (hf_job_worker.py), and
-each case's checkpoint restored by another backend."""
+"""Evaluation, generation, unwrap, packed documents and the user's registered state on every case of
+the registry, at 2 ranks (XLA: its CPU layout), with real `datasets` / `transformers` objects
+(hf_job_worker.py), the loss tiled (sequence.loss_tile) and each case's checkpoint restored by another
+backend."""
 
+import dataclasses
 import json
 
 import matrix
@@ -9,10 +11,24 @@ import pytest
 from harness import needs_both
 from shared import job as launch_job, read
 
+from parallel import registry
+from parallel.tools.cells import merged
+
 pytestmark = pytest.mark.distributed
 BUDGET_S = 100  # seconds in make test (tests/conftest.py)
 
-CASES = matrix.cases(world=2, micro_batch_size=2)
+
+def long_rows(case) -> matrix.Case:
+    """The job with sequence.loss_tile (every backend), and activations offloaded where the backend
+    has it (its descriptor says): every loss of the job, evaluated, trained or packed, is compared
+    with the model's own loss computed whole, so the tiled loss is checked on every variant."""
+    offload = registry.get(case.backend).capabilities.check("sequence.offload_activations",
+                                                            True) is None
+    spec = merged(case.spec, {"sequence": {"loss_tile": 16, "offload_activations": offload}})
+    return dataclasses.replace(case, spec=spec)
+
+
+CASES = [long_rows(c) for c in matrix.cases(world=2, micro_batch_size=2)]
 
 
 def sources() -> dict:
@@ -73,6 +89,14 @@ def test_evaluate_generate_unwrap_and_registered_state(job, name):
             assert abs(got["token_accuracy"] - ref["token_accuracy"]) <= 1e-6, (name, kind, got)
         if len(ranks) == 2:  # uneven shares: 5 and 4 rows, 3 and 2 batches, no hang
             assert r["eval_map"]["batches"] == r["eval_stream"]["batches"] == 3 - rank
+        # packed documents (pack_to 16): their losses one by one, evaluated and trained (1e-5:
+        # reductions over ranks in another order than one process's sums)
+        assert abs(r["packed_eval"] - r["packed_eval_ref"]) <= 1e-5, (name, r["packed_eval"],
+                                                                    r["packed_eval_ref"])
+        assert max(abs(a - b) for a, b in zip(r["packed_losses"], r["packed_ref"])) <= 1e-5, (
+            name, r["packed_losses"], r["packed_ref"])
+        print(f"{name} rank {rank}: packed eval {abs(r['packed_eval'] - r['packed_eval_ref']):.1e} "
+              f"off one by one, steps {[f'{abs(a - b):.1e}' for a, b in zip(r['packed_losses'], r['packed_ref'])]}")
         if "unwrap_error" in r:
             assert name == "xla1" and "XLA FSDP v1" in r["unwrap_error"]
         else:

@@ -78,6 +78,16 @@ def test_activations_count_scores_only_for_eager_attention():
     assert ckpt < sdpa / 4  # inputs kept, one layer recomputed at a time
 
 
+def test_a_tiled_loss_and_offloaded_activations_are_counted():
+    cfg = {**LLAMA_8B}
+    whole = activations(cfg, 1, 32768, "bf16", True)
+    tiled = activations(cfg, 1, 32768, "bf16", True, loss_tile=1024)
+    assert whole - tiled == 4 * (32768 - 1024) * cfg["vocab_size"]  # fp32 logits: 1024 tokens
+    offloaded = activations(cfg, 1, 32768, "bf16", True, loss_tile=1024, offload=True)
+    inputs = 2 * 32768 * cfg["hidden_size"] * cfg["num_hidden_layers"]  # each layer's, on the host
+    assert tiled - offloaded == inputs
+
+
 def test_the_table_keeps_every_column_in_a_log_and_suggests_only_what_is_off(capsys, config):
     code = main(["plan", "configs/demo.yaml", "--set", "activation_checkpointing=true",
                  "--model", config, "--world", "8", "--budget", "10"])

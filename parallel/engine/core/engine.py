@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -154,9 +154,13 @@ class Engine(EngineSetup):
         """(the model's outputs, its loss) on one micro-batch on the device, under the backend's
         autocast: `loss_fn(model, batch)` (outputs None), else the Hugging Face model's `.loss`.
         What the step, eval_step and evaluate run."""
-        with self._autocast():
+        offload = self.spec.sequence.offload_activations  # saved tensors in host memory
+        with self._autocast(), (torch.autograd.graph.save_on_cpu(self.device.type == "cuda")
+                                if offload else nullcontext()):
             if self.loss_fn is not None:
                 return None, self.loss_fn(self.model, batch)
+            if self.tiled is not None:  # sequence.loss_tile: logits never whole
+                return self.tiled.forward(self.model, batch)
             outputs = self.model(**batch)
             return outputs, outputs.loss
 

@@ -25,6 +25,7 @@ from parallel.engine.data.loaders import Loaders, build_loader
 from parallel.engine.model.compile import apply_compile
 from parallel.engine.model.experts import Experts
 from parallel.engine.model.params import ParamGroupsHook, ParamPlan, per_parameter
+from parallel.engine.model.tiled_loss import TiledLoss, apply_tiled_loss
 from parallel.engine.observe.flops import model_flops
 from parallel.engine.observe.tracking import Tracker
 from parallel.engine.state.checkpointing import Checkpointer
@@ -57,6 +58,7 @@ class EngineSetup(EngineCalls):
         self._count_fn: CountFn | None = None
         self.objective = Objective(None, self.dp_size)  # set from the model in _record_params
         self.experts: Experts | None = None  # mixture-of-experts blocks, from _record_params
+        self.tiled: TiledLoss | None = None  # sequence.loss_tile's patched lm_head, likewise
         self.notices: list[str] = []  # what this run does differently from one process, said once
         self.loaders = Loaders()  # training loaders by name (checkpointed), eval loaders apart
         self.user_state = UserState()  # the user's objects saved with each checkpoint
@@ -168,6 +170,7 @@ class EngineSetup(EngineCalls):
         self.objective = Objective.for_model(model, self._count_fn, self.loss_fn is not None,
                                              self.spec.loss_weighting, self.dp_size)
         self.experts = Experts(model, touch=self.dp_size > 1) or None
+        self.tiled = apply_tiled_loss(model, self.spec.sequence.loss_tile, self.loss_fn is not None)
         if self.tracker.active:  # logged as hyper-parameters; FLOPs per token for MFU
             self._model_facts = {"flops": model_flops(model), "model.class": type(model).__name__,
                                  "model.params": sum(p.numel() for p in model.parameters()),
@@ -195,23 +198,47 @@ class EngineSetup(EngineCalls):
     def dataloader(self, dataset, batch_size: int | None = None, shuffle: bool = True,
                    collate_fn=None, *, name: str | None = None, eval: bool = False,
                    drop_last: bool | None = None, accept_changed_data: bool = False,
-                   **torch_kwargs):
+                   pack_to: int | None = None, pad_token_id: int = 0, **torch_kwargs):
         """This rank's loader of step batches (micro_batch_size * grad_accum_steps samples each) of
         a map-style or iterable dataset (Hugging Face `datasets`, streaming too), sharded by
         data-parallel rank. A training loader's position is saved with the checkpoint under `name`;
         `eval=True` loaders never are (data/loaders.py). `torch_kwargs`: num_workers, pin_memory,
-        prefetch_factor, persistent_workers, as torch's DataLoader takes them."""
+        prefetch_factor, persistent_workers, as torch's DataLoader takes them. `pack_to=N`: the
+        dataset's items are tokenized documents, packed whole into rows of N tokens, attention and
+        targets confined to each (data/packing.py); `pad_token_id` fills a row's end."""
         if drop_last is False and not eval:
             raise ValueError("engine.dataloader: drop_last=False on a training loader: its last "
                              "batch would be short and the step takes a fixed number of samples "
                              "per rank (micro_batch_size x grad_accum_steps); keep drop_last, or "
                              "pass eval=True for an evaluation loader")
+        pack = None
+        if pack_to is not None:
+            pack, collate_fn = self._packer(pack_to, pad_token_id, collate_fn)
         loader = build_loader(dataset, size=batch_size or self.samples_per_step,
                               dp_size=self.dp_size, dp_rank=self.dp_rank, seed=self.spec.seed,
                               shuffle=shuffle, collate_fn=collate_fn,
                               drop_last=not eval if drop_last is None else drop_last,
-                              device_loader=self._device_loader, eval_=eval, **torch_kwargs)
+                              device_loader=self._device_loader, eval_=eval, pack=pack,
+                              **torch_kwargs)
         return self.loaders.add(loader, name, eval, accept_changed_data)
+
+    def _packer(self, pack_to: int, pad_token_id: int, collate_fn):
+        from parallel.engine.data import packing
+
+        if collate_fn is not None:
+            raise ValueError("engine.dataloader: pack_to and collate_fn together: packing builds "
+                             "the rows and their masks itself; pass tokenized documents (dicts "
+                             "with input_ids, and labels if some tokens are not targets) without "
+                             "a collate_fn")
+        if isinstance(pack_to, bool) or not isinstance(pack_to, int) or not 2 <= pack_to <= 1 << 24:
+            raise ValueError(f"engine.dataloader: pack_to={pack_to!r}: a whole number of tokens "
+                             "per row, 2 to 16,777,216")
+        if self.model is None:
+            raise ValueError("engine.dataloader(pack_to=...): call it after engine.prepare(): how "
+                             "attention is confined to each document depends on the model's "
+                             "attention implementation")
+        mode = packing.mask_mode(self.model, self.spec.precision)
+        return packing.Packer(pack_to, pad_token_id, self.say), packing.collate(mode)
 
     @property
     def samples_per_step(self) -> int:

@@ -93,11 +93,16 @@ class IterableLoader:
 
 def build_loader(dataset, *, size: int, dp_size: int, dp_rank: int, seed: int, shuffle: bool,
                  collate_fn: Callable | None, drop_last: bool, device_loader: Callable,
-                 eval_: bool = False, **torch_kwargs):
+                 eval_: bool = False, pack=None, **torch_kwargs):
     """A resumable loader of `size`-sample batches of this rank's share of `dataset`. An eval
-    loader reads every sample once (uneven shares) and starts each pass at its beginning."""
+    loader reads every sample once (uneven shares) and starts each pass at its beginning.
+    `pack` (packing.Packer): the items are documents, packed into rows: a map-style dataset's
+    planned once, a stream's after the per-rank split."""
+    stream = isinstance(dataset, IterableDataset) or _hf_iterable(dataset)
+    if pack is not None and not stream:
+        dataset = pack.rows(dataset)
     print_ = fingerprint(dataset)
-    if isinstance(dataset, IterableDataset) or _hf_iterable(dataset):
+    if stream:
         if torch_kwargs.get("num_workers", 0) > 0:
             raise ValueError(
                 "engine.dataloader: num_workers > 0 with an iterable dataset: each worker would "
@@ -110,6 +115,9 @@ def build_loader(dataset, *, size: int, dp_size: int, dp_rank: int, seed: int, s
             share = split_dataset_by_node(dataset, rank=dp_rank, world_size=dp_size)
         else:
             share = _EveryNth(dataset, dp_size, dp_rank)
+        if pack is not None:
+            share = pack.stream(share)
+            print_["packed"] = share.n
         loader = DataLoader(share, batch_size=size, collate_fn=collate_fn, drop_last=drop_last,
                             **torch_kwargs)
         return IterableLoader(device_loader(loader), share, size, print_)

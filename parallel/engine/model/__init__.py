@@ -1,4 +1,4 @@
 """What is done to the model: params.py (parameters by name across sharding, tied weights, optimizer
 groups), wrap.py (shard units, activation checkpointing), tp_plan.py (the tensor-parallel plan, checked
 against the model), compile.py (torch.compile applied the same way everywhere), experts.py (experts a
-step does not use)."""
+step does not use), tiled_loss.py (a causal LM's loss a tile of tokens at a time)."""

@@ -1,0 +1,98 @@
+"""`sequence.loss_tile`: a causal LM's loss computed a tile of tokens at a time, so the logits (tokens x
+vocabulary: 16 GiB in fp32 at 32k tokens and a 128k vocabulary) are never held whole.
+
+The lm_head module itself computes the loss: its `forward` (patched on the instance, so parameter
+names, shard units and every backend's hooks stay as they are) takes the batch's labels from the
+engine, and returns the mean cross-entropy over the shifted targets, each tile's logits computed,
+reduced and freed, and recomputed in backward (a non-reentrant checkpoint per tile). The loss is the
+module's output, so FSDP's and ZeRO-3's backward hooks gather its weight before the recompute. The
+model returns that loss as its `logits`; a model that transforms its logits after lm_head (Gemma's
+softcapping, a logit scale) would change it, so the engine checks it got the very tensor back and
+refuses otherwise. Without labels (generation, a forward of your own) lm_head is itself.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from parallel.engine.core.objective import IGNORE_INDEX, base_model, count_shifted, label_count
+
+
+def _tile_sum(hidden: torch.Tensor, weight: torch.Tensor, bias, targets: torch.Tensor) -> torch.Tensor:
+    logits = F.linear(hidden, weight, bias).float()  # as Hugging Face's loss upcasts them
+    return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+class TiledLoss:
+    """Owns the patched lm_head: `forward(model, batch)` is the engine's forward with the loss tiled."""
+
+    def __init__(self, head: nn.Module, tile: int, model_name: str):
+        self.head, self.tile, self.model_name = head, tile, model_name
+        self.labels: torch.Tensor | None = None
+        self.loss: torch.Tensor | None = None
+        original = head.forward
+
+        def forward(module, hidden):
+            if self.labels is None:
+                return original(hidden)
+            self.loss = self._loss(module, hidden, self.labels)
+            return self.loss
+
+        head.forward = types.MethodType(forward, head)
+
+    def _loss(self, head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])  # position t predicts label t + 1
+        targets = labels[:, 1:].reshape(-1).to(hidden.device)
+        total = hidden.new_zeros((), dtype=torch.float32)
+        for start in range(0, targets.numel(), self.tile):
+            end = start + self.tile
+            total = total + checkpoint(_tile_sum, hidden[start:end], head.weight, head.bias,
+                                       targets[start:end], use_reentrant=False)
+        return total / (targets != IGNORE_INDEX).sum()  # the model's own mean (0/0 with none)
+
+    def forward(self, model: nn.Module, batch: dict):
+        """(outputs, loss) as the model's own forward with labels gives them."""
+        if not isinstance(batch, dict) or "labels" not in batch:
+            outputs = model(**batch)
+            return outputs, outputs.loss
+        self.labels = batch["labels"]
+        try:
+            outputs = model(**{k: v for k, v in batch.items() if k != "labels"})
+        finally:
+            self.labels = None
+        loss, self.loss = self.loss, None
+        if loss is None or outputs.logits is not loss:
+            raise RuntimeError(f"sequence.loss_tile: {self.model_name} changes its logits after "
+                               "lm_head (softcapping or scaling), so the tiled loss would be "
+                               "changed too; unset sequence.loss_tile for this model")
+        aux = getattr(outputs, "aux_loss", None)  # a mixture of experts' router loss, as HF adds it
+        if aux is not None:
+            loss = loss + getattr(base_model(model).config, "router_aux_loss_coef", 0.0) * aux.to(loss.device)
+        return outputs, loss
+
+
+def apply_tiled_loss(model: nn.Module, tile: int | None, has_loss_fn: bool) -> TiledLoss | None:
+    """Patch the model's lm_head to compute a tiled loss (before the backend wraps the model)."""
+    if tile is None:
+        return None
+    base = base_model(model)
+    name = type(base).__name__
+    if has_loss_fn:
+        raise ValueError("sequence.loss_tile: the engine was given a loss_fn, which computes the "
+                         "loss itself; unset sequence.loss_tile, or tile the loss in your loss_fn")
+    if label_count(model) is not count_shifted:
+        raise ValueError(f"sequence.loss_tile: {name} is not a causal LM (the tiled loss is a "
+                         "causal LM's shifted cross-entropy); unset sequence.loss_tile")
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    config = getattr(base, "config", None)
+    cap = getattr(config, "final_logit_softcapping", None)
+    if not isinstance(head, nn.Linear) or cap is not None:
+        why = (f"its logits are softcapped (final_logit_softcapping {cap})" if cap is not None
+               else f"its output layer is {type(head).__name__}, not a Linear")
+        raise ValueError(f"sequence.loss_tile: {name}: {why}; unset sequence.loss_tile")
+    return TiledLoss(head, tile, name)
