@@ -135,9 +135,10 @@ def one_by_one(model, docs) -> torch.Tensor:
     return mean(model, docs)
 
 
-def packed(engine, reference, out):
-    """engine.dataloader(pack_to=16): evaluated, then trained two steps; the reference runs each
-    step's documents one by one (the rows every rank read, rebuilt from the same plan)."""
+def packed(engine, reference, spec, out):
+    """engine.dataloader(pack_to=16): evaluated on the job's engine, trained two steps on a fresh
+    one (a step holds every batch to the first one's keys); the reference runs each step's
+    documents one by one (the rows every rank read, rebuilt from the same plan)."""
     from parallel.engine.data.packing import PackedRows
 
     docs = documents()
@@ -145,9 +146,10 @@ def packed(engine, reference, out):
     out["packed_eval"] = engine.evaluate(loader)["loss"]
     with torch.no_grad():
         out["packed_eval_ref"] = float(one_by_one(reference, docs))
+    engine, reference = engine_for(spec)
     rows = PackedRows(docs, 16, 0, lambda _: None).rows
     per_step = engine.samples_per_step * max(engine.dp_size, 1)
-    train = engine.dataloader(docs, pack_to=16, shuffle=False, name="packed")
+    train = engine.dataloader(docs, pack_to=16, shuffle=False)
     model = copy.deepcopy(reference).train()
     cls, kwargs = optimizer_arg("adamw")
     optimizer = cls(model.parameters(), **kwargs)
@@ -211,7 +213,7 @@ def main():
             if args.phase == "save":
                 evaluate(engine, reference, out)
                 generate(engine, reference, out)
-                packed(engine, reference, out)
+                packed(engine, reference, case["spec"], out)
                 train_and_save(engine, root, case["name"], out)
             else:
                 load(engine, root / case["source"], out)

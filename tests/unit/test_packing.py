@@ -52,7 +52,7 @@ def test_a_packed_batch_is_its_documents_one_by_one(impl):
     model = build_llama(llama_config("tiny"))
     model.config._attn_implementation = impl
     docs = documents()
-    mode = packing.mask_mode(model, "fp32")
+    mode = packing.mask_mode(packing.attention_of(model), "fp32")
     assert mode == {"eager": "float32", "sdpa": "bool"}[impl]
     loss, batch = packed(model, docs, 24, mode)
     assert batch["input_ids"].shape[0] < len(docs)  # documents share rows

@@ -52,6 +52,7 @@ def test_the_tiled_loss_and_gradients_are_the_models_own(name, tile):
     model.zero_grad()
     tiled = apply_tiled_loss(model, tile, has_loss_fn=False)
     outputs, loss = tiled.forward(model, batch())
+    assert outputs.logits is None and "logits" not in outputs  # the loss is not handed out as logits
     loss.backward()
     assert abs(loss.item() - reference.item()) < 1e-6, (loss.item(), reference.item())
     for n, p in model.named_parameters():
@@ -86,10 +87,15 @@ def test_tp_with_a_tiled_loss_is_refused_naming_both():
 
 
 def steps(spec: dict, n=2) -> list[float]:
+    """The losses of n steps, then evaluate's loss and token accuracy (a metric reading logits)."""
+    from parallel.engine.infer.evaluate import token_accuracy
+
     engine = create_engine(load_spec({"backend": "fsdp", "micro_batch_size": 3, **spec}))
     try:
         engine.prepare(build("llama"), (torch.optim.AdamW, {"lr": 1e-2}))
-        return [engine.train_step(batch(seed)).loss for seed in range(n)]
+        losses = [engine.train_step(batch(seed)).loss for seed in range(n)]
+        results = engine.evaluate([batch(7)], metrics=[token_accuracy])
+        return losses + [results["loss"], results["token_accuracy"]]
     finally:
         engine.close()
 

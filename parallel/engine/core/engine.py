@@ -150,16 +150,17 @@ class Engine(EngineSetup):
         share = self.objective.share(self.forward(batch)[1], 0, counts, total, 1)
         return float(pdist.all_mean(share.detach().float(), self.groups.world))
 
-    def forward(self, batch) -> tuple[object | None, torch.Tensor]:
+    def forward(self, batch, logits: bool = False) -> tuple[object | None, torch.Tensor]:
         """(the model's outputs, its loss) on one micro-batch on the device, under the backend's
         autocast: `loss_fn(model, batch)` (outputs None), else the Hugging Face model's `.loss`.
-        What the step, eval_step and evaluate run."""
+        What the step, eval_step and evaluate run. With sequence.loss_tile the outputs carry no
+        logits, unless `logits` (evaluate's metrics read them: then the loss is not tiled)."""
         offload = self.spec.sequence.offload_activations  # saved tensors in host memory
         with self._autocast(), (torch.autograd.graph.save_on_cpu(self.device.type == "cuda")
                                 if offload else nullcontext()):
             if self.loss_fn is not None:
                 return None, self.loss_fn(self.model, batch)
-            if self.tiled is not None:  # sequence.loss_tile: logits never whole
+            if self.tiled is not None and not logits:  # sequence.loss_tile: never whole
                 return self.tiled.forward(self.model, batch)
             outputs = self.model(**batch)
             return outputs, outputs.loss

@@ -21,6 +21,7 @@ from parallel import dist as pdist
 from parallel.engine.core.calls import EngineCalls
 from parallel.engine.core.objective import CountFn, Objective
 from parallel.engine.core.step import LossFn, OptimizerArg, build_optimizer
+from parallel.engine.data import packing
 from parallel.engine.data.loaders import Loaders, build_loader
 from parallel.engine.model.compile import apply_compile
 from parallel.engine.model.experts import Experts
@@ -59,6 +60,7 @@ class EngineSetup(EngineCalls):
         self.objective = Objective(None, self.dp_size)  # set from the model in _record_params
         self.experts: Experts | None = None  # mixture-of-experts blocks, from _record_params
         self.tiled: TiledLoss | None = None  # sequence.loss_tile's patched lm_head, likewise
+        self.attention: str | None = None  # the HF model's attention implementation, likewise
         self.notices: list[str] = []  # what this run does differently from one process, said once
         self.loaders = Loaders()  # training loaders by name (checkpointed), eval loaders apart
         self.user_state = UserState()  # the user's objects saved with each checkpoint
@@ -171,6 +173,7 @@ class EngineSetup(EngineCalls):
                                              self.spec.loss_weighting, self.dp_size)
         self.experts = Experts(model, touch=self.dp_size > 1) or None
         self.tiled = apply_tiled_loss(model, self.spec.sequence.loss_tile, self.loss_fn is not None)
+        self.attention = packing.attention_of(model)  # how packed rows confine attention
         if self.tracker.active:  # logged as hyper-parameters; FLOPs per token for MFU
             self._model_facts = {"flops": model_flops(model), "model.class": type(model).__name__,
                                  "model.params": sum(p.numel() for p in model.parameters()),
@@ -223,8 +226,6 @@ class EngineSetup(EngineCalls):
         return self.loaders.add(loader, name, eval, accept_changed_data)
 
     def _packer(self, pack_to: int, pad_token_id: int, collate_fn):
-        from parallel.engine.data import packing
-
         if collate_fn is not None:
             raise ValueError("engine.dataloader: pack_to and collate_fn together: packing builds "
                              "the rows and their masks itself; pass tokenized documents (dicts "
@@ -237,7 +238,7 @@ class EngineSetup(EngineCalls):
             raise ValueError("engine.dataloader(pack_to=...): call it after engine.prepare(): how "
                              "attention is confined to each document depends on the model's "
                              "attention implementation")
-        mode = packing.mask_mode(self.model, self.spec.precision)
+        mode = packing.mask_mode(self.attention, self.spec.precision)
         return packing.Packer(pack_to, pad_token_id, self.say), packing.collate(mode)
 
     @property

@@ -28,11 +28,16 @@ from parallel.engine.core.objective import IGNORE_INDEX
 FLASH = ("flash_attention_2", "flash_attention_3")
 
 
-def mask_mode(model, precision: str) -> str:
-    """'positions' (flash attention: no mask), 'bool' (sdpa) or an additive mask's dtype name."""
+def attention_of(model) -> str | None:
+    """The Hugging Face model's attention implementation (a PEFT model's base's), read before any
+    backend wraps it."""
     from parallel.engine.core.objective import base_model
 
-    impl = getattr(getattr(base_model(model), "config", None), "_attn_implementation", None)
+    return getattr(getattr(base_model(model), "config", None), "_attn_implementation", None)
+
+
+def mask_mode(impl: str | None, precision: str) -> str:
+    """'positions' (flash attention: no mask), 'bool' (sdpa) or an additive mask's dtype name."""
     if impl in FLASH:
         return "positions"
     if impl == "sdpa":

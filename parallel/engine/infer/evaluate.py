@@ -44,7 +44,7 @@ class Evaluated(Protocol):
 
     def device_batch(self, batch): ...
 
-    def forward(self, batch) -> tuple[object, torch.Tensor]: ...
+    def forward(self, batch, logits: bool = False) -> tuple[object, torch.Tensor]: ...
 
 
 def run(engine: Evaluated, loader, metrics: list[Metric], max_batches: int | None) -> dict:
@@ -61,7 +61,7 @@ def run(engine: Evaluated, loader, metrics: list[Metric], max_batches: int | Non
     with torch.no_grad():
         for batch, real in lockstep(engine, loader, max_batches):
             batch = engine.device_batch(batch)
-            outputs, loss = engine.forward(batch)
+            outputs, loss = engine.forward(batch, logits=bool(metrics))  # metrics read them
             if not real:  # a forward to keep ranks in step: it adds nothing
                 continue
             # the items this loss averages over (target tokens for a causal LM; the objective

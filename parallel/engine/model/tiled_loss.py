@@ -4,11 +4,12 @@ vocabulary: 16 GiB in fp32 at 32k tokens and a 128k vocabulary) are never held w
 The lm_head module itself computes the loss: its `forward` (patched on the instance, so parameter
 names, shard units and every backend's hooks stay as they are) takes the batch's labels from the
 engine, and returns the mean cross-entropy over the shifted targets, each tile's logits computed,
-reduced and freed, and recomputed in backward (a non-reentrant checkpoint per tile). The loss is the
+reduced and freed, and recomputed in backward (`_Tile`). The loss is the
 module's output, so FSDP's and ZeRO-3's backward hooks gather its weight before the recompute. The
 model returns that loss as its `logits`; a model that transforms its logits after lm_head (Gemma's
-softcapping, a logit scale) would change it, so the engine checks it got the very tensor back and
-refuses otherwise. Without labels (generation, a forward of your own) lm_head is itself.
+softcapping, a logit scale) would change it, so the first forward checks it came back unchanged and
+refuses otherwise, and hands back outputs without logits. Without labels (generation, a forward of
+your own) lm_head is itself, and evaluate() with metrics that read logits runs the model's own loss.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import types
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from parallel.engine.core.objective import IGNORE_INDEX, base_model, count_shifted, label_count
 
@@ -28,6 +28,34 @@ def _tile_sum(hidden: torch.Tensor, weight: torch.Tensor, bias, targets: torch.T
     return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+class _Tile(torch.autograd.Function):
+    """One tile's summed cross-entropy: forward keeps its inputs, not its logits; backward computes
+    them again under the forward's autocast and differentiates. torch.utils.checkpoint would do the
+    same, but it looks up a device module (`torch.xla` does not exist: measured, XLA's tensors fail
+    there), so this works on every device."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets):
+        kind = hidden.device.type
+        ctx.autocast = (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+        ctx.save_for_backward(hidden, weight, bias, targets)
+        with torch.no_grad():
+            return _tile_sum(hidden, weight, bias, targets)
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, bias, targets = ctx.saved_tensors
+        kind, enabled, dtype = ctx.autocast
+        wanted = [t.detach().requires_grad_(need) if t is not None else None
+                  for t, need in zip((hidden, weight, bias), ctx.needs_input_grad)]
+        with torch.enable_grad(), torch.autocast(kind, dtype=dtype, enabled=enabled):
+            loss = _tile_sum(*wanted, targets)
+        inputs = [t for t in wanted if t is not None and t.requires_grad]
+        found = iter(torch.autograd.grad(loss, inputs, grad))
+        return (*(next(found) if t is not None and t.requires_grad else None for t in wanted),
+                None)
+
+
 class TiledLoss:
     """Owns the patched lm_head: `forward(model, batch)` is the engine's forward with the loss tiled."""
 
@@ -35,6 +63,7 @@ class TiledLoss:
         self.head, self.tile, self.model_name = head, tile, model_name
         self.labels: torch.Tensor | None = None
         self.loss: torch.Tensor | None = None
+        self.checked = False  # the model returned lm_head's loss unchanged (the first forward)
         original = head.forward
 
         def forward(module, hidden):
@@ -51,8 +80,8 @@ class TiledLoss:
         total = hidden.new_zeros((), dtype=torch.float32)
         for start in range(0, targets.numel(), self.tile):
             end = start + self.tile
-            total = total + checkpoint(_tile_sum, hidden[start:end], head.weight, head.bias,
-                                       targets[start:end], use_reentrant=False)
+            total = total + _Tile.apply(hidden[start:end], head.weight, head.bias,
+                                        targets[start:end])
         return total / (targets != IGNORE_INDEX).sum()  # the model's own mean (0/0 with none)
 
     def forward(self, model: nn.Module, batch: dict):
@@ -65,11 +94,22 @@ class TiledLoss:
             outputs = model(**{k: v for k, v in batch.items() if k != "labels"})
         finally:
             self.labels = None
-        loss, self.loss = self.loss, None
-        if loss is None or outputs.logits is not loss:
+        mine, self.loss = self.loss, None
+        # What the model hands back is lm_head's output as the backend's hooks left it (ZeRO-3
+        # wraps a module's outputs in its backward hook's function: another tensor, the same
+        # value), and backward must go through it. It must be the loss unchanged: a model that
+        # scales or softcaps its logits after lm_head would change it, so the first forward
+        # compares the two (one host read, once).
+        loss = outputs.logits
+        if mine is None or loss is None or loss.dim() != 0 or (
+                not self.checked and not torch.equal(loss.detach(), mine.detach())):
             raise RuntimeError(f"sequence.loss_tile: {self.model_name} changes its logits after "
                                "lm_head (softcapping or scaling), so the tiled loss would be "
                                "changed too; unset sequence.loss_tile for this model")
+        self.checked = True
+        # what the model returned as logits is the loss: outputs without it (as attribute, key and
+        # tuple item alike)
+        outputs = type(outputs)(**{k: v for k, v in outputs.items() if k != "logits"})
         aux = getattr(outputs, "aux_loss", None)  # a mixture of experts' router loss, as HF adds it
         if aux is not None:
             loss = loss + getattr(base_model(model).config, "router_aux_loss_coef", 0.0) * aux.to(loss.device)
