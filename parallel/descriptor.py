@@ -61,10 +61,12 @@ class CommVolume(Protocol):
 
 
 class Transient(Protocol):
-    def __call__(self, spec, psi: float, unit: float, low: int) -> tuple[float, float]:
+    def __call__(self, spec, psi: float, unit: float, low: int, hidden: int | None = None
+                 ) -> tuple[float, float]:
         """(gathered parameter bytes, communication buffer bytes) a rank holds at its peak beyond
         its model states: `psi` parameters, `unit` the largest shard unit's, `low` the compute
-        dtype's bytes."""
+        dtype's bytes, `hidden` the model's hidden size where known (what buffers sized to the
+        model are sized from)."""
 
 
 @dataclass(frozen=True)

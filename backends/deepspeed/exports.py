@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from backends.deepspeed.translate import translate
+from backends.deepspeed.translate import exported, translate
 from parallel.interop.exporting import common_accelerate, trainer_args, trainer_document
 from parallel.spec.errors import SpecError, validate_as
 from parallel.spec.model import Spec
@@ -24,7 +24,7 @@ def _accelerate_tp(spec: Spec, tool: str) -> None:
 
 def to_accelerate(spec: Spec) -> dict:
     _accelerate_tp(spec, "accelerate")
-    config = translate(spec)["config"]
+    config = exported(translate(spec)["config"], auto=True)
     name = "deepspeed_config.json"
     common = common_accelerate(spec)
     del common["mixed_precision"]  # beside deepspeed_config_file accelerate refuses it: the JSON says
@@ -34,12 +34,14 @@ def to_accelerate(spec: Spec) -> dict:
         "__files__": {name: json.dumps(config, indent=2) + "\n"}}
 
 
-def to_deepspeed(spec: Spec) -> dict:
-    """Any spec as the DeepSpeed config it means (its other fields kept, backend deepspeed)."""
+def to_deepspeed(spec: Spec, auto: bool = False) -> dict:
+    """Any spec as the DeepSpeed config it means (its other fields kept, backend deepspeed); the
+    buckets polyshard sizes to the model as "auto" (`auto`: for HF Trainer) or left to DeepSpeed."""
     data = spec.model_dump(mode="json", exclude_unset=True)
-    return translate(validate_as(type(spec), {**data, "backend": "deepspeed"}))["config"]
+    return exported(translate(validate_as(type(spec), {**data, "backend": "deepspeed"}))["config"],
+                    auto)
 
 
 def to_hf_trainer(spec: Spec) -> dict:
     _accelerate_tp(spec, "HF Trainer (through accelerate)")
-    return trainer_document({**trainer_args(spec), "deepspeed": to_deepspeed(spec)})
+    return trainer_document({**trainer_args(spec), "deepspeed": to_deepspeed(spec, auto=True)})

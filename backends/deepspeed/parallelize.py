@@ -15,6 +15,7 @@ from torch import nn
 from backends.deepspeed.autotp import with_plan
 from backends.deepspeed.autotp_split import Split
 from backends.deepspeed.ops import announce_builds, check_locks
+from backends.deepspeed.translate import model_sized
 from parallel.checkpoint import portable as ps
 from parallel.engine.model.tp_plan import split_shapes
 from parallel.spec.errors import SpecError
@@ -46,7 +47,7 @@ def known_config(config: dict) -> dict:
     """The config without the model-sized "auto" values (filled after construction; zero.Init
     reads none of them)."""
     return {**config, "zero_optimization": {
-        k: v for k, v in config.get("zero_optimization", {}).items() if v != "auto"}}
+        k: v for k, v in config.get("zero_optimization", {}).items() if not model_sized(v)}}
 
 
 def build_model(model, config: dict, zero3: bool, zero_init: bool):

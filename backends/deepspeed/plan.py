@@ -10,7 +10,7 @@ stage3_max_live_parameters (2 Psi), 3 Psi beyond.
 
 from __future__ import annotations
 
-from backends.deepspeed.translate import STAGES, translate
+from backends.deepspeed.translate import STAGES, fill_sized, model_sized, translate
 from parallel.tools.sizes import flat, numel
 
 
@@ -22,15 +22,21 @@ def model_states(spec, shapes, n: int, low: int, opt: int) -> tuple[float, float
     return low * (part if stage == 3 else psi), low * part, (4 + opt) * part
 
 
-def transient(spec, psi: float, unit: float, low: int) -> tuple[float, float]:
+def transient(spec, psi: float, unit: float, low: int, hidden: int | None = None
+              ) -> tuple[float, float]:
     """ZeRO-3: up to stage3_max_live_parameters gathered (a model below it stays gathered from
     forward to backward, measured: docs/deepspeed.md), plus the prefetch bucket. ZeRO-0/1/2: none
     gathered (parameters are whole). Buffers: the reduce bucket (reduce_bucket_size elements, in
     the reduce dtype) and, at stages 1/2, the all-gather bucket of updated parameters. With
     contiguous_gradients (DeepSpeed's default) stages 1-3 allocate the whole reduce bucket whatever
     the model's size, twice at stages 1/2 with overlap_comm (measured with `polyshard bench`: 5e8
-    fp32 elements, 1907 MiB per rank, for a 3 M-parameter model; docs/deepspeed.md)."""
+    fp32 elements, 1907 MiB per rank, for a 3 M-parameter model; docs/deepspeed.md), so unless the
+    spec sets them they are sized to the model's `hidden` size (translate.py: MODEL_SIZED;
+    DeepSpeed's defaults where it is unknown)."""
     zero = translate(spec)["config"]["zero_optimization"]
+    if hidden is not None:  # the model-sized defaults, as prepare fills them (translate.py)
+        zero = fill_sized({"zero_optimization": zero}, hidden)["zero_optimization"]
+    zero = {k: v for k, v in zero.items() if not model_sized(v)}  # unknown: DeepSpeed's defaults
     stage, red = STAGES[spec.shard], {"fp32": 4, "bf16": 2, "fp16": 2}[spec.grad_reduce_dtype]
     elements = float(zero.get("reduce_bucket_size", 5e8))
     if stage and zero.get("contiguous_gradients", True):

@@ -112,17 +112,20 @@ def _zero(spec: Spec) -> tuple[dict, dict]:
     if ds.reduce_bucket_size is not None:
         zero["reduce_bucket_size"] = ds.reduce_bucket_size
         origins["zero_optimization.reduce_bucket_size"] = "deepspeed.reduce_bucket_size"
+    elif stage:  # DeepSpeed's 5e8 is allocated whole whatever the model: sized to it instead
+        zero["reduce_bucket_size"] = MODEL_SIZED["zero_optimization.reduce_bucket_size"]
     if stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = ds.gather_16bit_weights_on_model_save
         origins["zero_optimization.stage3_gather_16bit_weights_on_model_save"] = \
             "deepspeed.gather_16bit_weights_on_model_save"
-        if ds.prefetch_bucket_size is not None:
-            zero["stage3_prefetch_bucket_size"] = ds.prefetch_bucket_size
-            origins["zero_optimization.stage3_prefetch_bucket_size"] = "deepspeed.prefetch_bucket_size"
-        if ds.param_persistence_threshold is not None:
-            zero["stage3_param_persistence_threshold"] = ds.param_persistence_threshold
-            origins["zero_optimization.stage3_param_persistence_threshold"] = \
-                "deepspeed.param_persistence_threshold"
+        for key, field in (("stage3_prefetch_bucket_size", "prefetch_bucket_size"),
+                           ("stage3_param_persistence_threshold", "param_persistence_threshold")):
+            value = getattr(ds, field)
+            if value is not None:
+                zero[key] = value
+                origins[f"zero_optimization.{key}"] = f"deepspeed.{field}"
+            else:
+                zero[key] = MODEL_SIZED[f"zero_optimization.{key}"]
     return zero, origins
 
 
@@ -238,7 +241,7 @@ def _merge(config: dict, origins: dict, native: dict, where: str, prefix: str = 
             if key not in config and path not in MODEL_AUTOS:
                 problems.append((f"{where}.{path}", "is \"auto\" but the spec has no value for it; "
                                  "give a number or remove the key"))
-            elif key not in config:
+            elif key not in config or model_sized(mine):
                 out[key] = value  # filled from the model at prepare (fill_model_autos)
         elif key in config and mine != value and path in origins:
             problems.append((f"{where}.{path}", f"{value!r} contradicts {origins[path]}, which sets "
@@ -256,20 +259,60 @@ def _merge(config: dict, origins: dict, native: dict, where: str, prefix: str = 
 MODEL_AUTOS = {"zero_optimization.reduce_bucket_size": lambda h: h * h,
                "zero_optimization.stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
                "zero_optimization.stage3_param_persistence_threshold": lambda h: 10 * h}
+# What the translation writes where the spec leaves them unset: the same rule, named for explain.
+# DeepSpeed's own defaults (5e8 reduce, 5e7 prefetch elements) are allocated whole whatever the model:
+# 1907 MiB per rank in fp32 for a 3 M-parameter model (docs/deepspeed.md). A model without a hidden
+# size keeps DeepSpeed's defaults, said at prepare.
+MODEL_SIZED = {"zero_optimization.reduce_bucket_size": "hidden_size**2 (at prepare)",
+               "zero_optimization.stage3_prefetch_bucket_size": "0.9 hidden_size**2 (at prepare)",
+               "zero_optimization.stage3_param_persistence_threshold": "10 hidden_size (at prepare)"}
 
 
-def fill_model_autos(config: dict, model) -> dict:
-    """The config with MODEL_AUTOS' "auto" values computed from `model` (a copy)."""
+def model_sized(value) -> bool:
+    """A value filled from the model at prepare: the spec's default (MODEL_SIZED) or a file's "auto"."""
+    return value == "auto" or value in MODEL_SIZED.values()
+
+
+def hidden_size(cfg) -> int | None:
+    """The hidden size the rule reads (a config object or dict), as accelerate reads it."""
+    get = cfg.get if isinstance(cfg, dict) else lambda k: getattr(cfg, k, None)
+    sizes = get("hidden_sizes")
+    hidden = get("hidden_size") or (max(sizes) if sizes else None)
+    return int(hidden) if hidden else None
+
+
+def fill_model_autos(config: dict, model, say=lambda message: None) -> dict:
+    """The config with its model-sized values computed from `model` (a copy): a file's "auto" needs
+    the model's hidden size; the spec's defaults fall back to DeepSpeed's where it has none."""
+    return fill_sized(config, hidden_size(getattr(model, "config", None) or {}), say)
+
+
+def fill_sized(config: dict, hidden: int | None, say=lambda message: None) -> dict:
+    """fill_model_autos for a known hidden size (None: none)."""
     zero = dict(config.get("zero_optimization", {}))
-    wanted = {k: f for k, f in MODEL_AUTOS.items() if zero.get(k.split(".")[1]) == "auto"}
+    wanted = {k: f for k, f in MODEL_AUTOS.items() if model_sized(zero.get(k.split(".")[1]))}
     if not wanted:
         return config
-    cfg = getattr(model, "config", None)
-    sizes = getattr(cfg, "hidden_sizes", None)
-    hidden = getattr(cfg, "hidden_size", None) or (max(sizes) if sizes else None)
-    if hidden is None:
-        raise SpecError([(f"deepspeed.native.{sorted(wanted)[0]}", "is \"auto\", which is filled "
+    asked = sorted(k for k in wanted if zero[k.split(".")[1]] == "auto")
+    if hidden is None and asked:
+        raise SpecError([(f"deepspeed.native.{asked[0]}", "is \"auto\", which is filled "
                           "from model.config.hidden_size, and this model has none; give a number")])
     for key, formula in wanted.items():
-        zero[key.split(".")[1]] = formula(int(hidden))
+        if hidden is None:
+            del zero[key.split(".")[1]]
+        else:
+            zero[key.split(".")[1]] = formula(hidden)
+    if hidden is None:
+        say(f"DeepSpeed's buckets ({', '.join(k.split('.')[1] for k in wanted)}) keep DeepSpeed's "
+            "defaults (5e8 / 5e7 elements, allocated whole): the model has no config.hidden_size to "
+            "size them from; set deepspeed.reduce_bucket_size (and the ZeRO-3 ones) for a small model")
     return {**config, "zero_optimization": zero}
+
+
+def exported(config: dict, auto: bool) -> dict:
+    """The config for a file: the model-sized defaults as "auto" (accelerate and HF Trainer fill
+    them by the same rule) or left out (a plain DeepSpeed file: DeepSpeed's parser takes no "auto",
+    so DeepSpeed's own defaults apply there)."""
+    zero = {k: ("auto" if auto else None) if v in MODEL_SIZED.values() else v
+            for k, v in config.get("zero_optimization", {}).items()}
+    return {**config, "zero_optimization": {k: v for k, v in zero.items() if v is not None}}

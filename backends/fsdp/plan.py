@@ -18,7 +18,8 @@ def model_states(spec, shapes, n: int, low: int, opt: int) -> tuple[float, float
     return 4.0 * part, 4.0 * part, float(opt * part)
 
 
-def transient(spec, psi: float, unit: float, low: int) -> tuple[float, float]:
+def transient(spec, psi: float, unit: float, low: int, hidden: int | None = None
+              ) -> tuple[float, float]:
     """FULL_SHARD / HYBRID: the unit computing and the one prefetched, gathered in the compute
     dtype. SHARD_GRAD_OP keeps every unit gathered from its forward to its backward, so at the
     end of forward the whole model is held gathered. NO_SHARD holds its parameters as state.

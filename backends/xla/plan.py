@@ -13,7 +13,8 @@ def model_states(spec, shapes, n: int, low: int, opt: int) -> tuple[float, float
     return 4.0 * part, 4.0 * part, float(opt * part)
 
 
-def transient(spec, psi: float, unit: float, low: int) -> tuple[float, float]:
+def transient(spec, psi: float, unit: float, low: int, hidden: int | None = None
+              ) -> tuple[float, float]:
     """v1 like torch FSDP (grad_op keeps units gathered through backward, full two units at a
     time); v2's gathers are scheduled by the compiler: two units assumed, as FULL_SHARD."""
     if spec.shard == "grad_op":

@@ -97,7 +97,7 @@ def model_states(spec, shapes, n: int | None = None, optimizer: str = "adamw",
     return tuple(x if m == host else 0.0 for x, m in zip(states, moved))
 
 
-def transient(spec, psi: float, unit: float) -> tuple[float, float]:
+def transient(spec, psi: float, unit: float, hidden: int | None = None) -> tuple[float, float]:
     """(gathered, buffers) bytes at the peak, from the backend's plan model (FULL_SHARD's rule
     where it has none)."""
     from parallel.registry import get
@@ -106,7 +106,7 @@ def transient(spec, psi: float, unit: float) -> tuple[float, float]:
     rule = get(spec.backend).plan.transient
     if rule is None:
         return (0.0 if spec.shard == "none" else 2 * unit * low), unit * 4
-    return rule(spec, psi, unit, low)
+    return rule(spec, psi, unit, low, hidden)
 
 
 def activations(cfg: dict | None, micro_batch: int, seq: int, precision: str,
@@ -241,5 +241,5 @@ def predict(spec, shapes, cfg: dict | None, seq: int, optimizer: str = "adamw",
                    activations(cfg, spec.micro_batch_size, seq, spec.precision,
                                spec.checkpoint_activations, spec.topology.tp,
                                spec.sequence.loss_tile, spec.sequence.offload_activations))
-    est.gathered, est.buffers = transient(spec, psi, unit or psi)
+    est.gathered, est.buffers = transient(spec, psi, unit or psi, (cfg or {}).get("hidden_size"))
     return est

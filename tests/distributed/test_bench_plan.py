@@ -127,8 +127,8 @@ def test_plan_reproduces_the_zero_paper_table():
 def test_plan_predicts_the_measured_peak(results):
     """Every cell on CPU measures the most tensor bytes a rank holds in a step (live storages
     between steps + torch.profiler's allocation events during one); polyshard plan's peak is within
-    25% of it (docs/bench.md records each backend's error). DeepSpeed's default reduce bucket (5e8
-    fp32 elements, 1907 MiB per rank whatever the model's size) is in both."""
+    25% of it (docs/bench.md records each backend's error). DeepSpeed's buckets are sized to the
+    model (HF's rule), so a tiny model holds MiBs, not DeepSpeed's default 1907 MiB."""
     default, textbook, table = results
     peaks = {label: cell for label, cell in {**default, **textbook}.items() if "median_s" in cell
              and not label.startswith("xla")}
@@ -138,9 +138,10 @@ def test_plan_predicts_the_measured_peak(results):
         assert cell["peak_measured_bytes"] >= cell["boundary_measured_bytes"] > 0, label
         assert abs(cell["peak_error"]) < 0.25, (label, cell["peak_planned_bytes"],
                                                 cell["peak_measured_bytes"])
-    bucket = 5e8 * 4
+    # DeepSpeed's buckets sized to the model (hidden 32: 1,024 elements), not DeepSpeed's 5e8
+    # elements (1907 MiB per rank whatever the model, measured before: docs/deepspeed.md)
     for label in ("deepspeed/grad_op/w2", "deepspeed/full/w2"):
-        assert peaks[label]["peak_measured_bytes"] > bucket > 100 * peaks[label]["params"] * 4
+        assert peaks[label]["peak_measured_bytes"] < 64 * 2 ** 20, (label, peaks[label])
     assert "peak MiB (plan, error)" in table
 
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from backends.deepspeed.translate import translate
+from backends.deepspeed.translate import MODEL_SIZED, translate
 from parallel import SpecError, load_spec
 
 
@@ -68,7 +68,8 @@ def test_native_merges_last_auto_fills_and_conflicts_name_both_values(tmp_path):
     cfg = ds(deepspeed={"native": {"zero_optimization": {"overlap_comm": True, "stage": "auto"},
                                    "gradient_clipping": "auto", "wall_clock_breakdown": True}})
     assert cfg["zero_optimization"] == {"stage": 3, "overlap_comm": True,
-                                        "stage3_gather_16bit_weights_on_model_save": True}
+                                        "stage3_gather_16bit_weights_on_model_save": True,
+                                        **{k.split(".")[1]: v for k, v in MODEL_SIZED.items()}}
     assert cfg["gradient_clipping"] == 0.0 and cfg["wall_clock_breakdown"] is True
     with pytest.raises(SpecError) as info:
         ds(shard="grad_op", grad_clip=1.0, deepspeed={"native": {
@@ -114,3 +115,30 @@ def test_topology_tp_is_autotp_and_native_keys_cannot_pick_another_split():
         load_spec({**tp, "deepspeed": {"native": {"train_batch_size": 8}}})
     kept = load_spec({**tp, "deepspeed": {"native": {"tensor_parallel": {"tp_overlap_comm": True}}}})
     assert translate(kept)["config"]["tensor_parallel"]["tp_overlap_comm"] is True
+
+def test_buckets_are_sized_to_the_model_unless_the_spec_sizes_them():
+    """DeepSpeed's 5e8-element reduce bucket is allocated whole whatever the model (1907 MiB per
+    rank in fp32 for a 3 M-parameter model): unset, the buckets follow HF's "auto" rule."""
+    from types import SimpleNamespace
+
+    from backends.deepspeed.plan import transient
+    from backends.deepspeed.translate import fill_model_autos
+
+    spec = load_spec({"backend": "deepspeed", "shard": "full"})
+    config = translate(spec)["config"]
+    assert config["zero_optimization"]["reduce_bucket_size"] == "hidden_size**2 (at prepare)"
+    model = SimpleNamespace(config=SimpleNamespace(hidden_size=256))  # the demo Llama's
+    zero = fill_model_autos(config, model)["zero_optimization"]
+    assert (zero["reduce_bucket_size"], zero["stage3_prefetch_bucket_size"],
+            zero["stage3_param_persistence_threshold"]) == (65536, 58982, 2560)
+    said = []
+    bare = fill_model_autos(config, SimpleNamespace(), said.append)["zero_optimization"]
+    assert "reduce_bucket_size" not in bare and "DeepSpeed's defaults" in said[0]
+    # the plan counts the bucket the run allocates: 256**2 fp32 elements, not 5e8
+    assert transient(spec, 3e6, 1e5, 4, hidden=256)[1] == 65536 * 4
+    assert transient(spec, 3e6, 1e5, 4)[1] == 5e8 * 4  # hidden unknown: DeepSpeed's default
+    kept = load_spec({"backend": "deepspeed", "shard": "grad_op",
+                      "deepspeed": {"reduce_bucket_size": 1_000_000}})
+    assert translate(kept)["config"]["zero_optimization"]["reduce_bucket_size"] == 1_000_000
+    zero0 = translate(load_spec({"backend": "deepspeed", "shard": "none"}))["config"]
+    assert "reduce_bucket_size" not in zero0["zero_optimization"]  # ZeRO-0 has no bucket
