@@ -103,11 +103,15 @@ def test_counted_collective_bytes_match_the_formulas(results):
                                       "topology": {"procs_per_node": 2}}), output_share=share) == value
     # The paper's ZeRO-1/2, asked for explicitly (use_multi_rank_bucket_allreduce: false): 2 Psi.
     assert math.isclose(volume(textbook["deepspeed/optimizer/w2"]), 2, rel_tol=0.03)
-    # ZeRO-3 gathers each parameter once per step on this model even with stage3_max_reuse_distance
-    # 0 (measured, docs/deepspeed.md): 2 Psi, where FSDP's FULL_SHARD re-gathers in backward (3 Psi).
-    assert math.isclose(volume(textbook["deepspeed/full/w2"]), 2, rel_tol=0.03)
-    # DeepSpeed's defaults: gradient buckets all-reduced (3 Psi); a small model's parameters stay
-    # gathered from forward to backward (2 Psi) -- what the plan predicts for them too.
+    # ZeRO-3 with stage3_max_reuse_distance 0: with DeepSpeed's 1e5 persistence threshold every
+    # parameter of this model stayed whole (2 Psi, docs/deepspeed.md); with the threshold sized to
+    # the model (10 h = 320 elements) most are gathered once, some again in backward: between
+    # that and FSDP's FULL_SHARD, which re-gathers every unit in backward (3 Psi)
+    textbook_z3 = volume(textbook["deepspeed/full/w2"])
+    assert 2 <= textbook_z3 < 2.5, textbook_z3
+    print(f"ZeRO-3, stage3_max_reuse_distance 0: {textbook_z3:.2f} Psi per step")
+    # The defaults (buckets sized to the model): gradient buckets all-reduced (3 Psi); a small
+    # model's parameters stay gathered from forward to backward (2 Psi) -- what the plan predicts.
     psi = default["deepspeed/full/w2"]["params"]
     for shard, value in (("grad_op", 3), ("full", 2)):
         assert math.isclose(volume(default[f"deepspeed/{shard}/w2"]), value, rel_tol=0.03), shard

@@ -1,4 +1,5 @@
-"""`polyshard explain` output is a DeepSpeed config that `deepspeed.initialize` accepts and trains with."""
+"""`polyshard explain` output is a DeepSpeed config that `deepspeed.initialize` accepts and trains with,
+once its model-sized buckets are filled from the model as prepare fills them."""
 
 import os
 import subprocess
@@ -13,8 +14,9 @@ BUDGET_S = 30  # seconds in make test (tests/conftest.py)
 INIT = """
 import json, sys, torch, deepspeed
 from parallel.toy import build_llama, llama_config
-config = json.loads(sys.stdin.read())["config"]
+from backends.deepspeed.translate import fill_model_autos
 model = build_llama(llama_config("tiny"))
+config = fill_model_autos(json.loads(sys.stdin.read())["config"], model)
 engine, opt, _, _ = deepspeed.initialize(model=model, config=config,
     optimizer=lambda p: torch.optim.SGD(p, lr=0.1), model_parameters=model.parameters())
 ids = torch.randint(0, 256, (2, 8))
