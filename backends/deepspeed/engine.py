@@ -62,7 +62,7 @@ class DeepSpeedEngine(Engine):
         model, self._hf_zero3 = build_model(model, known_config(self.config), zero3,
                                             self.spec.deepspeed.zero_init)
         require_fp32(model)
-        self.config, expected = fill_model_autos(self.config, model, self.say), None
+        self.config, expected = fill_model_autos(self.config, model), None
         if self.dims.tp > 1:  # the plan checked against the model, then AutoTP splits by it
             self.config, expected = apply_autotp_plan(self.config, model, self.dims.tp, resolve_plan(
                 model, self.dims.tp, self.spec.topology.tp_plan, self.say))

@@ -50,9 +50,8 @@ def zero_section(imp: Import, zero) -> None:
     _zero_knobs(imp, fields)
 
 
-# DeepSpeed 0.19.8's defaults (runtime/zero/config.py) for the bucket knobs the spec has fields for
-DEEPSPEED_DEFAULTS = {"reduce_bucket_size": 500_000_000, "prefetch_bucket_size": 50_000_000,
-                      "param_persistence_threshold": 100_000}
+# DeepSpeed 0.19.8's default (runtime/zero/config.py) where the spec's own differs: the reduce bucket
+DEEPSPEED_DEFAULTS = {"reduce_bucket_size": 500_000_000}
 
 
 def _zero_knobs(imp: Import, fields: dict) -> None:
@@ -71,15 +70,19 @@ def _zero_knobs(imp: Import, fields: dict) -> None:
             imp.set(f"deepspeed.native.zero_optimization.{key}", "auto", source, "auto",
                     "filled at prepare from the model's hidden_size h as Hugging Face and accelerate "
                     "fill it (reduce h*h, prefetch 0.9*h*h, persistence 10*h)")
-        elif value == "auto":  # DeepSpeed's default, kept: a spec without it sizes it to the model
+        elif value == "auto" and field in DEEPSPEED_DEFAULTS:  # kept: the spec's own is sized
             imp.set(path, DEEPSPEED_DEFAULTS[field], source, "auto", "under this spelling neither "
                     "Hugging Face nor accelerate fills it; DeepSpeed drops \"auto\" and uses its "
                     f"default {DEEPSPEED_DEFAULTS[field]:.0e}, and so does the spec")
+        elif value == "auto":
+            imp.note(source, "auto", "under this spelling neither Hugging Face nor accelerate fills "
+                     "it; DeepSpeed drops \"auto\" and uses its default, and so does the spec")
         elif value is not None:
             imp.set(path, value if isinstance(value, bool) else int(value), source)
         elif field == "gather_16bit_weights_on_model_save":
             imp.set(path, False, source, "default", "absent: DeepSpeed's default false")
-        else:  # absent: DeepSpeed's default, kept (the spec's own default sizes it to the model)
+        elif field in DEEPSPEED_DEFAULTS:  # absent: DeepSpeed's default, kept (the spec's own
+            # default is no larger than the model)
             imp.set(path, DEEPSPEED_DEFAULTS[field], source, "default",
                     f"absent: DeepSpeed's default {DEEPSPEED_DEFAULTS[field]:.0e}, kept as the file "
                     "means it (a spec without it sizes it to the model: docs/deepspeed.md)")

@@ -37,17 +37,17 @@ class DeepSpeedOptions(Section):
     ] = None
     reduce_bucket_size: Annotated[
         int | None, Field(gt=0, description="Elements per gradient reduction bucket, allocated "
-                          "whole at ZeRO-1/2/3 (unset: the model's hidden_size**2, Hugging Face's "
-                          "auto rule, where DeepSpeed's own 5e8 would hold 1.9 GiB per rank in "
+                          "whole at ZeRO-1/2/3 (unset: min(5e8, the model's trainable "
+                          "parameters), where DeepSpeed's own 5e8 would hold 1.9 GiB per rank in "
                           "fp32 whatever the model; DeepSpeed refuses 0).")
     ] = None
     prefetch_bucket_size: Annotated[
         int | None, Field(ge=0, description="ZeRO-3: elements prefetched ahead of use (unset: "
-                          "0.9 hidden_size**2, Hugging Face's auto rule).")
+                          "DeepSpeed's 5e7).")
     ] = None
     param_persistence_threshold: Annotated[
         int | None, Field(ge=0, description="ZeRO-3: parameters smaller than this stay unsharded "
-                          "(unset: 10 hidden_size, Hugging Face's auto rule).")
+                          "(unset: DeepSpeed's 1e5).")
     ] = None
     deepcompile: Annotated[
         bool, Field(description="With compile: {enabled: true, scope: model}: DeepSpeed's "

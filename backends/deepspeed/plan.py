@@ -31,12 +31,14 @@ def transient(spec, psi: float, unit: float, low: int, hidden: int | None = None
     contiguous_gradients (DeepSpeed's default) stages 1-3 allocate the whole reduce bucket whatever
     the model's size, twice at stages 1/2 with overlap_comm (measured with `polyshard bench`: 5e8
     fp32 elements, 1907 MiB per rank, for a 3 M-parameter model; docs/deepspeed.md), so unless the
-    spec sets them they are sized to the model's `hidden` size (translate.py: MODEL_SIZED;
-    DeepSpeed's defaults where it is unknown)."""
+    spec sets it the bucket is min(5e8, psi) (translate.py: MODEL_SIZED); a file's "auto" follows
+    HF's rule from the model's `hidden` size."""
     zero = translate(spec)["config"]["zero_optimization"]
-    if hidden is not None:  # the model-sized defaults, as prepare fills them (translate.py)
-        zero = fill_sized({"zero_optimization": zero}, hidden)["zero_optimization"]
-    zero = {k: v for k, v in zero.items() if not model_sized(v)}  # unknown: DeepSpeed's defaults
+    # the model-sized defaults, as prepare fills them (translate.py: MODEL_SIZED; a file's "auto"
+    # needs the hidden size, DeepSpeed's defaults where it is unknown)
+    zero = fill_sized({"zero_optimization": zero}, hidden, psi)["zero_optimization"] \
+        if hidden is not None or not any(v == "auto" for v in zero.values()) else zero
+    zero = {k: v for k, v in zero.items() if not model_sized(v)}
     stage, red = STAGES[spec.shard], {"fp32": 4, "bf16": 2, "fp16": 2}[spec.grad_reduce_dtype]
     elements = float(zero.get("reduce_bucket_size", 5e8))
     if stage and zero.get("contiguous_gradients", True):

@@ -112,20 +112,19 @@ def _zero(spec: Spec) -> tuple[dict, dict]:
     if ds.reduce_bucket_size is not None:
         zero["reduce_bucket_size"] = ds.reduce_bucket_size
         origins["zero_optimization.reduce_bucket_size"] = "deepspeed.reduce_bucket_size"
-    elif stage:  # DeepSpeed's 5e8 is allocated whole whatever the model: sized to it instead
+    elif stage:  # DeepSpeed's 5e8 is allocated whole whatever the model: no larger than it
         zero["reduce_bucket_size"] = MODEL_SIZED["zero_optimization.reduce_bucket_size"]
     if stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = ds.gather_16bit_weights_on_model_save
         origins["zero_optimization.stage3_gather_16bit_weights_on_model_save"] = \
             "deepspeed.gather_16bit_weights_on_model_save"
-        for key, field in (("stage3_prefetch_bucket_size", "prefetch_bucket_size"),
-                           ("stage3_param_persistence_threshold", "param_persistence_threshold")):
-            value = getattr(ds, field)
-            if value is not None:
-                zero[key] = value
-                origins[f"zero_optimization.{key}"] = f"deepspeed.{field}"
-            else:
-                zero[key] = MODEL_SIZED[f"zero_optimization.{key}"]
+        if ds.prefetch_bucket_size is not None:
+            zero["stage3_prefetch_bucket_size"] = ds.prefetch_bucket_size
+            origins["zero_optimization.stage3_prefetch_bucket_size"] = "deepspeed.prefetch_bucket_size"
+        if ds.param_persistence_threshold is not None:
+            zero["stage3_param_persistence_threshold"] = ds.param_persistence_threshold
+            origins["zero_optimization.stage3_param_persistence_threshold"] = \
+                "deepspeed.param_persistence_threshold"
     return zero, origins
 
 
@@ -259,13 +258,16 @@ def _merge(config: dict, origins: dict, native: dict, where: str, prefix: str = 
 MODEL_AUTOS = {"zero_optimization.reduce_bucket_size": lambda h: h * h,
                "zero_optimization.stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
                "zero_optimization.stage3_param_persistence_threshold": lambda h: 10 * h}
-# What the translation writes where the spec leaves them unset: the same rule, named for explain.
-# DeepSpeed's own defaults (5e8 reduce, 5e7 prefetch elements) are allocated whole whatever the model:
-# 1907 MiB per rank in fp32 for a 3 M-parameter model (docs/deepspeed.md). A model without a hidden
-# size keeps DeepSpeed's defaults, said at prepare.
-MODEL_SIZED = {"zero_optimization.reduce_bucket_size": "hidden_size**2 (at prepare)",
-               "zero_optimization.stage3_prefetch_bucket_size": "0.9 hidden_size**2 (at prepare)",
-               "zero_optimization.stage3_param_persistence_threshold": "10 hidden_size (at prepare)"}
+# What the translation writes for the reduce bucket where the spec leaves it unset, named for
+# explain: the model's trainable parameters, at most DeepSpeed's 5e8. DeepSpeed allocates the bucket
+# whole whatever the model (1907 MiB per rank in fp32 for a 3 M-parameter model: docs/deepspeed.md);
+# a bucket no larger than the model holds every gradient as before (the same reductions: the hot
+# path's count is the native loop's), and a model of 5e8 parameters or more gets DeepSpeed's own.
+# HF's h*h rule (MODEL_AUTOS, for a file's "auto") was measured first: 19 all-reduces a step where
+# the native loop makes 4 (ZeRO-1, tiny Llama), and its prefetch / persistence sizes made ZeRO-3
+# gather a mixture of experts' unused experts on one rank only (a gloo size mismatch).
+MODEL_SIZED = {"zero_optimization.reduce_bucket_size": "min(5e8, trainable parameters) (at prepare)"}
+REDUCE_DEFAULT = 500_000_000  # DeepSpeed 0.19.8's reduce_bucket_size
 
 
 def model_sized(value) -> bool:
@@ -274,38 +276,38 @@ def model_sized(value) -> bool:
 
 
 def hidden_size(cfg) -> int | None:
-    """The hidden size the rule reads (a config object or dict), as accelerate reads it."""
+    """The hidden size HF's rule reads (a config object or dict), as accelerate reads it."""
     get = cfg.get if isinstance(cfg, dict) else lambda k: getattr(cfg, k, None)
     sizes = get("hidden_sizes")
     hidden = get("hidden_size") or (max(sizes) if sizes else None)
     return int(hidden) if hidden else None
 
 
-def fill_model_autos(config: dict, model, say=lambda message: None) -> dict:
-    """The config with its model-sized values computed from `model` (a copy): a file's "auto" needs
-    the model's hidden size; the spec's defaults fall back to DeepSpeed's where it has none."""
-    return fill_sized(config, hidden_size(getattr(model, "config", None) or {}), say)
+def trainable(model) -> int:
+    """Trainable parameters, ZeRO-3's partitioned ones at their full size (ds_numel)."""
+    return sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters()
+               if p.requires_grad)
 
 
-def fill_sized(config: dict, hidden: int | None, say=lambda message: None) -> dict:
-    """fill_model_autos for a known hidden size (None: none)."""
+def fill_model_autos(config: dict, model) -> dict:
+    """The config with its model-sized values computed from `model` (a copy): a file's "auto" by
+    HF's rule from the model's hidden size, the spec's reduce bucket from its parameters."""
+    cfg = getattr(model, "config", None) or {}
+    return fill_sized(config, hidden_size(cfg), trainable(model))
+
+
+def fill_sized(config: dict, hidden: int | None, params: float) -> dict:
+    """fill_model_autos for a known hidden size (None: none) and trainable parameter count."""
     zero = dict(config.get("zero_optimization", {}))
-    wanted = {k: f for k, f in MODEL_AUTOS.items() if model_sized(zero.get(k.split(".")[1]))}
-    if not wanted:
-        return config
-    asked = sorted(k for k in wanted if zero[k.split(".")[1]] == "auto")
-    if hidden is None and asked:
-        raise SpecError([(f"deepspeed.native.{asked[0]}", "is \"auto\", which is filled "
-                          "from model.config.hidden_size, and this model has none; give a number")])
-    for key, formula in wanted.items():
-        if hidden is None:
-            del zero[key.split(".")[1]]
-        else:
-            zero[key.split(".")[1]] = formula(hidden)
-    if hidden is None:
-        say(f"DeepSpeed's buckets ({', '.join(k.split('.')[1] for k in wanted)}) keep DeepSpeed's "
-            "defaults (5e8 / 5e7 elements, allocated whole): the model has no config.hidden_size to "
-            "size them from; set deepspeed.reduce_bucket_size (and the ZeRO-3 ones) for a small model")
+    for key, formula in MODEL_AUTOS.items():
+        leaf = key.split(".")[1]
+        if zero.get(leaf) == "auto":
+            if hidden is None:
+                raise SpecError([(f"deepspeed.native.{key}", "is \"auto\", which is filled from "
+                                  "model.config.hidden_size, and this model has none; give a number")])
+            zero[leaf] = formula(hidden)
+    if zero.get("reduce_bucket_size") in MODEL_SIZED.values():
+        zero["reduce_bucket_size"] = int(max(1, min(REDUCE_DEFAULT, params)))
     return {**config, "zero_optimization": zero}
 
 

@@ -116,27 +116,30 @@ def test_topology_tp_is_autotp_and_native_keys_cannot_pick_another_split():
     kept = load_spec({**tp, "deepspeed": {"native": {"tensor_parallel": {"tp_overlap_comm": True}}}})
     assert translate(kept)["config"]["tensor_parallel"]["tp_overlap_comm"] is True
 
-def test_buckets_are_sized_to_the_model_unless_the_spec_sizes_them():
+def test_the_reduce_bucket_is_no_larger_than_the_model_unless_the_spec_sizes_it():
     """DeepSpeed's 5e8-element reduce bucket is allocated whole whatever the model (1907 MiB per
-    rank in fp32 for a 3 M-parameter model): unset, the buckets follow HF's "auto" rule."""
+    rank in fp32 for a 3 M-parameter model): unset, it is min(5e8, trainable parameters)."""
     from types import SimpleNamespace
+
+    import torch
 
     from backends.deepspeed.plan import transient
     from backends.deepspeed.translate import fill_model_autos
 
     spec = load_spec({"backend": "deepspeed", "shard": "full"})
     config = translate(spec)["config"]
-    assert config["zero_optimization"]["reduce_bucket_size"] == "hidden_size**2 (at prepare)"
-    model = SimpleNamespace(config=SimpleNamespace(hidden_size=256))  # the demo Llama's
-    zero = fill_model_autos(config, model)["zero_optimization"]
-    assert (zero["reduce_bucket_size"], zero["stage3_prefetch_bucket_size"],
-            zero["stage3_param_persistence_threshold"]) == (65536, 58982, 2560)
-    said = []
-    bare = fill_model_autos(config, SimpleNamespace(), said.append)["zero_optimization"]
-    assert "reduce_bucket_size" not in bare and "DeepSpeed's defaults" in said[0]
-    # the plan counts the bucket the run allocates: 256**2 fp32 elements, not 5e8
-    assert transient(spec, 3e6, 1e5, 4, hidden=256)[1] == 65536 * 4
-    assert transient(spec, 3e6, 1e5, 4)[1] == 5e8 * 4  # hidden unknown: DeepSpeed's default
+    sized = "min(5e8, trainable parameters) (at prepare)"
+    assert config["zero_optimization"]["reduce_bucket_size"] == sized
+    assert "stage3_prefetch_bucket_size" not in config["zero_optimization"]  # DeepSpeed's own
+    model = torch.nn.Linear(100, 30)  # 3,030 parameters, 30 of them frozen below
+    model.bias.requires_grad_(False)
+    assert fill_model_autos(config, model)["zero_optimization"]["reduce_bucket_size"] == 3000
+    big = SimpleNamespace(parameters=lambda: [SimpleNamespace(ds_numel=8 * 10**9,
+                                                              requires_grad=True)])
+    assert fill_model_autos(config, big)["zero_optimization"]["reduce_bucket_size"] == 5 * 10**8
+    # the plan counts the bucket the run allocates
+    assert transient(spec, 3e6, 1e5, 4)[1] == 3e6 * 4
+    assert transient(spec, 8e9, 1e9, 4)[1] == 5e8 * 4
     kept = load_spec({"backend": "deepspeed", "shard": "grad_op",
                       "deepspeed": {"reduce_bucket_size": 1_000_000}})
     assert translate(kept)["config"]["zero_optimization"]["reduce_bucket_size"] == 1_000_000
