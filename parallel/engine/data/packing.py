@@ -18,6 +18,7 @@ N x N mask is built. A row's N x N mask costs N^2 bytes: at 32k tokens use flash
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 
 import torch
@@ -85,8 +86,6 @@ def make_row(docs: list[tuple[list[int], list[int]]], n: int, pad_id: int) -> di
 def collate(mode: str) -> Callable[[list[dict]], dict]:
     """Stacks packed rows and builds the mask `mode` asks for (a module-level function's partial:
     picklable for loader workers)."""
-    import functools
-
     return functools.partial(_collate, mode=mode)
 
 
