@@ -223,15 +223,17 @@ class PendingSum:
 
 
 def data_parallel_group(mesh):
-    """The process group of this rank's data-parallel peers (its TP rank in every replica and
-    shard group): the mesh's (dp_replicate, dp_shard) flattened, as torchtitan flattens its
-    "dp" dims (DeviceMesh._flatten: made once, on every rank, in mesh order). With one replica
-    group that is the shard dimension's own group: no flattening, whose cache (keyed by the mesh's
-    layout) outlives a destroyed process group and handed a second job in the same process the
-    first one's group (measured)."""
-    if mesh["dp_replicate"].size() == 1:
+    """The process group of this rank's peers holding other tokens of the step (its TP rank in
+    every replica, shard group and cp slice): the mesh's (dp_replicate, dp_shard, cp) flattened, as
+    torchtitan flattens its "dp_cp" dims (DeviceMesh._flatten: made once, on every rank, in mesh
+    order). Where that is the shard dimension alone, its own group: no flattening, whose cache
+    (keyed by the mesh's layout) outlives a destroyed process group and handed a second job in the
+    same process the first one's group (measured; forget_meshes now empties it at close)."""
+    names = [n for n in ("dp_replicate", "dp_shard", "cp")
+             if n in mesh.mesh_dim_names and (n == "dp_shard" or mesh[n].size() > 1)]
+    if names == ["dp_shard"]:
         return mesh["dp_shard"].get_group()
-    return mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
+    return mesh[tuple(names)]._flatten("_".join(names)).get_group()
 
 
 def forget_meshes() -> None:

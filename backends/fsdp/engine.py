@@ -19,6 +19,7 @@ from backends.fsdp.parallelize import (
     fsdp1_kwargs,
     fsdp2_kwargs,
     full_state_of,
+    shard_mesh,
     sync_from_rank0,
 )
 from backends.fsdp.translate import translate
@@ -32,7 +33,7 @@ from parallel.spec.errors import SpecError
 from parallel.spec.model import Spec
 from parallel.tools.measurable import ModuleStateTensors
 
-DP = ("dp_replicate", "dp_shard")  # the mesh dims FSDP shards and replicates over (no tp)
+DP = ("dp_replicate", "dp_shard")  # the mesh dims FSDP1 shards and replicates over (no tp)
 
 
 def make_engine(spec: Spec, **context) -> Engine:
@@ -142,8 +143,7 @@ class FSDP2Engine(_TorchFSDP):
     def _prepare(self, model, optimizer: OptimizerArg):
         model, lazy = self._materialise(model)
         kwargs = fsdp2_kwargs(self.plan["kwargs"], self.device.type)
-        # the data-parallel slice of the engine's mesh: 2-D (replicas, shard group), or its shard dim
-        mesh = self.device_mesh[DP if len(self.plan["mesh"]) == 2 else "dp_shard"]
+        mesh = shard_mesh(self.device_mesh, hybrid=len(self.plan["mesh"]) == 2, cp=self.dims.cp)
         full = full_state_of(model) if lazy and self.is_main else None
         if not lazy and self.spec.fsdp.sync_module_states:
             sync_from_rank0(model, self.device)

@@ -75,6 +75,19 @@ def fsdp2_kwargs(plain: dict, device_type: str) -> dict:
     return kwargs
 
 
+def shard_mesh(mesh, hybrid: bool, cp: int):
+    """The slice of the engine's mesh fully_shard works over: the shard group, and the replicas
+    around it where `hybrid`. With cp the shard group is dp_shard x cp flattened (torchtitan's
+    "dp_shard_cp"): a cp group's ranks hold other tokens of the same rows, so their gradients
+    reduce together exactly as data-parallel ranks' do, and sharding over them too divides the
+    model's memory by cp as well."""
+    shard = "dp_shard"
+    if cp > 1:
+        shard = "dp_shard_cp"
+        mesh["dp_shard", "cp"]._flatten(shard)
+    return mesh["dp_replicate", shard] if hybrid else mesh[shard]
+
+
 def apply_fsdp2(model: nn.Module, units: list[tuple[str, nn.Module]], mesh, kwargs: dict,
                 reshard_output: bool) -> None:
     """fully_shard each unit (children first: each owns only what no inner unit owns), the edges as

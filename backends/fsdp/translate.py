@@ -41,6 +41,11 @@ def translate(spec: Spec) -> dict:
         raise SpecError([("topology.tp", f"{spec.topology.tp} with fsdp.version: 1: FSDP1's flat "
                           "parameters cannot hold DTensor shards of a tensor-parallel split; use "
                           "fsdp.version: 2 (fully_shard over the data-parallel dims, TP innermost)")])
+    if spec.topology.cp > 1 and spec.fsdp.version == 1:
+        raise SpecError([("topology.cp", f"{spec.topology.cp} with fsdp.version: 1: FSDP1's flat "
+                          "parameters are sharded over one process group per unit and polyshard "
+                          "splits sequences only under fully_shard, whose mesh spans data and "
+                          "context parallel ranks; use fsdp.version: 2")])
     if spec.fsdp.version == 2:
         kwargs = {"reshard_after_forward": spec.shard in ("full", "hybrid")}
         origins = {"reshard_after_forward": "shard"}
@@ -54,6 +59,9 @@ def translate(spec: Spec) -> dict:
         out = {"api": "fully_shard", "mesh": list(mesh_shape(spec)), "kwargs": native}
         if spec.topology.tp > 1:  # parallelize_module over mesh["tp"] first (backends/fsdp/parallelize.py)
             out["tp"] = {"size": spec.topology.tp, "plan": spec.topology.tp_plan or "model's own"}
+        if spec.topology.cp > 1:  # sharded over dp_shard x cp; attention's all-to-all over cp
+            out["cp"] = {"size": spec.topology.cp, "attention": "ulysses all-to-all",
+                         "shard_mesh": "dp_shard x cp"}
         return out
     f = spec.fsdp
     if spec.shard in HYBRID and spec.shard_group_size == 1:

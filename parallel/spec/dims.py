@@ -60,6 +60,16 @@ class ParallelDims:
     def world_size(self) -> int:
         return self.pp * self.dp_size * self.cp * self.tp
 
+    @property
+    def dp_cp(self) -> int:
+        """The ranks that hold different tokens of a step (data parallel x context parallel): the
+        gradients are averaged over them and the step's targets counted over them."""
+        return self.dp_size * self.cp
+
+    def cp_rank(self, rank: int) -> int:
+        """This rank's place in its cp group: which slice of each row it keeps."""
+        return (rank // self.tp) % self.cp
+
     def dp_rank(self, rank: int) -> int:
         """Ranks are laid out as the mesh is, (pp, dp_replicate, dp_shard, cp, tp) row-major: tp
         varies fastest, so a tp group is `tp` consecutive ranks (one host's GPUs: tp's all-reduces

@@ -6,6 +6,7 @@ __init__ (`checkpoints`, `preemption`, `user_state`, `tracker`)."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -42,13 +43,24 @@ class EngineCalls(BackendHooks):
         this rank's prompts, every rank in step where forwards gather; on XLA with static shapes
         (generate.py). Each rank passes its own prompts."""
         self.model.eval()
-        return self._generate(input_ids, generate_kwargs)
+        with self._whole_rows():
+            return self._generate(input_ids, generate_kwargs)
 
     def unwrap(self):
         """`with engine.unwrap() as model:` the Hugging Face model, to call directly (forward,
         generate with your own arguments); ranks must call it alike where forwards gather."""
         self.model.eval()
-        return self._unwrapped()
+        return self._unwrapped_whole()
+
+    @contextmanager
+    def _unwrapped_whole(self):
+        with self._whole_rows(), self._unwrapped() as model:
+            yield model
+
+    def _whole_rows(self):
+        """With topology.cp, the model's own attention over whole rows (every rank of a cp group
+        runs the same rows whole): what generation and a direct call see."""
+        return self.context.plain() if self.context is not None else nullcontext()
 
 
     # ---- checkpoints (checkpointing.py) ----

@@ -73,7 +73,7 @@ class Engine(EngineSetup):
 
     def _train_step(self, batch, start: float) -> StepResult:
         self.model.train()
-        micro_batches = [self._to_device(m) for m in self._split(batch)]
+        micro_batches = [self._local(m) for m in self._split(batch)]
         # Each micro-batch weighs by the items its loss averages over (objective.py), so the step's
         # loss and gradient are one process's on the global batch. The global count is one small
         # reduction over the data-parallel ranks, in flight during the first forward and waited
@@ -116,7 +116,7 @@ class Engine(EngineSetup):
         return packed[0]
 
     def _update(self) -> tuple[torch.Tensor | None, bool]:
-        if self.experts and self.dp_size > 1 and self.per_parameter_grads:
+        if self.experts and self.dims.dp_cp > 1 and self.per_parameter_grads:
             # as one process skips them
             self.experts.drop_unused(self._trained_params(), self.device, self.groups.world)
         for hook in self.on_gradients:  # gradients exist only now
@@ -144,7 +144,7 @@ class Engine(EngineSetup):
         """The loss on `batch` (this rank's part of an evaluation batch), weighed as the step weighs
         it: the mean over the whole evaluation batch's items."""
         self.model.eval()
-        batch = self._to_device(batch)
+        batch = self._local(batch)
         counts = self.objective.counts([batch])
         total = pdist.PendingSum(counts.sum(), self.groups.dp) if counts is not None else None
         share = self.objective.share(self.forward(batch)[1], 0, counts, total, 1)
@@ -166,8 +166,13 @@ class Engine(EngineSetup):
             return outputs, outputs.loss
 
     def device_batch(self, batch):
-        """A loader's batch (a BatchEncoding too) on the device as the backend places it."""
-        return self._to_device(plain_batch(batch))
+        """A loader's batch (a BatchEncoding too) on the device as the backend places it, and with
+        topology.cp this rank's tokens of it (context_parallel.py)."""
+        return self._local(plain_batch(batch))
+
+    def _local(self, batch):
+        batch = self._to_device(batch)
+        return batch if self.context is None else self.context.shard(batch)
 
     # ---- collectives and shutdown ----
     def barrier(self) -> None:

@@ -137,12 +137,16 @@ class BackendHooks(ABC):
         return out.cpu()
 
     def _data_parallel_group(self):
-        """The process group of this rank's data-parallel peers (parallel.dist.WORLD where every
-        rank is one): where the step's target count is summed. A backend whose library makes its
-        own groups hands over its own."""
-        if self.dims.dp_size == self.world_size:
+        """The process group of the ranks holding other tokens of the step, data parallel x cp
+        (parallel.dist.WORLD where every rank does): where the step's target count is summed. A
+        backend whose library makes its own groups hands over its own."""
+        if self.dims.dp_cp == self.world_size:
             return pdist.WORLD
         return pdist.data_parallel_group(self.device_mesh)
+
+    def _context_group(self):
+        """topology.cp's group: the ranks that split one row's tokens."""
+        return self.device_mesh["cp"].get_group()
 
     def _release(self) -> None:
         """At close, before the last barrier: what the backend's library holds that must be let go

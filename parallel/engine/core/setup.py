@@ -24,6 +24,7 @@ from parallel.engine.core.step import LossFn, OptimizerArg, build_optimizer
 from parallel.engine.data import packing
 from parallel.engine.data.loaders import Loaders, build_loader
 from parallel.engine.model.compile import apply_compile
+from parallel.engine.model.context_parallel import ContextParallel, apply_context_parallel
 from parallel.engine.model.experts import Experts
 from parallel.engine.model.params import ParamGroupsHook, ParamPlan, per_parameter
 from parallel.engine.model.tiled_loss import TiledLoss, apply_tiled_loss
@@ -57,10 +58,11 @@ class EngineSetup(EngineCalls):
         self.scheduler = None
         self.loss_fn: LossFn | None = None
         self._count_fn: CountFn | None = None
-        self.objective = Objective(None, self.dp_size)  # set from the model in _record_params
+        self.objective = Objective(None, self.dims.dp_cp)  # set from the model in _record_params
         self.experts: Experts | None = None  # mixture-of-experts blocks, from _record_params
         self.tiled: TiledLoss | None = None  # sequence.loss_tile's patched lm_head, likewise
         self.attention: str | None = None  # the HF model's attention implementation, likewise
+        self.context: ContextParallel | None = None  # topology.cp's split and attention, likewise
         self.notices: list[str] = []  # what this run does differently from one process, said once
         self.loaders = Loaders()  # training loaders by name (checkpointed), eval loaders apart
         self.user_state = UserState()  # the user's objects saved with each checkpoint
@@ -169,11 +171,17 @@ class EngineSetup(EngineCalls):
     def _record_params(self, model: nn.Module) -> ParamPlan:
         """Before sharding: parameter names, tied weights, the param_groups hook's groups, and what
         the model's loss averages over."""
+        # gradients are averaged over every rank holding other tokens: data parallel x cp
         self.objective = Objective.for_model(model, self._count_fn, self.loss_fn is not None,
-                                             self.spec.loss_weighting, self.dp_size)
-        self.experts = Experts(model, touch=self.dp_size > 1) or None
+                                             self.spec.loss_weighting, self.dims.dp_cp)
+        self.experts = Experts(model, touch=self.dims.dp_cp > 1) or None
         self.tiled = apply_tiled_loss(model, self.spec.sequence.loss_tile, self.loss_fn is not None)
         self.attention = packing.attention_of(model)  # how packed rows confine attention
+        # after attention_of: packed rows' masks are the model's own implementation's
+        self.context = apply_context_parallel(model, self.dims.cp, self.dims.cp_rank(self.rank),
+                                              self.dims.tp, self.say)
+        if self.context is not None:
+            self.context.group = self._context_group()
         if self.tracker.active:  # logged as hyper-parameters; FLOPs per token for MFU
             self._model_facts = {"flops": model_flops(model), "model.class": type(model).__name__,
                                  "model.params": sum(p.numel() for p in model.parameters()),

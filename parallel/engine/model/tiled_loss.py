@@ -56,12 +56,19 @@ class _Tile(torch.autograd.Function):
                 None)
 
 
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit, NaN included: a rank without targets (0/0, as the model's own mean gives;
+    topology.cp's last slice of a padded row) must pass the check as every other rank does, or it
+    alone would raise and leave the others waiting in the next collective (measured: a hang)."""
+    return torch.equal(a, b) or bool(a.isnan() & b.isnan())
+
+
 class TiledLoss:
     """Owns the patched lm_head: `forward(model, batch)` is the engine's forward with the loss tiled."""
 
     def __init__(self, head: nn.Module, tile: int, model_name: str):
         self.head, self.tile, self.model_name = head, tile, model_name
-        self.labels: torch.Tensor | None = None
+        self.labels: tuple[torch.Tensor, bool] | None = None  # (targets, already shifted)
         self.loss: torch.Tensor | None = None
         self.checked = False  # the model returned lm_head's loss unchanged (the first forward)
         original = head.forward
@@ -74,9 +81,12 @@ class TiledLoss:
 
         head.forward = types.MethodType(forward, head)
 
-    def _loss(self, head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        hidden = hidden[:, :-1].reshape(-1, hidden.shape[-1])  # position t predicts label t + 1
-        targets = labels[:, 1:].reshape(-1).to(hidden.device)
+    def _loss(self, head: nn.Module, hidden: torch.Tensor, labels) -> torch.Tensor:
+        labels, shifted = labels
+        if not shifted:  # position t predicts label t + 1
+            hidden, labels = hidden[:, :-1], labels[:, 1:]
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+        targets = labels.reshape(-1).to(hidden.device)
         total = hidden.new_zeros((), dtype=torch.float32)
         for start in range(0, targets.numel(), self.tile):
             end = start + self.tile
@@ -89,9 +99,12 @@ class TiledLoss:
         if not isinstance(batch, dict) or "labels" not in batch:
             outputs = model(**batch)
             return outputs, outputs.loss
-        self.labels = batch["labels"]
+        # shift_labels (topology.cp: shifted before the split) are the targets as they are
+        shifted = batch.get("shift_labels") is not None
+        self.labels = (batch["shift_labels"], True) if shifted else (batch["labels"], False)
         try:
-            outputs = model(**{k: v for k, v in batch.items() if k != "labels"})
+            outputs = model(**{k: v for k, v in batch.items()
+                               if k not in ("labels", "shift_labels")})
         finally:
             self.labels = None
         mine, self.loss = self.loss, None
@@ -102,7 +115,7 @@ class TiledLoss:
         # compares the two (one host read, once).
         loss = outputs.logits
         if mine is None or loss is None or loss.dim() != 0 or (
-                not self.checked and not torch.equal(loss.detach(), mine.detach())):
+                not self.checked and not _same(loss.detach(), mine.detach())):
             raise RuntimeError(f"sequence.loss_tile: {self.model_name} changes its logits after "
                                "lm_head (softcapping or scaling), so the tiled loss would be "
                                "changed too; unset sequence.loss_tile for this model")
