@@ -25,7 +25,7 @@ DESCRIPTOR = BackendDescriptor(
     variants={f"zero{stage}": {"shard": shard} for shard, stage in STAGES.items()
               if not shard.startswith("hybrid")},
     # AutoTP at every ZeRO stage (autotp.py); translate refuses DeepCompile with it
-    dimensions=frozenset({"tp"}),
+    dimensions=frozenset({"tp", "cp"}),
     options=Options("deepspeed", DeepSpeedOptions, "DeepSpeed only knobs."),
     flat_optimizer=lambda spec: True,  # ZeRO's flat fp32 partitions (ZeRO-0 too: state.py)
     plan=PlanModel(plan.model_states, plan.comm, plan.transient),

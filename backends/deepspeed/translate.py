@@ -24,7 +24,15 @@ def translate(spec: Spec) -> dict:
     native = _native(spec.deepspeed.native)
     merged = _merge(config, origins, native, "deepspeed.native")
     _native_tp(spec, native.get("tensor_parallel"), "train_batch_size" in native)
-    return {"config": merged}
+    if "sequence_parallel_size" in native:
+        raise SpecError([("deepspeed.native.sequence_parallel_size", f"{native['sequence_parallel_size']}"
+                          ": sequence parallelism is topology.cp, which polyshard runs on every "
+                          "backend alike (an all-to-all around the model's attention, docs/"
+                          "long-sequences.md); set topology.cp and remove the native key")])
+    out = {"config": merged}
+    if spec.topology.cp > 1:  # polyshard's Ulysses (parallel/engine/model/context_parallel.py)
+        out["cp"] = {"size": spec.topology.cp, "attention": "ulysses all-to-all"}
+    return out
 
 
 def _deepcompile(spec: Spec, config: dict, origins: dict) -> None:
@@ -162,7 +170,8 @@ def _config(spec: Spec) -> tuple[dict, dict]:
     config = {
         "train_micro_batch_size_per_gpu": spec.micro_batch_size,
         "gradient_accumulation_steps": spec.grad_accum_steps,
-        "train_batch_size": spec.micro_batch_size * spec.grad_accum_steps * spec.dims.dp_size,
+        # DeepSpeed counts a cp group's ranks as data parallel (they reduce gradients together)
+        "train_batch_size": spec.micro_batch_size * spec.grad_accum_steps * spec.dims.dp_cp,
         # Written even when off: DeepSpeed's default is 1.0, which changes every update silently.
         "gradient_clipping": spec.grad_clip or 0.0,
         "zero_optimization": zero,
@@ -187,6 +196,8 @@ def _config(spec: Spec) -> tuple[dict, dict]:
     origins.update({f"fp16.{k}": "loss_scale" for k in config["fp16"] if k != "enabled"})
     if spec.precision != "fp16":
         config["fp16"] = {"enabled": False}
+    if spec.topology.cp > 1:
+        origins["train_batch_size"] += " x topology.cp"
     if spec.global_batch_size is not None:
         origins["train_batch_size"] = "global_batch_size"
     return config, origins

@@ -3,7 +3,7 @@
 phase "train": for each case, a single-process reference (plain PyTorch, the whole global batch) and the
 engine run (each rank its slice), 5 steps, saving after step `save_at`.
 phase "resume": a fresh engine over a differently-initialised model loads that checkpoint and runs the
-remaining steps. Rank 0 writes every number to --out; the pytest side asserts.
+remaining steps (under the case's "resume_spec" where it has one: another layout or backend). Rank 0 writes every number to --out; the pytest side asserts.
 """
 
 import argparse
@@ -64,7 +64,9 @@ def rank_slice(batch, rank, rows):
 
 
 def run_case(case, phase, ckpt_root):
-    spec = load_spec(case["spec"])
+    # "resume_spec": the checkpoint loads into another layout or backend (the transfer cases)
+    spec = load_spec(case["resume_spec"] if phase == "resume" and "resume_spec" in case
+                     else case["spec"])
     engine = create_engine(spec)
     rows = engine.samples_per_step  # per process: all its devices' samples under SPMD
     batches = global_batches(case["steps"], engine.dp_size, rows)
