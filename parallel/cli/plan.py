@@ -27,7 +27,7 @@ def suggestions(spec, rows) -> list[str]:
     return out
 
 
-def as_json(spec, args, rows, best, psi, unit, links, margin) -> str:
+def as_json(spec, args, rows, best, psi, unit, links, margin, longest) -> str:
     def row(r):
         return {"backend": r.backend, "shard": r.shard, "offload": r.offload,
                 **{k: getattr(r, k) for k in ("params", "grads", "optimizer", "activations",
@@ -36,7 +36,8 @@ def as_json(spec, args, rows, best, psi, unit, links, margin) -> str:
                 "peak": r.total, "fits": None if args.budget is None else
                 r.total <= args.budget * GiB, "best": r is best}
 
-    return json.dumps({"parameters": psi, "tp": spec.topology.tp, "largest_unit": unit,
+    return json.dumps({"parameters": psi, "tp": spec.topology.tp, "cp": spec.topology.cp,
+                       "longest_seq": longest, "largest_unit": unit,
                        "world": args.world,
                        "per_node": args.per_node,
                        "micro_batch_size": spec.micro_batch_size, "seq": args.seq,
@@ -49,7 +50,7 @@ def run_plan(spec, args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from parallel.tools.plan import Links, Margin, model_facts, plan
+    from parallel.tools.plan import Links, Margin, longest_seq, model_facts, plan
 
     shapes, cfg, unit = model_facts(args.model, spec.wrap, spec.topology.tp,
                                      spec.topology.tp_plan)
@@ -59,8 +60,11 @@ def run_plan(spec, args) -> int:
     rows, best = plan(spec, shapes, cfg, args.world, args.seq, budget_bytes=budget, unit=unit,
                       links=links, margin=margin, per_node=args.per_node)
     psi = float(sum(math.prod(s) for s in shapes))
+    # the longest row this spec, as written, fits in the budget (activations grow with it)
+    longest = longest_seq(spec, shapes, cfg, budget, unit=unit, margin=margin) \
+        if budget and cfg else None
     if args.json:
-        print(as_json(spec, args, rows, best, psi, unit, links, margin))
+        print(as_json(spec, args, rows, best, psi, unit, links, margin, longest))
         return 0 if budget is None or best is not None else 1
     nodes = f"{args.world // args.per_node} node(s) x {args.per_node}" \
         if args.world % args.per_node == 0 else "1 node"
@@ -93,6 +97,13 @@ def run_plan(spec, args) -> int:
                   f"{links.inter} GB/s across nodes, offload over PCIe at {links.pcie} GB/s, no "
                   "overlap (an upper bound); --json for every number", highlight=False,
                   soft_wrap=True)
+    if longest is not None:
+        cp = spec.topology.cp
+        console.print(f"longest sequence within {args.budget} GiB for this spec as written "
+                      f"({spec.backend}, shard {spec.shard}, micro-batch {spec.micro_batch_size}"
+                      f", cp {cp}): {longest:,} tokens" + ("" if cp > 1 else
+                      " (topology.cp N holds about N times as many)"), highlight=False,
+                      soft_wrap=True)
     if budget is not None and best is None:
         console.print(f"[red]nothing fits in {args.budget} GiB per device[/]: "
                       + "; ".join(suggestions(spec, rows)), soft_wrap=True)
@@ -122,12 +133,13 @@ def run_dryrun(spec, args) -> int:
         raise SystemExit(f"error: --rank {args.rank}: pick 0 <= rank < --world {args.world}")
     got = run(spec, args.model, args.world, args.rank, args.seq)
     if args.json:
-        print(json.dumps({"world": got.world, "rank": got.rank, "tp": got.tp, "seq": args.seq,
+        print(json.dumps({"world": got.world, "rank": got.rank, "tp": got.tp, "cp": got.cp,
+                          "seq": args.seq,
                           "measured": got.measured, "planned": got.planned,
                           "collectives": got.collectives, "changed": got.changed}, indent=1))
         return 0
     console = Console(width=200, soft_wrap=True)
-    table = Table(title=f"rank {got.rank} of {got.world} (tp {got.tp}), measured over a fake "
+    table = Table(title=f"rank {got.rank} of {got.world} (tp {got.tp}, cp {got.cp}), measured over a fake "
                   f"process group beside `polyshard plan`, seq {args.seq}")
     for col in ("bytes per rank", "measured", "plan", "plan error"):
         table.add_column(col, justify="right" if col != "bytes per rank" else "left")

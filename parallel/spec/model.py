@@ -188,9 +188,11 @@ class Spec(Section):
 
     @property
     def shard_group_size(self) -> int:
-        """Ranks that shard one copy of the model (every data-parallel rank unless hybrid)."""
+        """Ranks that shard one copy of the model (every data-parallel rank unless hybrid), times
+        cp: a cp group's ranks hold other tokens of the same rows and shard and reduce together
+        (FSDP2 over dp_shard x cp, DeepSpeed's data-parallel group)."""
         dims = self.dims  # the default group (procs_per_node) is decided there, once
-        return dims.dp_shard if self.shard in HYBRID else dims.dp_size
+        return (dims.dp_shard if self.shard in HYBRID else dims.dp_size) * dims.cp
 
     @property
     def grad_reduce_dtype(self) -> str:
@@ -227,8 +229,8 @@ class Spec(Section):
                              f"shard: {self.shard!r}; remove it or use shard: hybrid"))
         # data-parallel ranks (dims floors a bad group)
         dp = self.world_size // (self.process_tp * self.topology.cp * self.topology.pp)
-        if self.shard in HYBRID and dp % self.shard_group_size:
-            problems.append(("topology.shard_group_size", f"{self.shard_group_size} does not divide "
+        if self.shard in HYBRID and dp % self.dims.dp_shard:
+            problems.append(("topology.shard_group_size", f"{self.dims.dp_shard} does not divide "
                              f"the data-parallel size {dp} (world size / (tp x cp x pp)); pick a "
                              "divisor of it"))
         if self.loss_scale != LossScale() and self.precision != "fp16":

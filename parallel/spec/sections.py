@@ -62,9 +62,13 @@ class Topology(Section):
     ] = 1
     cp: Annotated[
         int,
-        Field(ge=1, le=MAX_WORLD, description="Context-parallel degree N: each sequence split over N ranks (every "
-              "rank of a cp group takes the same rows). No backend implements it yet: N > 1 is "
-              "refused naming the backend (docs/tp.md)."),
+        Field(ge=1, le=MAX_WORLD, description="Context-parallel degree N: each row's tokens split over N ranks "
+              "(every rank of a cp group is fed the same rows; polyshard keeps 1/N of each row "
+              "on each, labels shifted first) and attention run over whole rows with 1/N of the "
+              "heads (Ulysses: an all-to-all before and after the model's own attention). Inside "
+              "tp, outside data parallelism; gradients average over dp x cp. FSDP2 and DeepSpeed "
+              "run it; FSDP1 and XLA refuse N > 1 naming why; N must divide each rank's query and "
+              "key/value heads (checked at prepare; docs/long-sequences.md)."),
     ] = 1
     pp: Annotated[
         int,

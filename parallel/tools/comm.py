@@ -77,18 +77,46 @@ def tp_comm_bytes(cfg: dict | None, spec, seq: int, rowwise: int = 2, colwise: i
     checkpointing's recomputation) and each colwise module's input gradient in backward (Hugging Face's Llama-style
     plan: 2 rowwise, o/down; 5 colwise, q/k/v/gate/up: one all-reduce each, where Megatron fuses
     q/k/v and gate/up into 2); plus the head's logits gathered whole once forward and its input
-    gradient all-reduced."""
+    gradient all-reduced. With topology.cp each rank's tensors hold seq / cp tokens."""
     tp = spec.topology.tp
     if tp == 1 or not cfg:
         return 0.0
     low = 4 if spec.precision == "fp32" else 2
-    s, b, h = seq, spec.micro_batch_size, cfg["hidden_size"]
+    s, b, h = -(-seq // spec.topology.cp), spec.micro_batch_size, cfg["hidden_size"]
     # activation checkpointing's recomputation stops at the last saved tensor backward needs, so
     # the block's last rowwise all-reduce is not run again (measured: 9 -> 8 per layer, not 10)
     again = rowwise - 1 if spec.checkpoint_activations else 0
     per_layer = (rowwise + again + colwise) * s * b * h * low
     head = 4 * s * b * cfg["vocab_size"] + s * b * h * low
     return spec.grad_accum_steps * (cfg["num_hidden_layers"] * per_layer + head)
+
+
+def cp_comm_bytes(cfg: dict | None, spec, seq: int) -> float:
+    """Bytes one rank hands to all-to-alls per step for topology.cp (Ulysses: parallel/engine/
+    model/context_parallel.py), as the dry run counts them (each call's input: the rank's whole
+    local tensor, of which it keeps 1/cp): per layer and micro-batch, forward exchanges q, k, v
+    and the attention's output; backward the same four gradients; activation checkpointing's
+    recomputation the forward's again (o_proj's saved input is the output's exchange). Local
+    tensors hold seq / cp tokens (rounded up: rows are padded to a multiple of cp) and the rank's
+    heads after tp, key/value heads repeated where cp does not divide them (kv_repeat)."""
+    from parallel.engine.model.context_parallel import kv_repeat
+
+    cp, tp = spec.topology.cp, spec.topology.tp
+    if cp == 1 or not cfg:
+        return 0.0
+
+    class _Heads:  # kv_repeat reads attributes, as of a transformers config
+        num_attention_heads = cfg["num_attention_heads"]
+        num_key_value_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+
+    repeat, _ = kv_repeat(_Heads, tp, cp)
+    low = 4 if spec.precision == "fp32" else 2
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    tokens = spec.micro_batch_size * -(-seq // cp)
+    q = tokens * _Heads.num_attention_heads // tp * head_dim * low
+    kv = tokens * _Heads.num_key_value_heads // tp * repeat * head_dim * low
+    passes = 3 if spec.checkpoint_activations else 2
+    return spec.grad_accum_steps * cfg["num_hidden_layers"] * passes * (2 * q + 2 * kv)
 
 
 def comm_volume(spec, psi: float = 0, output_share: float = 0.0, root_share: float = 0.0) -> float:

@@ -31,6 +31,7 @@ class DryRun:
     planned: dict  # the same from `plan`
     collectives: dict  # {type: {"calls": n, "bytes": b, "planned": plan's bytes}} in one step
     changed: dict  # the spec overrides the backend needed
+    cp: int = 1
 
     def rows(self) -> list[tuple[str, int, float, float | None]]:
         out = []
@@ -72,7 +73,8 @@ def dryrun_spec(spec, world: int):
 # c10d ops whose output the fake group leaves as allocated (uninitialised memory: NaN, whose loss
 # the engine would rightly refuse), and the argument holding it; functional ones return theirs
 GATHERS = {"_allgather_base_": 0, "allgather_": 0, "allgather_into_tensor_coalesced_": 0,
-           "_reduce_scatter_base_": 0, "reduce_scatter_": 0, "reduce_scatter_tensor_coalesced_": 0}
+           "_reduce_scatter_base_": 0, "reduce_scatter_": 0, "reduce_scatter_tensor_coalesced_": 0,
+           "alltoall_base_": 0}
 FUNCTIONAL = ("all_gather_into_tensor", "all_gather_into_tensor_coalesced", "reduce_scatter_tensor",
               "reduce_scatter_tensor_coalesced", "all_to_all_single")
 
@@ -179,7 +181,7 @@ def run(spec, source: str, world: int, rank: int, seq: int, optimizer: str = "ad
     from parallel.registry import create_engine
     from parallel.tools.bench.measure import CommCounter, held_bytes, step_peak_bytes
     from parallel.tools.parity.cell import optimizer_arg
-    from parallel.tools.comm import planned_collectives, tp_comm_bytes
+    from parallel.tools.comm import cp_comm_bytes, planned_collectives, tp_comm_bytes
     from parallel.tools.plan import model_facts, predict
     from parallel.tools.sizes import numel
     from parallel.toy import meta_model
@@ -220,8 +222,11 @@ def run(spec, source: str, world: int, rank: int, seq: int, optimizer: str = "ad
     output, root = kept_shares(model, spec.wrap)
     predicted = by_type(planned_collectives(spec, float(numel(shapes)), output, root),
                         tp_comm_bytes(cfg, spec, seq))
+    if spec.topology.cp > 1:  # Ulysses' exchanges (plan: cp_comm_bytes)
+        predicted["all_to_all"] = cp_comm_bytes(cfg, spec, seq)
     collectives = {k: {"calls": snap["calls"].get(k, 0), "bytes": snap["bytes"].get(k, 0),
                        "planned": predicted.get(k)}
                    for k in sorted({*snap["calls"], *predicted})}
     engine.close()
-    return DryRun(world, rank, spec.topology.tp, measured, planned, collectives, changed)
+    return DryRun(world, rank, spec.topology.tp, measured, planned, collectives, changed,
+                  spec.topology.cp)

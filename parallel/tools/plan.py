@@ -24,6 +24,7 @@ from parallel.tools.comm import (  # noqa: F401 (plan's communication, re-export
     Links,
     comm_seconds,
     comm_volume,
+    cp_comm_bytes,
     offload_seconds,
     planned_collectives,
     tp_comm_bytes,
@@ -91,7 +92,8 @@ def model_states(spec, shapes, n: int | None = None, optimizer: str = "adamw",
 
     low = 4 if spec.precision == "fp32" else 2
     opt = ADAM if optimizer == "adamw" else SGD
-    n = n or spec.dims.dp_shard  # ranks one copy of the model is sharded over
+    # ranks one copy of the model is sharded over: with cp, dp_shard x cp (shard_group_size)
+    n = n or spec.dims.dp_shard * spec.dims.cp
     states = get(spec.backend).plan.model_states(spec, shapes, n, low, opt)
     moved = (False, False, spec.offload != "none") if spec.offload != "params" else (True,) * 3
     return tuple(x if m == host else 0.0 for x, m in zip(states, moved))
@@ -111,7 +113,7 @@ def transient(spec, psi: float, unit: float, hidden: int | None = None) -> tuple
 
 def activations(cfg: dict | None, micro_batch: int, seq: int, precision: str,
                 checkpointing: bool, tp: int = 1, loss_tile: int | None = None,
-                offload: bool = False) -> float | None:
+                offload: bool = False, cp: int = 1) -> float | None:
     """Korthikanti et al. per layer, times layers, plus the logits (fp32); with full
     recomputation each layer keeps its input, and one layer's whole activations exist again
     while its backward runs. The 5as/h term is the stored attention scores: eager attention
@@ -121,14 +123,15 @@ def activations(cfg: dict | None, micro_batch: int, seq: int, precision: str,
     the scores split over tp; the logits are gathered whole (colwise_rep). `loss_tile`
     (sequence.loss_tile): one tile's logits instead of the batch's. `offload`
     (sequence.offload_activations): what backward keeps lives in host memory; the device holds
-    the layer in flight."""
+    the layer in flight. `cp` (topology.cp, Ulysses): each rank holds seq / cp tokens (padded up)
+    through the model; eager's scores are over the whole row for a / (tp x cp) heads."""
     if not cfg:
         return None
     h, a, layers, vocab = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_hidden_layers"], \
         cfg["vocab_size"]
-    s, b = seq, micro_batch
+    s, b = -(-seq // cp), micro_batch
     eager = (cfg.get("_attn_implementation") or cfg.get("attn_implementation")) == "eager"
-    full = s * b * h * (10 + 24 / tp + (5 * a * s / (h * tp) if eager else 0))
+    full = s * b * h * (10 + 24 / tp + (5 * a * seq / (h * tp) if eager else 0))
     kept = (2 * s * b * h * layers + full) if checkpointing else full * layers
     if offload:
         kept = full
@@ -183,10 +186,33 @@ def plan(spec, shapes, cfg: dict | None, world: int, seq: int, optimizer: str = 
         est.comm_s, est.offload_s = comm_seconds(s, psi, links), offload_seconds(s, psi, links)
         tp = s.topology.tp  # a ring all-reduce moves 2 (tp - 1) / tp of the bytes, inside a host
         est.comm_s += 2 * (tp - 1) / tp * tp_comm_bytes(cfg, s, seq) / (links.intra * 1e9)
+        cp = s.topology.cp  # an all-to-all moves (cp - 1) / cp of its input; cp sits inside hosts
+        inside = tp * cp <= s.topology.procs_per_node  # when tp x cp fits one
+        est.comm_s += (cp - 1) / cp * cp_comm_bytes(cfg, s, seq) / (
+            (links.intra if inside else links.inter) * 1e9)
         rows.append(est)
     fits = [r for r in rows if budget_bytes is not None and r.total <= budget_bytes]
     best = min(fits, key=lambda r: r.step_comm_s, default=None)
     return rows, best
+
+
+def longest_seq(spec, shapes, cfg: dict | None, budget_bytes: float, optimizer: str = "adamw",
+                unit: float | None = None, margin: Margin = Margin(), limit: int = 1 << 22) -> int:
+    """The longest sequence (tokens per row, a multiple of cp) whose predicted peak per rank,
+    margin included, fits `budget_bytes` for this spec as written; 0 if none does (the model
+    states alone are over). Activations grow with the length; a binary search over predict()."""
+    step = spec.topology.cp
+
+    def fits(seq: int) -> bool:
+        est = predict(spec, shapes, cfg, seq, optimizer, unit)
+        return est.total + margin.context_gib * 2 ** 30 + margin.fragmentation * est.total \
+            <= budget_bytes
+
+    low, high = 0, limit // step  # in units of cp tokens
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid * step) else (low, mid - 1)
+    return low * step
 
 
 def model_facts(source: str, wrap, tp: int = 1, tp_plan: dict | None = None
@@ -240,6 +266,7 @@ def predict(spec, shapes, cfg: dict | None, seq: int, optimizer: str = "adamw",
                    *model_states(spec, shapes, optimizer=optimizer),
                    activations(cfg, spec.micro_batch_size, seq, spec.precision,
                                spec.checkpoint_activations, spec.topology.tp,
-                               spec.sequence.loss_tile, spec.sequence.offload_activations))
+                               spec.sequence.loss_tile, spec.sequence.offload_activations,
+                               spec.topology.cp))
     est.gathered, est.buffers = transient(spec, psi, unit or psi, (cfg or {}).get("hidden_size"))
     return est

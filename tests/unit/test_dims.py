@@ -169,7 +169,7 @@ def test_a_head_tied_to_its_embedding_stays_whole_and_foreign_styles_are_named()
     assert "local_colwise" in dict(info.value.problems)["topology.tp"]
 
 
-@pytest.mark.parametrize("dim", ["cp", "pp", "ep"])
+@pytest.mark.parametrize("dim", ["pp", "ep"])
 def test_a_dimension_no_backend_implements_is_refused_naming_why(dim):
     from parallel.spec.errors import SpecError
 
@@ -179,9 +179,28 @@ def test_a_dimension_no_backend_implements_is_refused_naming_why(dim):
     assert "backend 'fsdp' does not implement" in message and f"use {dim}: 1" in message
 
 
+def test_cp_is_refused_where_a_backend_lacks_it_naming_the_field():
+    """XLA (both versions) at validation by its descriptor; FSDP1 by its translate (which
+    `polyshard validate` runs): only fully_shard's mesh spans data and context parallel ranks."""
+    from parallel import registry
+    from parallel.spec.errors import SpecError
+
+    lacking = [d.name for d in registry.descriptors() if "cp" not in d.dimensions]
+    assert "xla_fsdp" in lacking and "fsdp" not in lacking and "deepspeed" not in lacking
+    for name in lacking:
+        with pytest.raises(SpecError) as err:
+            load_spec({"backend": name, "topology": {"procs_per_node": 2, "cp": 2}})
+        assert f"backend {name!r} does not implement" in dict(err.value.problems)["topology.cp"]
+    with pytest.raises(SpecError) as err:
+        load_spec({"fsdp": {"version": 1}, "topology": {"procs_per_node": 2, "cp": 2}})
+    assert "use fsdp.version: 2" in dict(err.value.problems)["topology.cp"]
+
+
 def test_every_dimension_has_its_slot_in_the_layout():
     dims = ParallelDims(1, 2, tp=2, cp=2)
-    assert dims.world_size == 8 and dims.dp_size == 2
+    assert dims.world_size == 8 and dims.dp_size == 2 and dims.dp_cp == 4
+    # a cp group's ranks keep consecutive slices of each row; tp is innermost
+    assert [dims.cp_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
     # (pp, dp_replicate, dp_shard, cp, tp) row-major: a cp x tp block shares one batch slice
     assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert dims.mesh_dims == ("dp_replicate", "dp_shard", "cp", "tp")

@@ -88,6 +88,38 @@ def test_a_tiled_loss_and_offloaded_activations_are_counted():
     assert tiled - offloaded == inputs
 
 
+def test_cp_divides_each_ranks_tokens_and_the_longest_row_grows_with_it():
+    cfg = {**LLAMA_8B}
+    one = activations(cfg, 1, 131072, "bf16", True, loss_tile=1024)
+    four = activations(cfg, 1, 131072, "bf16", True, loss_tile=1024, cp=4)
+    tile = 4 * 1024 * cfg["vocab_size"]  # one tile's fp32 logits, whatever the split
+    assert four - tile == pytest.approx((one - tile) / 4)  # every per-token term
+    # eager's scores: whole rows, a / (tp x cp) heads per rank
+    eager = {**cfg, "_attn_implementation": "eager"}
+    scores = activations(eager, 1, 8192, "bf16", False, cp=4) - activations(cfg, 1, 8192, "bf16",
+                                                                            False, cp=4)
+    assert scores == pytest.approx(5 * 32 / 4 * 8192 * 8192 * 32)
+    from parallel.tools.plan import longest_seq
+
+    spec = load_spec("configs/tp8-cp4-llama3-8b.yaml")
+    flat = load_spec({**spec.model_dump(mode="json", exclude_unset=True),
+                      "topology": {"nodes": 32, "procs_per_node": 8, "tp": 8}})
+    shapes = [(int(8.03e9 / 8),)]
+    cp4, cp1 = (longest_seq(s, shapes, cfg, 80 * 2**30) for s in (spec, flat))
+    assert cp4 % 4 == 0 and 3.5 < cp4 / cp1 < 4.5, (cp4, cp1)
+    assert longest_seq(spec, shapes, cfg, 1.0) == 0  # nothing fits a byte
+
+
+def test_cp_comm_bytes_count_ulysses_exchanges():
+    from parallel.tools.comm import cp_comm_bytes
+
+    spec = load_spec("configs/tp8-cp4-llama3-8b.yaml")
+    # 32 layers x 3 passes (forward, backward, recomputation) x (q + out + k + v): 4 query heads and
+    # 1 key/value head repeated 4 times per rank, 128 dims, 8192 / 4 tokens, bf16
+    assert cp_comm_bytes(LLAMA_8B, spec, 8192) == 32 * 3 * 4 * (2048 * 4 * 128 * 2)
+    assert cp_comm_bytes(LLAMA_8B, load_spec("configs/tp8-llama3-8b.yaml"), 8192) == 0
+
+
 def test_the_table_keeps_every_column_in_a_log_and_suggests_only_what_is_off(capsys, config):
     code = main(["plan", "configs/demo.yaml", "--set", "activation_checkpointing=true",
                  "--model", config, "--world", "8", "--budget", "10"])

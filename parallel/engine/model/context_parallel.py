@@ -8,7 +8,8 @@ Why Ulysses and not torch's ring `context_parallel`: it works with any attention
 model has (sdpa, eager; the mask is the model's own, made at full length), over gloo and NCCL alike,
 on every backend (one mechanism: FSDP2 and DeepSpeed run this same code), and its traffic per layer
 is 4 all-to-alls of one activation's 1/N, independent of N (ring attention needs CUDA SDPA and moves
-keys and values N - 1 times). Its limit: cp must divide the heads each rank holds (checked at prepare).
+keys and values N - 1 times). Its limit: cp must divide the query heads each rank holds (checked at
+prepare); key/value heads it does not divide are repeated (`kv_repeat`).
 
 The loss: labels are shifted at full length before the split (`shift_labels`, Hugging Face's own
 argument), so the target of each rank's last token, which lives on the next rank, is not lost; each
@@ -24,6 +25,7 @@ state: the function finds its group on the attention module (`_polyshard_cp`, se
 from __future__ import annotations
 
 import copy
+import math
 import sys
 from contextlib import contextmanager
 
@@ -80,16 +82,20 @@ def _register() -> None:
         AttentionInterface.register(NAME, ulysses_attention)
 
 
-def _heads(config, tp: int, cp: int) -> list[str]:
-    """What cp must divide at prepare: each rank's query and key/value heads (after tp's split)."""
+def kv_repeat(config, tp: int, cp: int) -> tuple[int, str | None]:
+    """(how many times each key/value head is repeated before the split, the problem if cp cannot
+    split the heads): cp must divide each rank's query heads (num_attention_heads / tp). Where it
+    does not divide its key/value heads (Llama-3-8B at tp 8: one per rank), each is repeated
+    cp / gcd(kv, cp) times, as DeepSpeed's Ulysses does: the heads a rank attends with after the
+    exchange then have their own keys and values (the grouping is unchanged, gradients sum back)."""
     heads = getattr(config, "num_attention_heads", None)
     kv = getattr(config, "num_key_value_heads", None) or heads
-    out = []
-    for what, n in (("num_attention_heads", heads), ("num_key_value_heads", kv)):
-        if n is None or (n // tp) % cp:
-            out.append(f"{what} {n} / tp {tp} = {None if n is None else n / tp:g} heads per rank, "
-                       f"which cp {cp} does not divide")
-    return out
+    if heads is None or (heads // tp) % cp:
+        return 1, (f"num_attention_heads {heads} / tp {tp} = "
+                   f"{None if heads is None else heads / tp:g} heads per rank, which cp {cp} "
+                   "does not divide")
+    local = kv // tp
+    return (1 if local % cp == 0 else cp // math.gcd(local, cp)), None
 
 
 class ContextParallel:
@@ -104,10 +110,10 @@ class ContextParallel:
             raise ValueError(f"topology.cp {cp}: {type(base).__name__}'s attention implementation "
                              f"is {inner!r}; context parallelism wraps {' or '.join(INNER)}: load "
                              "the model with attn_implementation='sdpa' (or 'eager'), or set cp: 1")
-        bad = _heads(config, tp, cp)
+        self.kv_repeat, bad = kv_repeat(config, tp, cp)
         if bad:
-            raise ValueError(f"topology.cp {cp}: {type(base).__name__}: {'; '.join(bad)}; pick a "
-                             "cp that divides both")
+            raise ValueError(f"topology.cp {cp}: {type(base).__name__}: {bad}; pick a cp that "
+                             "divides it")
         self.inner = inner
         self.marked = self._mark(base)
         # the model's masks at full length, as its sdpa path makes them (boolean, or None where
@@ -220,14 +226,23 @@ class ContextParallel:
 
     # ---- attention ----
     def attend(self, module, query, key, value, attention_mask, **kwargs):
-        group = self.group
+        group, repeat = self.group, self.kv_repeat
+        if repeat > 1:  # fewer key/value heads than cp splits: each repeated (kv_repeat)
+            key, value = key.repeat_interleave(repeat, 1), value.repeat_interleave(repeat, 1)
         # sequence split -> head split: each rank attends over every token with 1/cp of the heads
         q, k, v = (_AllToAll.apply(t, group, 1, 2) for t in (query, key, value))
         if self.inner == "eager":
             fn, attention_mask = module._polyshard_eager, _additive(attention_mask, q)
         else:
             from transformers.integrations.sdpa_attention import sdpa_attention_forward as fn
-        out, _ = fn(module, q, k, v, attention_mask, **kwargs)  # (B, tokens, heads / cp, D)
+        groups = getattr(module, "num_key_value_groups", None)
+        if repeat > 1:  # the attention repeats keys for its query heads by the module's ratio
+            module.num_key_value_groups = groups // repeat
+        try:
+            out, _ = fn(module, q, k, v, attention_mask, **kwargs)  # (B, tokens, heads / cp, D)
+        finally:
+            if repeat > 1:
+                module.num_key_value_groups = groups
         # and back: this rank's tokens, every head
         return _AllToAll.apply(out, group, 1, 2), None
 

@@ -27,6 +27,7 @@ COLLECTIVES = {
     "allreduce_": ("all_reduce", 0), "allreduce_coalesced_": ("all_reduce", 0),
     "broadcast_": ("broadcast", 0),
     "reduce_": ("reduce", 0),  # DeepSpeed reduces gradient buckets to their partition's owner
+    "alltoall_base_": ("all_to_all", 1),  # topology.cp's exchanges: the bytes a rank sends
 }
 
 
