@@ -22,8 +22,17 @@ def _accelerate_tp(spec: Spec, tool: str) -> None:
                           "= world size exports; run this one with polyshard launch")])
 
 
+def _no_cp(spec: Spec, tool: str) -> None:
+    if spec.topology.cp > 1:
+        raise SpecError([("topology.cp", f"{spec.topology.cp}: {tool} runs no sequence parallelism "
+                          "with DeepSpeed here (accelerate 1.11 has no sp_size; its cp_size is "
+                          "FSDP2's); export --to deepspeed (sequence_parallel_size) or run it "
+                          "with polyshard launch")])
+
+
 def to_accelerate(spec: Spec) -> dict:
     _accelerate_tp(spec, "accelerate")
+    _no_cp(spec, "accelerate")
     config = exported(translate(spec)["config"], auto=True)
     name = "deepspeed_config.json"
     common = common_accelerate(spec)
@@ -38,10 +47,17 @@ def to_deepspeed(spec: Spec, auto: bool = False) -> dict:
     """Any spec as the DeepSpeed config it means (its other fields kept, backend deepspeed); the
     buckets polyshard sizes to the model as "auto" (`auto`: for HF Trainer) or left to DeepSpeed."""
     data = spec.model_dump(mode="json", exclude_unset=True)
-    return exported(translate(validate_as(type(spec), {**data, "backend": "deepspeed"}))["config"],
-                    auto)
+    config = exported(translate(validate_as(type(spec), {**data, "backend": "deepspeed"}))["config"],
+                      auto)
+    cp = spec.topology.cp
+    if cp > 1:  # DeepSpeed's own spelling: its train_batch_size then counts world / cp ranks
+        config["sequence_parallel_size"] = cp
+        if "train_batch_size" in config:
+            config["train_batch_size"] //= cp
+    return config
 
 
 def to_hf_trainer(spec: Spec) -> dict:
     _accelerate_tp(spec, "HF Trainer (through accelerate)")
+    _no_cp(spec, "HF Trainer (through accelerate)")
     return trainer_document({**trainer_args(spec), "deepspeed": to_deepspeed(spec, auto=True)})

@@ -93,7 +93,7 @@ def import_into(imp: Import, cfg: Any, caller: str = "polyshard") -> None:
             _unknown(imp, key)
         elif key not in HANDLED:
             _native(imp, key, value)
-    _batch(imp, cfg)
+    _batch(imp, cfg, _sequence_parallel(imp, cfg))
     tensor_parallel_section(imp, cfg.get("tensor_parallel"))
     _clipping(imp, cfg)
     _precision(imp, cfg)
@@ -152,9 +152,29 @@ def _has_auto(value) -> bool:
 
 
 
-def _batch(imp: Import, cfg: dict) -> None:
+def _sequence_parallel(imp: Import, cfg: dict) -> int:
+    """sequence_parallel_size N (DeepSpeed's Ulysses, the group UlyssesSPAttentionHF splits each
+    row over) is topology.cp N: polyshard runs its own Ulysses on every backend. DeepSpeed then
+    counts world / N data-parallel ranks in train_batch_size (DeepSpeedConfig, without an mpu), as
+    global_batch_size counts world / (tp x cp). Returns N (1 when absent)."""
+    if "sequence_parallel_size" not in cfg:
+        return 1
+    size = imp.whole("sequence_parallel_size", cfg["sequence_parallel_size"])
+    if size is None or size < 1:
+        imp.problems.append(("sequence_parallel_size", f"{cfg['sequence_parallel_size']!r}: a "
+                             "whole number of ranks, 1 or more"))
+        return 1
+    if size > 1:
+        imp.set("topology.cp", size, "sequence_parallel_size", "mapped",
+                f"topology.cp: {size} (each row split over {size} ranks: polyshard's Ulysses, "
+                "an all-to-all around the model's attention, as UlyssesSPAttentionHF)")
+    return size
+
+
+def _batch(imp: Import, cfg: dict, sp: int = 1) -> None:
     """micro batch, accumulation, global batch: DeepSpeed derives a missing one from the others and
-    the world size (DeepSpeedConfig._set_batch_related_parameters); so does this import."""
+    the world size over sequence_parallel_size (DeepSpeedConfig._set_batch_related_parameters); so
+    does this import."""
     fields = {"train_micro_batch_size_per_gpu": "micro_batch_size",
               "gradient_accumulation_steps": "grad_accum_steps",
               "train_batch_size": "global_batch_size"}
@@ -170,7 +190,7 @@ def _batch(imp: Import, cfg: dict) -> None:
     if None in values.values():
         return
     nodes = imp.given_value("topology.nodes") or 1
-    world = nodes * (imp.given_value("topology.procs_per_node") or 1)
+    world = nodes * (imp.given_value("topology.procs_per_node") or 1) // sp
     mb, ga, gb = (values.get(f) for f in ("micro_batch_size", "grad_accum_steps", "global_batch_size"))
     if gb is not None and (mb is None or ga is None):
         if mb is None and ga is None:
@@ -321,7 +341,7 @@ def _python_hint(block: str, value) -> str:
 
 DEEPSPEED_ONLY = {"torch_adam", "adam_w_mode"}  # DeepSpeed's switches, no torch arguments
 HANDLED = {"train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size",
-           "tensor_parallel",
+           "tensor_parallel", "sequence_parallel_size",
            "gradient_clipping", "fp16", "bf16", "bfloat16", "zero_optimization",
            "communication_data_type", "optimizer", "scheduler", "zero_allow_untested_optimizer",
            "zero_force_ds_cpu_optimizer"}

@@ -170,12 +170,15 @@ def _v2(imp: Import, fsdp: dict) -> None:
 
 def _parallelism(imp: Import, par: dict) -> None:
     """accelerate's ND parallelism (FSDP2): replicas x shard groups is hybrid sharding; its tp_size
-    is topology.tp (the model's own tp plan, TP innermost, as accelerate's mesh has it); context
-    parallelism has no polyshard equivalent yet."""
+    is topology.tp (the model's own tp plan, TP innermost, as accelerate's mesh has it); its cp_size
+    is topology.cp (the same mesh place, inside tp's; accelerate splits each row over the group and
+    runs torch's ring attention, polyshard runs Ulysses: the same loss)."""
     size = {k.removeprefix("parallelism_config_"): v for k, v in par.items()}
-    if int(size.get("cp_size", 1) or 1) > 1:
-        imp.refuse("parallelism_config.parallelism_config_cp_size", f"{size['cp_size']}: context "
-                   "parallelism has no polyshard equivalent yet")
+    cp = int(size.get("cp_size", 1) or 1)
+    if cp > 1:
+        imp.set("topology.cp", cp, "parallelism_config.parallelism_config_cp_size",
+                detail=f"each row split over {cp} ranks (accelerate: torch's ring attention; "
+                "polyshard: Ulysses all-to-all, the same loss)")
     tp = int(size.get("tp_size", 1) or 1)
     if tp > 1:
         imp.set("topology.tp", tp, "parallelism_config.parallelism_config_tp_size",

@@ -58,15 +58,21 @@ def to_accelerate(spec: Spec) -> dict:
     if dims.tp > 1:  # accelerate's mesh is (dp_replicate, dp_shard, cp, tp): tp innermost, as ours
         out.setdefault("parallelism_config", {}).update(
             parallelism_config_dp_shard_size=dims.dp_shard, parallelism_config_tp_size=dims.tp)
+    if dims.cp > 1:  # accelerate runs torch's ring attention where polyshard runs Ulysses: the
+        # same split of each row and the same loss (docs/long-sequences.md)
+        out.setdefault("parallelism_config", {}).update(
+            parallelism_config_dp_shard_size=dims.dp_shard, parallelism_config_cp_size=dims.cp)
     return out
 
 
 def to_hf_trainer(spec: Spec) -> dict:
-    if spec.topology.tp > 1:
-        raise SpecError([("topology.tp", f"{spec.topology.tp}: TrainingArguments takes tensor "
-                          "parallelism as a ParallelismConfig object, which no file carries; "
-                          "export --to accelerate (parallelism_config) and run the Trainer under "
-                          "accelerate launch with it")])
+    for dim, what in (("tp", "tensor"), ("cp", "context")):
+        degree = getattr(spec.topology, dim)
+        if degree > 1:
+            raise SpecError([(f"topology.{dim}", f"{degree}: TrainingArguments takes {what} "
+                              "parallelism as a ParallelismConfig object, which no file carries; "
+                              "export --to accelerate (parallelism_config) and run the Trainer "
+                              "under accelerate launch with it")])
     config = {"backward_prefetch": spec.fsdp.backward_prefetch.replace("none", "no_prefetch"),
               "forward_prefetch": spec.fsdp.forward_prefetch,
               "use_orig_params": spec.fsdp.use_orig_params,
