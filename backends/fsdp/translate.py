@@ -31,21 +31,28 @@ def _check_loss_scale(spec: Spec) -> None:
                          for k in sorted(deepspeed_only)])
 
 
+def _fsdp2_dims(spec: Spec) -> None:
+    """tp and cp are FSDP2's: fully_shard's mesh spans them, FSDP1's flat parameters do not."""
+    if spec.fsdp.version == 2:
+        return
+    if spec.topology.tp > 1:
+        raise SpecError([("topology.tp", f"{spec.topology.tp} with fsdp.version: 1: FSDP1's flat "
+                          "parameters cannot hold DTensor shards of a tensor-parallel split; use "
+                          "fsdp.version: 2 (fully_shard over the data-parallel dims, TP innermost)")])
+    if spec.topology.cp > 1:
+        raise SpecError([("topology.cp", f"{spec.topology.cp} with fsdp.version: 1: FSDP1's flat "
+                          "parameters are sharded over one process group per unit and polyshard "
+                          "splits sequences only under fully_shard, whose mesh spans data and "
+                          "context parallel ranks; use fsdp.version: 2")])
+
+
 def translate(spec: Spec) -> dict:
     """The FSDP keyword arguments this spec means, as plain values, with `fsdp.native` merged last."""
     _check_loss_scale(spec)
     low = spec.precision if spec.precision in LOW else None
     reduce = spec.grad_reduce_dtype
     mixed = {"param_dtype": low, "reduce_dtype": reduce} if low or reduce != "fp32" else None
-    if spec.topology.tp > 1 and spec.fsdp.version == 1:
-        raise SpecError([("topology.tp", f"{spec.topology.tp} with fsdp.version: 1: FSDP1's flat "
-                          "parameters cannot hold DTensor shards of a tensor-parallel split; use "
-                          "fsdp.version: 2 (fully_shard over the data-parallel dims, TP innermost)")])
-    if spec.topology.cp > 1 and spec.fsdp.version == 1:
-        raise SpecError([("topology.cp", f"{spec.topology.cp} with fsdp.version: 1: FSDP1's flat "
-                          "parameters are sharded over one process group per unit and polyshard "
-                          "splits sequences only under fully_shard, whose mesh spans data and "
-                          "context parallel ranks; use fsdp.version: 2")])
+    _fsdp2_dims(spec)
     if spec.fsdp.version == 2:
         kwargs = {"reshard_after_forward": spec.shard in ("full", "hybrid")}
         origins = {"reshard_after_forward": "shard"}

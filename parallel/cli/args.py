@@ -30,4 +30,15 @@ def bounded(kind: type, low: float, high: float):
 COUNT = bounded(int, 1, WORLD)  # ranks, processes, nodes
 STEPS = bounded(int, 1, 1 << 24)
 SEQ = bounded(int, 1, 1 << 24)  # tokens per sample
+
+
+def seq_list(text: str) -> list[int]:
+    """bench --seq: one length, or a comma-separated sweep (each bounded as SEQ)."""
+    parts = [t.strip() for t in text.split(",") if t.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError(f"{text!r}: give tokens per sample, e.g. 64 or 1024,2048")
+    return sorted({SEQ(t) for t in parts})
+
+
+seq_list.__name__ = "tokens"
 GBPS = bounded(float, 1e-6, 1e9)

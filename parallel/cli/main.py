@@ -133,7 +133,7 @@ def _bench(args) -> int:
 
     spec = _spec(args)
     split = lambda text: [x.strip() for x in text.split(",") if x.strip()] if text else None  # noqa: E731
-    options = {"model": args.model, "steps": args.steps, "warmup": args.warmup, "seq": args.seq,
+    options = {"model": args.model, "steps": args.steps, "warmup": args.warmup, "seq": args.seq[0],
                **({"data": args.data} if args.data else {})}
     if args.data and args.vs_native:
         raise SpecError([("--data", f"{args.data!r} with --vs-native: the hand-written loops in "
@@ -145,6 +145,13 @@ def _bench(args) -> int:
             raise SpecError([("--data", f"{args.data!r} is not module:function (a function in a "
                               "module importable from the working directory)")])
     console = Console(stderr=True)
+    if len(args.seq) > 1 or args.budget is not None:  # a sweep over lengths (tools/bench/sweep.py)
+        from parallel.tools.bench.sweep import render_sweep, seq_sweep
+
+        result = seq_sweep(spec, _names(args.backends), args.seq, args.budget, options,
+                           Path(args.out), say=lambda line: console.print(line, highlight=False))
+        render_sweep(result, Console(width=200))
+        return 0 if any(r["ran"] for r in result["rows"]) else 1
     results = bench(spec, _names(args.backends), split(args.shard),
                     [int(w) for w in split(args.world) or []], options, Path(args.out),
                     say=lambda line: console.print(line, highlight=False), vs_native=args.vs_native,
@@ -153,7 +160,7 @@ def _bench(args) -> int:
     if args.startup:
         from parallel.tools.bench.startup import measure_startup
 
-        got = measure_startup(spec, args.model, args.seq, pairs=args.startup)
+        got = measure_startup(spec, args.model, args.seq[0], pairs=args.startup)
         (Path(args.out) / "startup.json").write_text(json.dumps(got, indent=1))
         console.print(got.get("skipped") or (
             f"start-up to the first step ({spec.backend}, {spec.world_size} rank(s), median of "

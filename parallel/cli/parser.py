@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from parallel.cli import ckpt as cli_ckpt, interop as cli_interop, plan as cli_plan
-from parallel.cli.args import COUNT, GBPS, SEQ, STEPS, bounded
+from parallel.cli.args import COUNT, GBPS, SEQ, STEPS, bounded, seq_list
 
 EXAMPLES = {
     "validate": "polyshard validate configs/demo.yaml --set backend=deepspeed",
@@ -123,7 +123,11 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=STEPS, default=5, help="measured steps (after --warmup)")
     p.add_argument("--warmup", type=bounded(int, 0, 1 << 24), default=2)
     p.add_argument("--model", default="toy:demo")
-    p.add_argument("--seq", type=SEQ, default=64)
+    p.add_argument("--seq", type=seq_list, default=[64], help="tokens per sample; a comma-separated "
+                   "list sweeps them (each a bench of its own) and, with --budget, reports the "
+                   "longest that ran within it, with and without the spec's topology.cp")
+    p.add_argument("--budget", type=bounded(float, 1e-6, 1e9), metavar="GIB", help="--seq sweep: "
+                   "the memory per rank a length must stay within")
     p.add_argument("--data", help="your batches: module:function returning the global batches "
                    "(dicts of tensors, e.g. an HF collator's), called with those of rows, seq, "
                    "steps, seed, vocab_size it names (default: random ids, the same on every cell)")

@@ -27,6 +27,13 @@ def suggestions(spec, rows) -> list[str]:
     return out
 
 
+def longest_line(spec, budget_gib: float, longest: int) -> str:
+    cp = spec.topology.cp
+    return (f"longest sequence within {budget_gib} GiB for this spec as written ({spec.backend}, "
+            f"shard {spec.shard}, micro-batch {spec.micro_batch_size}, cp {cp}): {longest:,} "
+            "tokens" + ("" if cp > 1 else " (topology.cp N holds about N times as many)"))
+
+
 def as_json(spec, args, rows, best, psi, unit, links, margin, longest) -> str:
     def row(r):
         return {"backend": r.backend, "shard": r.shard, "offload": r.offload,
@@ -98,12 +105,7 @@ def run_plan(spec, args) -> int:
                   "overlap (an upper bound); --json for every number", highlight=False,
                   soft_wrap=True)
     if longest is not None:
-        cp = spec.topology.cp
-        console.print(f"longest sequence within {args.budget} GiB for this spec as written "
-                      f"({spec.backend}, shard {spec.shard}, micro-batch {spec.micro_batch_size}"
-                      f", cp {cp}): {longest:,} tokens" + ("" if cp > 1 else
-                      " (topology.cp N holds about N times as many)"), highlight=False,
-                      soft_wrap=True)
+        console.print(longest_line(spec, args.budget, longest), highlight=False, soft_wrap=True)
     if budget is not None and best is None:
         console.print(f"[red]nothing fits in {args.budget} GiB per device[/]: "
                       + "; ".join(suggestions(spec, rows)), soft_wrap=True)

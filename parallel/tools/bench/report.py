@@ -125,8 +125,11 @@ def bench(spec, names, shards, worlds, options: dict, out_dir: Path, timeout: fl
             results[asked] = {"skipped": c.why}
             say(f"[{i}/{len(todo)}] {asked}: skipped ({c.why})")
             continue
-        cell_spec = load_spec({**c.data, "micro_batch_size": rows // c.world
-                               // c.data["grad_accum_steps"]})
+        # the global rows over the cell's data-parallel ranks (a tp x cp group shares its rows)
+        model_dims = load_spec(c.data).dims
+        model_dims = model_dims.tp * model_dims.cp * model_dims.pp
+        cell_spec = load_spec({**c.data, "micro_batch_size": max(1, rows * model_dims // c.world
+                                                                 // c.data["grad_accum_steps"])})
         key = json.dumps(local_run(cell_spec, c.devices), sort_keys=True)
         if key in launched:
             say(f"[{i}/{len(todo)}] {asked}: launches as {launched[key]} on this host; not repeated")
