@@ -29,6 +29,8 @@ def args(argv=None):
                    "reshards after forward (FULL_SHARD), 2 keeps parameters (SHARD_GRAD_OP)")
     p.add_argument("--tp", type=int, default=1, help="FSDP2, DeepSpeed: tensor-parallel degree (the "
                    "innermost mesh dim; a TP group's ranks take the same rows)")
+    p.add_argument("--sp", type=int, default=1, help="DeepSpeed: Ulysses sequence parallelism over N "
+                   "ranks (inside tp's place: an sp group's ranks take the same rows)")
     p.add_argument("--flatten", action="store_true", help="XLA FSDP v1: flatten_parameters")
     p.add_argument("--count", action="store_true", help="count collectives, host reads and store "
                    "calls of every step after the warm-up (not timed)")
@@ -93,8 +95,8 @@ def token_share(mean: torch.Tensor, labels: torch.Tensor, group=None) -> torch.T
 
 def timed(step, ids, world: int, tp: int = 1) -> tuple[float, float]:
     """One step as a logging loop takes it: the step, then its loss summed over ranks (each returns
-    its share; a TP group's ranks the same one) and read back (so asynchronous devices have
-    finished). (seconds, loss)."""
+    its share; a TP (x SP) group's `tp` ranks the same one) and read back (so asynchronous devices
+    have finished). (seconds, loss)."""
     start = time.perf_counter()
     loss = step(ids)
     if torch.distributed.is_initialized() and world > 1:
@@ -106,12 +108,13 @@ def timed(step, ids, world: int, tp: int = 1) -> tuple[float, float]:
 def run(a, step, rank: int, world: int):
     """`step(ids) -> this rank's share of the loss`; times each step with the loss read back, as
     polyshard does."""
-    rows, dp_rank = a.global_rows // (world // a.tp), rank // a.tp  # tp: the innermost dim
+    model_ranks = a.tp * a.sp  # a tp x sp block shares its rows; tp is the innermost dim
+    rows, dp_rank = a.global_rows // (world // model_ranks), rank // model_ranks
     times, losses, counting = [], [], counter(a)
     for i, ids in enumerate(batches(a)):
         mine = ids[dp_rank * rows:(dp_rank + 1) * rows]
         with counting.step() if counting and i >= a.warmup else nullcontext():
-            elapsed, value = timed(step, mine, world, a.tp)
+            elapsed, value = timed(step, mine, world, model_ranks)
         if a.startup:  # the first step has ended (its loss read back): that is start-up's end
             if rank == 0:
                 with open(a.out, "w") as f:

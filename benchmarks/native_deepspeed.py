@@ -1,7 +1,7 @@
 """DeepSpeed by hand: deepspeed.initialize with a ZeRO config written out; the same job. `build` is
 the step; as a script, a whole job. --tp N: AutoTP as DeepSpeed's AutoTP training tutorial enables
 it, by the config alone (`tensor_parallel.autotp_size`; DeepSpeed reads the model's Hugging Face tp
-plan), a TP group's ranks taking the same rows."""
+plan), a TP group's ranks taking the same rows. --sp N: DeepSpeed's Ulysses (build_sp)."""
 
 import deepspeed
 import torch
@@ -10,6 +10,8 @@ from common import args, model, run, token_share
 
 
 def build(a, rank: int, world: int):
+    if a.sp > 1:
+        return build_sp(a, rank, world)
     net = model(a.model, a.seed)
     dp = world // a.tp
     config = {"train_micro_batch_size_per_gpu": a.global_rows // dp,
@@ -30,6 +32,50 @@ def build(a, rank: int, world: int):
         ids = ids.to(engine.device)  # DeepSpeed moves the model, not the batch
         loss = token_share(engine(input_ids=ids, labels=ids).loss, ids, group)
         engine.backward(loss * dp)  # DeepSpeed averages gradients over the data-parallel ranks
+        engine.step()
+        return loss
+
+    return step
+
+
+def build_sp(a, rank: int, world: int):
+    """--sp N: Ulysses as DeepSpeed's ALST tutorial and accelerate's sequence-parallelism guide
+    write it: UlyssesSPAttentionHF registered with transformers (sdpa), its mpu handed to
+    deepspeed.initialize, each rank the sp group's rows cut to its chunk with global position_ids
+    and labels shifted before the cut (what UlyssesSPDataLoaderAdapter does), the loss computed
+    from the logits on shift_labels, and the ranks' losses combined by the guide's weighted
+    average over the sp group (differentiable all_gather)."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    net = model(a.model, a.seed)
+    net.set_attn_implementation("sdpa")  # Ulysses wraps sdpa / flash, not eager
+    rows = a.global_rows // (world // a.sp)
+    mpu = UlyssesSPAttentionHF.register_with_transformers(
+        model_name_or_path=net, core_attn_implementation="sdpa", sequence_parallel_size=a.sp,
+        micro_batch_size=rows, seq_length=a.seq, seq_length_is_variable=True)
+    config = {"train_micro_batch_size_per_gpu": rows, "gradient_accumulation_steps": 1,
+              "gradient_clipping": a.clip, "zero_optimization": {"stage": a.stage},
+              "zero_allow_untested_optimizer": True, "steps_per_print": 2 ** 31 - 1}
+    opt = torch.optim.AdamW(net.parameters(), lr=a.lr, weight_decay=0.1)
+    engine, *_ = deepspeed.initialize(model=net, optimizer=opt, config=config, mpu=mpu)
+    group, sp_rank = mpu.get_sequence_parallel_group(), mpu.get_sequence_parallel_rank()
+
+    def step(ids):
+        ids = ids.to(engine.device)
+        chunk = ids.shape[1] // a.sp
+        mine = slice(sp_rank * chunk, (sp_rank + 1) * chunk)
+        shift = torch.nn.functional.pad(ids, (0, 1), value=-100)[..., 1:]
+        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        logits = engine(input_ids=ids[:, mine], position_ids=positions[:, mine]).logits
+        shift_labels = shift[:, mine].contiguous()
+        loss = engine.module.loss_function(logits=logits, labels=None, shift_labels=shift_labels,
+                                           vocab_size=engine.module.config.vocab_size)
+        losses = torch.distributed.nn.functional.all_gather(loss, group=group)
+        good = (shift_labels != -100).view(-1).sum()
+        goods = torch.distributed.nn.functional.all_gather(good, group=group)
+        total = sum(losses[r] * goods[r] for r in range(a.sp) if goods[r] > 0)
+        loss = total / max(sum(goods), 1)
+        engine.backward(loss)
         engine.step()
         return loss
 

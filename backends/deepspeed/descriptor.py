@@ -43,5 +43,7 @@ DESCRIPTOR = BackendDescriptor(
         writers={"deepspeed-universal": "backends.deepspeed.universal:write_universal"}),
     bench=Bench(native=lambda spec: ("native_deepspeed.py", [
         f"--stage={STAGES[spec.shard]}",
-        *([f"--tp={spec.topology.tp}"] if spec.topology.tp > 1 else [])])),
+        *([f"--tp={spec.topology.tp}"] if spec.topology.tp > 1 else []),
+        # topology.cp: DeepSpeed's own Ulysses (UlyssesSPAttentionHF), as its ALST tutorial runs it
+        *([f"--sp={spec.topology.cp}"] if spec.topology.cp > 1 else [])])),
 )

@@ -35,8 +35,9 @@ DESCRIPTOR = BackendDescriptor(
         accelerate_claims=accelerate.claims,
         accelerate_section=accelerate.section),
     bench=Bench(dryrun={"fsdp": {"sync_module_states": False, "cpu_ram_efficient_loading": False}},
-                native=lambda spec: (f"native_fsdp{spec.fsdp.version}.py",
-                                     [f"--stage={NATIVE_STAGE.get(spec.shard, 0)}",
-                                      *([f"--tp={spec.topology.tp}"] if spec.topology.tp > 1
-                                        else [])])),
+                # no hand-written FSDP2 loop with cp: torchtitan's is ring attention on CUDA SDPA
+                native=lambda spec: None if spec.topology.cp > 1 else (
+                    f"native_fsdp{spec.fsdp.version}.py",
+                    [f"--stage={NATIVE_STAGE.get(spec.shard, 0)}",
+                     *([f"--tp={spec.topology.tp}"] if spec.topology.tp > 1 else [])])),
 )

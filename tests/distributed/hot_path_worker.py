@@ -35,6 +35,9 @@ def counts(spec_dict: dict, rows: int) -> dict:
                 if mode == "read":
                     result.loss  # noqa: B018 - the read a logging loop makes
         out[mode] = counter.per_step()
+    # each case its own job: DeepSpeed keeps AutoTP's groups in module globals until its engine
+    # closes, and the next DeepSpeed engine (a cp one) would find them (measured)
+    engine.close()
     return out
 
 

@@ -6,7 +6,10 @@ collectives op for op, zero store calls, and device-to-host reads equal to the n
 the loop reads the loss every step (as the native loop does), one fewer when it does not
 (on_nonfinite: raise_deferred, the default); with on_nonfinite: raise the step's own read replaces
 the loop's. XLA runs the same number of graphs per step; raise cuts its step in two (the read before
-the update): counted and recorded."""
+the update): counted and recorded. Context parallelism (cp 2, every variant that has it): against
+DeepSpeed's own Ulysses loop (native_deepspeed.py --sp, its ALST tutorial's) the same all-to-alls and
+fewer collectives and host reads; every cp variant exactly its data-parallel loop plus those
+all-to-alls."""
 
 import dataclasses
 import json
@@ -42,8 +45,28 @@ def with_tp(c, tp=2):
     return dataclasses.replace(c, name=f"{c.name}-tp{tp}", spec=spec)
 
 
+def with_cp(c, cp=2):
+    """The variant at cp 2 on the same ranks (dp 1: both ranks the same rows), where it has cp."""
+    spec = {**c.spec, "micro_batch_size": ROWS, "topology": {**c.spec["topology"], "cp": cp}}
+    try:
+        load_spec(spec)
+    except SpecError:  # this backend refuses context parallelism (tests/unit/test_dims.py)
+        return None
+    return dataclasses.replace(c, name=f"{c.name}-cp{cp}", spec=spec)
+
+
 # and each of them that splits, at tp 2 against the loop's torchtitan-style --tp
-CASES += [t for t in map(with_tp, CASES) if t is not None]
+DATA_PARALLEL = list(CASES)
+CASES += [t for t in map(with_tp, DATA_PARALLEL) if t is not None]
+# cp 2 where the registry's backend has it. The first with a hand-written Ulysses loop runs against
+# it (native_deepspeed.py --sp: DeepSpeed's own, once per process: its sequence-parallel group is a
+# module global made once); every other one (COMPOSED) is counted against its data-parallel loop plus
+# those exchanges (no hand-written FSDP2 loop runs Ulysses: torchtitan's context parallelism is ring
+# attention on CUDA SDPA)
+SPLIT = [t for t in map(with_cp, DATA_PARALLEL) if t is not None]
+ULYSSES = next(t for t in SPLIT if get(t.backend).bench.native(load_spec(t.spec)) is not None)
+CASES.append(ULYSSES)
+COMPOSED = {t.name: t for t in SPLIT if t is not ULYSSES}
 GROUPS = matrix.by_launch(CASES)
 # on_nonfinite: raise, beside the default, for the first case of each launch group
 RAISE = {f"{g[0].name}-raise": g[0].name for g in GROUPS}
@@ -52,10 +75,12 @@ BY_NAME = {c.name: c for c in CASES}
 
 def shared_jobs(tmp):
     """Every case's engine, and one with on_nonfinite: raise, per launch group, in the suite's
-    shared launches (shared.py)."""
+    shared launches (shared.py); the cp cases without a loop of their own ride the group that
+    launches as they do."""
     jobs = []
     for group in GROUPS:
         cases = {c.name: c.spec for c in group}
+        cases.update({name: c.spec for name, c in COMPOSED.items() if c.launch == group[0].launch})
         cases[f"{group[0].name}-raise"] = {**group[0].spec, "on_nonfinite": "raise"}
         (tmp / f"cases-{group[0].name}.json").write_text(json.dumps(cases))
         jobs.append(job("hot_path_worker", ["--cases", tmp / f"cases-{group[0].name}.json",
@@ -114,6 +139,8 @@ def test_a_step_pays_what_the_native_loop_pays(counted):
     engine, native = counted
     rows = []
     for name in BY_NAME:
+        if name.endswith("-cp2"):
+            continue  # test_cp_pays_ulysses_exchanges_and_nothing_more
         ours, theirs = engine[name], native[name]
         for mode in ("read", "noread"):
             assert not any(k.startswith("store") for k in ours[mode]), (name, ours[mode])
@@ -140,3 +167,36 @@ def test_raise_and_skip_read_once_before_the_update(counted):
         # early: the update is a second graph
         graphs = split(native[base])[2]
         assert split(engine[name]["noread"])[2] == graphs + (1 if graphs else 0), (name, engine)
+
+
+ALL_TO_ALL = "collective:alltoall_base_"
+
+
+@needs_both
+@pytest.mark.timeout(1200)
+def test_cp_pays_ulysses_exchanges_and_nothing_more(counted):
+    """cp 2 on 2 ranks. Against DeepSpeed's own Ulysses loop (its ALST tutorial's: the same
+    all-to-alls, plus position ids gathered in every layer and the ranks' losses gathered for the
+    guide's weighted mean, where polyshard shifts labels before the split and counts targets in its
+    one reduction): the same all-to-alls, no more collectives in all, no more host reads. FSDP2,
+    which no hand-written loop runs with Ulysses: its native data-parallel loop's collectives and
+    host reads exactly, plus DeepSpeed's Ulysses all-to-alls."""
+    engine, native = counted
+    ours, theirs = engine[ULYSSES.name], native[ULYSSES.name]
+    coll, reads, _ = split(theirs)
+    mine, my_reads, _ = split(ours["read"])
+    # 2 layers x (forward + backward) x (q, k, v, output)
+    assert mine[ALL_TO_ALL] == coll[ALL_TO_ALL] == 16, (ours, theirs)
+    assert sum(mine.values()) <= sum(coll.values()) and my_reads <= reads, (ours, theirs)
+    for mode in ("read", "noread"):
+        assert not any(k.startswith("store") for k in ours[mode]), ours
+    assert COMPOSED and all(not name.startswith("xla") for name in COMPOSED), sorted(COMPOSED)
+    for name, c in COMPOSED.items():
+        base = name.removesuffix("-cp2")
+        coll, reads, graphs = split(native[base])
+        expected = {**coll, ALL_TO_ALL: 16}
+        assert split(engine[name]["read"]) == (expected, reads, graphs), (name, engine[name],
+                                                                           native[base])
+        assert split(engine[name]["noread"]) == (expected, reads - 1, graphs), name
+    record("hot-path-cp", {"ulysses loop": ULYSSES.name, "native": theirs,
+                           **{name: engine[name]["read"] for name in [ULYSSES.name, *COMPOSED]}})

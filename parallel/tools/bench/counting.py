@@ -81,7 +81,14 @@ def _subclass_dispatch(t: type) -> bool:
         torch._C._disabled_torch_dispatch_impl
 
 
+# collectives a library wraps in an op of its own (the c10d call inside runs below the dispatch
+# mode, unseen): counted under the c10d op they run. DeepSpeed's Ulysses all-to-all
+# (deepspeed/sequence/layer.py: torch.library op "deepspeed::dim_zero_all_to_all").
+WRAPPED = {"deepspeed::dim_zero_all_to_all": "c10d::alltoall_base_"}
+
+
 def _count_op(counts: Counter, name: str, args) -> None:
+    name = WRAPPED.get(name, name)
     space, _, op = name.partition("::")
     if space in ("c10d", "_c10d_functional") and op not in NOT_COLLECTIVES:
         if group_size(args) > 1:
