@@ -48,7 +48,8 @@ DESCRIPTOR = BackendDescriptor(
     engine="backends.xla.engine:make_engine",
     extra="xla",
     packages=("torch_xla",),
-    dimensions=frozenset({"tp"}),  # SPMD (v2) only: the mesh's model axis; translate refuses v1
+    # SPMD (v2) only: the mesh's model and seq axes; translate refuses both on v1
+    dimensions=frozenset({"tp", "cp"}),
     options=Options("xla", XlaOptions, "PyTorch/XLA only knobs."),
     variants={"xla1": {"xla": {"fsdp_version": 1}}, "xla2": {"xla": {"fsdp_version": 2}}},
     flat_optimizer=lambda spec: spec.xla.fsdp_version == 1,  # flatten_parameters: one per unit

@@ -30,7 +30,21 @@ def shard_output(output, mesh) -> None:
         xs.mark_sharding(tensor, mesh, ("fsdp",) + (None,) * (tensor.dim() - 1))
 
 
-def tp_shardings(model, plan: dict[str, str]) -> dict[str, tuple]:
+def data_axis(cp: int):
+    """The mesh axes that hold other tokens of the step: fsdp, and seq where topology.cp splits
+    rows (parameters are sharded over both, as FSDP2 shards over dp_shard x cp)."""
+    return ("fsdp", "seq") if cp > 1 else "fsdp"
+
+
+def cp_shardings(model, cp: int) -> dict[str, tuple]:
+    """topology.cp without tp: every parameter's dim 0 over (fsdp, seq); FSDPv2 alone would shard
+    over fsdp and replicate over seq, and torch_xla 2.9's SPMD save planner drops partly
+    replicated tensors (tp_shardings' note)."""
+    return {name: (data_axis(cp),) + (None,) * (p.dim() - 1)
+            for name, p in model.named_parameters() if p.dim() > 0}
+
+
+def tp_shardings(model, plan: dict[str, str], cp: int = 1) -> dict[str, tuple]:
     """topology.tp under SPMD: the plan as a partition spec of each global parameter over the mesh's
     (fsdp, model) axes, by name (pure: tested on a meta-device model). The compiler inserts TP's
     collectives. Colwise splits outputs over `model` and FSDPv2's inputs over `fsdp`, rowwise the
@@ -38,20 +52,21 @@ def tp_shardings(model, plan: dict[str, str]) -> dict[str, tuple]:
     (embeddings, norms) is sharded over both axes: FSDPv2 would shard it over `fsdp` and replicate
     it over `model`, and torch_xla 2.9's SPMD save planner drops such partly replicated tensors
     (measured: no entry at all for the embedding and norms)."""
-    specs, split = {}, set()
+    specs, split, data = {}, set(), data_axis(cp)
+    everything = (*data, "model") if cp > 1 else ("fsdp", "model")
     for path, module in model.named_modules():
         style = style_of(path, plan)
         if style is None:
             continue
         rowwise = style == "rowwise"
-        specs[f"{path}.weight"] = ("fsdp", "model") if rowwise else ("model", "fsdp")
+        specs[f"{path}.weight"] = (data, "model") if rowwise else ("model", data)
         split.add(id(module.weight))
         if module.bias is not None and not rowwise:
             specs[f"{path}.bias"] = ("model",)
             split.add(id(module.bias))
     for name, p in model.named_parameters():
         if id(p) not in split and p.dim() > 0:
-            specs.setdefault(name, (("fsdp", "model"),) + (None,) * (p.dim() - 1))
+            specs.setdefault(name, (everything,) + (None,) * (p.dim() - 1))
     return specs
 
 
@@ -74,17 +89,21 @@ class XlaSpmdEngine(_Xla):
         import torch_xla.distributed.spmd as xs
         import torch_xla.runtime as xr
 
-        n, tp = xr.global_runtime_device_count(), self.spec.topology.tp
-        if n % tp:
-            raise SpecError([("topology.tp", f"{tp} does not divide this host's {n} devices "
+        n, tp, cp = xr.global_runtime_device_count(), self.spec.topology.tp, self.spec.topology.cp
+        if n % (tp * cp):
+            field, degree = ("topology.tp", tp) if n % tp else ("topology.cp", tp * cp)
+            raise SpecError([(field, f"{degree} (tp x cp) does not divide this host's {n} devices "
                               f"({xr.device_type()}); on CPU the devices are virtual: "
-                              f"CPU_NUM_DEVICES={tp} (or a multiple) gives {tp}, and `polyshard "
-                              "launch` sets it when unset")])
-        shape = tuple(self.spec.xla.mesh_shape or (n // tp, tp))
-        if int(np.prod(shape)) != n or len(shape) != 2:
+                              f"CPU_NUM_DEVICES={degree} (or a multiple) gives {degree}, and "
+                              "`polyshard launch` sets it when unset")])
+        if cp > 1:  # (fsdp, seq, model): rows split over seq (translate refuses a mesh_shape)
+            shape, names = (n // (tp * cp), cp, tp), ("fsdp", "seq", "model")
+        else:
+            shape, names = tuple(self.spec.xla.mesh_shape or (n // tp, tp)), ("fsdp", "model")
+        if int(np.prod(shape)) != n or len(shape) != len(names):
             raise SpecError([("xla.mesh_shape", f"{list(shape)} must be 2-D (fsdp, model) with "
                               f"{n} devices in all")])
-        self.mesh = xs.Mesh(np.arange(n), shape, ("fsdp", "model"))
+        self.mesh = xs.Mesh(np.arange(n), shape, names)
         xs.set_global_mesh(self.mesh)
         self.devices_per_process = shape[0]
 
@@ -111,9 +130,12 @@ class XlaSpmdEngine(_Xla):
         )
 
         model, units = self._build(model)
-        if self.spec.topology.tp > 1:  # before FSDPv2, which skips what is already sharded
-            plan = resolve_plan(model, self.spec.topology.tp, self.spec.topology.tp_plan, self.say)
-            apply_tp(model, self.mesh, tp_shardings(model, plan))
+        tp, cp = self.spec.topology.tp, self.spec.topology.cp
+        if tp > 1:  # before FSDPv2, which skips what is already sharded
+            plan = resolve_plan(model, tp, self.spec.topology.tp_plan, self.say)
+            apply_tp(model, self.mesh, tp_shardings(model, plan, cp))
+        elif cp > 1:
+            apply_tp(model, self.mesh, cp_shardings(model, cp))
         model = apply_xla_fsdp(model, units, lambda m: FSDPv2(
             m, mesh=self.mesh, shard_output=shard_output, **self.plan["kwargs"]),
             self.spec.checkpoint_activations)
@@ -132,14 +154,22 @@ class XlaSpmdEngine(_Xla):
     def _input_sharding(self) -> dict:
         import torch_xla.distributed.spmd as xs
 
-        return {"input_sharding": xs.ShardingSpec(self.mesh, ("fsdp", None))}
+        return {"input_sharding": xs.ShardingSpec(self.mesh, ("fsdp", self._seq))}
+
+    @property
+    def _seq(self):
+        """The axis a row's tokens are split over: seq with topology.cp, else none."""
+        return "seq" if self.spec.topology.cp > 1 else None
 
     def _to_device(self, batch):
         import torch_xla.distributed.spmd as xs
 
         batch = super()._to_device(batch)
         for t in (batch.values() if isinstance(batch, dict) else batch):
-            xs.mark_sharding(t, self.mesh, ("fsdp",) + (None,) * (t.dim() - 1))
+            # rows over fsdp; tokens over seq (a 4-D packed mask: its query dimension)
+            spec = ("fsdp", self._seq) if t.dim() == 2 else (
+                ("fsdp", None, self._seq, None) if t.dim() == 4 else None)
+            xs.mark_sharding(t, self.mesh, spec or ("fsdp",) + (None,) * (t.dim() - 1))
         return batch
 
     def _autocast(self):

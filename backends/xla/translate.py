@@ -41,10 +41,12 @@ def translate(spec: Spec) -> dict:
     _check_preemption_sync(spec)
     x = spec.xla
     settings = {k: v for k, v in x.xla_fsdp_settings.items() if k != "xla_fsdp_grad_ckpt"}
-    if spec.topology.tp > 1 and x.fsdp_version == 1:
-        raise SpecError([("topology.tp", f"{spec.topology.tp} with xla.fsdp_version: 1: XLA FSDP v1 "
-                          "wraps plain tensors per process and has no tensor parallelism; use "
-                          "xla.fsdp_version: 2 (SPMD: TP is the mesh's model axis)")])
+    for dim, what, axis in (("tp", "tensor", "model"), ("cp", "context", "seq")):
+        degree = getattr(spec.topology, dim)
+        if degree > 1 and x.fsdp_version == 1:
+            raise SpecError([(f"topology.{dim}", f"{degree} with xla.fsdp_version: 1: XLA FSDP v1 "
+                              f"wraps plain tensors per process and has no {what} parallelism; "
+                              f"use xla.fsdp_version: 2 (SPMD: the mesh's {axis} axis)")])
     if x.fsdp_version == 2:
         if spec.topology.procs_per_node != 1:
             raise SpecError([("topology.procs_per_node", f"{spec.topology.procs_per_node} with "
@@ -58,9 +60,16 @@ def translate(spec: Spec) -> dict:
         if tp > 1 and x.mesh_shape is not None and x.mesh_shape[1:] != [tp]:
             raise SpecError([("xla.mesh_shape", f"{x.mesh_shape} with topology.tp {tp}: the mesh's "
                               f"model axis is TP; write [devices / {tp}, {tp}] or leave it unset")])
+        cp = spec.topology.cp
+        if cp > 1 and x.mesh_shape is not None:
+            raise SpecError([("xla.mesh_shape", f"{x.mesh_shape} with topology.cp {cp}: the mesh is "
+                              "(fsdp, seq, model) = (devices / (cp x tp), cp, tp); leave it unset")])
         default = "all devices x 1" if tp == 1 else f"devices / {tp} x {tp}"
+        axes = ["fsdp", "model"]
+        if cp > 1:  # rows split over seq; the compiler partitions attention over it
+            default, axes = f"devices / {cp * tp} x {cp} x {tp}", ["fsdp", "seq", "model"]
         return {"api": "SpmdFullyShardedDataParallel", "mesh": x.mesh_shape or default,
-                "mesh_axes": ["fsdp", "model"], "autocast": DTYPE_NAMES[spec.precision],
+                "mesh_axes": axes, "autocast": DTYPE_NAMES[spec.precision],
                 "activation_checkpointing": spec.checkpoint_activations,
                 "kwargs": {**settings, **x.native}}
     mixed = spec.precision != "fp32"

@@ -40,13 +40,14 @@ class ParallelDims:
         t = spec.topology
         # processes only: under SPMD one process's device mesh holds TP (spec.process_tp)
         tp = getattr(spec, "process_tp", t.tp)
+        cp = getattr(spec, "process_cp", t.cp)  # likewise its sequence axis
         # a product that does not divide the world is the spec's error to report
-        dp = max(1, spec.world_size // (tp * t.cp * t.pp))
-        more = {"tp": tp, "cp": t.cp, "pp": t.pp, "ep": t.ep}
+        dp = max(1, spec.world_size // (tp * cp * t.pp))
+        more = {"tp": tp, "cp": cp, "pp": t.pp, "ep": t.ep}
         if spec.shard in HYBRID:
             # default: shard inside a host, whose procs_per_node ranks hold procs_per_node / (tp x
             # cp) data-parallel ranks (tp and cp are the innermost dimensions)
-            group = t.shard_group_size or max(1, t.procs_per_node // (tp * t.cp))
+            group = t.shard_group_size or max(1, t.procs_per_node // (tp * cp))
             return cls(max(1, dp // group), group, **more)
         if spec.shard == "none":  # replicate everything: every rank its own "shard group" of one
             return cls(dp, 1, **more)

@@ -187,6 +187,13 @@ class Spec(Section):
         return 1 if spmd else self.topology.tp
 
     @property
+    def process_cp(self) -> int:
+        """Context-parallel ranks that are processes: topology.cp, except under SPMD, whose device
+        mesh holds cp inside the process (a sequence axis the compiler partitions)."""
+        spmd = self.descriptor(self.backend).launch.process_devices(self) is None
+        return 1 if spmd else self.topology.cp
+
+    @property
     def shard_group_size(self) -> int:
         """Ranks that shard one copy of the model (every data-parallel rank unless hybrid), times
         cp: a cp group's ranks hold other tokens of the same rows and shard and reduce together
@@ -228,7 +235,7 @@ class Spec(Section):
             problems.append(("topology.shard_group_size", f"is only read with a hybrid shard, not "
                              f"shard: {self.shard!r}; remove it or use shard: hybrid"))
         # data-parallel ranks (dims floors a bad group)
-        dp = self.world_size // (self.process_tp * self.topology.cp * self.topology.pp)
+        dp = self.world_size // (self.process_tp * self.process_cp * self.topology.pp)
         if self.shard in HYBRID and dp % self.dims.dp_shard:
             problems.append(("topology.shard_group_size", f"{self.dims.dp_shard} does not divide "
                              f"the data-parallel size {dp} (world size / (tp x cp x pp)); pick a "
@@ -278,7 +285,7 @@ class Spec(Section):
         if t.tp == 1 and t.tp_plan is not None:
             problems.append(("topology.tp_plan", "is set but topology.tp is 1, so nothing is "
                              "split; set tp > 1 or remove tp_plan"))
-        model = self.process_tp * t.cp * t.pp  # SPMD: the runtime checks its devices
+        model = self.process_tp * self.process_cp * t.pp  # SPMD: the runtime checks its devices
         if not problems and self.world_size % model:
             problems.append(("topology.tp", f"{t.tp} (x cp {t.cp} x pp {t.pp}) does not divide "
                              f"the world size {self.world_size}"))

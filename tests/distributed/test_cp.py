@@ -1,11 +1,13 @@
 """Context parallelism (`topology.cp`) through the engine, against one process on the global batch.
 
-Cases come from the registry: every variant (matrix.cases) whose spec with cp 2 validates (FSDP2 and
-ZeRO-0/1/2/3; FSDP1 and XLA refuse it, unit-tested) runs cp 2 on 2 ranks with padded SFT rows (the
+Cases come from the registry: every variant (matrix.cases) whose spec with cp 2 validates (FSDP2,
+ZeRO-0/1/2/3 and XLA SPMD, whose mesh gets a seq axis; FSDP1 and XLA v1 refuse it, unit-tested) runs cp
+2 on 2 ranks or devices with padded SFT rows (the
 second half of a short row holds no target: a rank without targets), accumulation, clipping and
 activation checkpointing on the tiny Llama, whose attention is grouped-query (4 heads, 2 key/value
 heads), saving after step 3 and resuming in fresh processes; then dp 2 x cp 2 and tp 2 x cp 2 on 4
-ranks, and a cp 2 checkpoint loaded at cp 1 on another backend."""
+ranks or devices, and a cp 2 checkpoint loaded at cp 1 on another backend of the same launch (XLA
+SPMD: at cp 1 with its devices on the fsdp axis)."""
 
 import matrix
 import pytest
@@ -38,8 +40,14 @@ def cp_variants(world=2, tp=1):
 
 
 VARIANTS = {c.name: c for c in cp_variants()}
-# the first data-parallel variant of each backend at 4 ranks: dp 2 x cp 2 and tp 2 x cp 2
+GROUPS = {"+".join(c.name for c in group): group for group in matrix.by_launch(cp_variants())}
+# the first variant of each backend at 4 ranks or devices: dp 2 x cp 2 and tp 2 x cp 2
 WIDE = {c.backend: c for c in reversed(cp_variants(world=4))}
+WIDE_GROUPS = {"+".join(c.name for c in group): group
+               for group in matrix.by_launch(list(WIDE.values()))}
+# make test runs the wide layouts of the multi-process launch; SPMD's (one process over 4 virtual
+# devices: 33 s here) in make test-full, its cp 2 cases in make test as every variant's
+QUICK_WIDE = {name for name, group in WIDE_GROUPS.items() if group[0].nproc > 1}
 MHA = {"num_attention_heads": 4, "num_key_value_heads": 4}  # every head its own keys
 
 
@@ -62,9 +70,10 @@ def cases(c, tier="full"):
     return [{**one, "name": f"{c.name}-{one['name']}"} for one in out]
 
 
-def transfer_cases():
-    """A cp 2 checkpoint of each backend loaded at cp 1 (dp 2) on the other backend."""
-    names = {c.backend: c for c in VARIANTS.values()}
+def transfer_cases(group):
+    """A cp 2 checkpoint of each backend of a launch group loaded at cp 1 (dp 2) on another
+    backend of the group (itself where it is alone: XLA SPMD, another layout of its devices)."""
+    names = {c.backend: c for c in group}
     out = []
     for backend, c in names.items():
         other = next((o for b, o in names.items() if b != backend), c)
@@ -74,9 +83,9 @@ def transfer_cases():
     return out
 
 
-def wide_cases():
+def wide_cases(group):
     out = []
-    for c in WIDE.values():
+    for c in group:
         out.append(case(f"{c.name}-dp2-cp2", with_cp(c), optimizer="adamw", padded=True))
         try:
             load_spec(with_cp(c, tp=2))
@@ -87,50 +96,63 @@ def wide_cases():
     return out
 
 
+def narrow_cases(group, tier):
+    return [one for c in group for one in cases(c, tier)] + transfer_cases(group)
+
+
+def key(prefix, group_name):
+    return f"{prefix}-{group_name.replace('+', '-')}"
+
+
 def shared_jobs(tmp):
-    """make test's tier in the suite's shared launches (shared.py): the cp 2 cases of every
-    variant and the transfers on 2 ranks, the wide layouts on 4."""
-    narrow = [one for c in VARIANTS.values() for one in cases(c, "quick")] + transfer_cases()
-    first = next(iter(VARIANTS.values()))
-    wide = next(iter(WIDE.values()))
-    return (parity_jobs(tmp, narrow, nproc=first.nproc, env=first.env, key="cp-2")
-            + parity_jobs(tmp, wide_cases(), nproc=wide.nproc, env=wide.env, key="cp-4"))
+    """make test's tier in the suite's shared launches (shared.py): per launch group, the cp 2
+    cases of every variant and the transfers on 2 ranks or devices, the wide layouts on 4."""
+    jobs = []
+    for name, group in GROUPS.items():
+        jobs += parity_jobs(tmp, narrow_cases(group, "quick"), nproc=group[0].nproc,
+                            env=group[0].env, key=key("cp-2", name))
+    for name, group in WIDE_GROUPS.items():
+        if name not in QUICK_WIDE:
+            continue
+        jobs += parity_jobs(tmp, wide_cases(group), nproc=group[0].nproc, env=group[0].env,
+                            key=key("cp-4", name))
+    return jobs
 
 
 def test_the_registry_has_cp_variants():
-    assert {"fsdp2", "zero0", "zero1", "zero2", "zero3"} <= set(VARIANTS), sorted(VARIANTS)
-    assert not {"fsdp1", "xla1", "xla2"} & set(VARIANTS), sorted(VARIANTS)
-    # one launch holds them all (the same processes and environment)
-    assert len(matrix.by_launch(list(VARIANTS.values()))) == 1
+    assert {"fsdp2", "zero0", "zero1", "zero2", "zero3", "xla2"} <= set(VARIANTS), sorted(VARIANTS)
+    assert not {"fsdp1", "xla1"} & set(VARIANTS), sorted(VARIANTS)
+    assert set(WIDE) == {"fsdp", "deepspeed", "xla_fsdp"}, sorted(WIDE)
 
 
-def _results(request, tmp_path, key, chosen, nproc, env, tier):
+def _results(request, tmp_path, prefix, name, chosen, group, tier):
     if tier == "quick":
         tmp, run = request.getfixturevalue("shared")[__name__]
-        return parity_results(tmp, run, key=key)
-    return run_parity(tmp_path, chosen, nproc=nproc, timeout=500, env=env)
+        return parity_results(tmp, run, key=key(prefix, name))
+    return run_parity(tmp_path, chosen, nproc=group[0].nproc, timeout=500, env=group[0].env)
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("tier", ["quick", pytest.param("full", marks=pytest.mark.full)])
-def test_cp2_matches_one_process_resumes_and_moves_to_cp1(request, tmp_path, tier):
-    chosen = [one for c in VARIANTS.values() for one in cases(c, tier)] + transfer_cases()
-    first = next(iter(VARIANTS.values()))
-    results = _results(request, tmp_path, "cp-2", chosen, first.nproc, first.env, tier)
+@pytest.mark.parametrize("group", sorted(GROUPS))
+def test_cp2_matches_one_process_resumes_and_moves_to_cp1(request, tmp_path, group, tier):
+    chosen = narrow_cases(GROUPS[group], tier)
+    results = _results(request, tmp_path, "cp-2", group, chosen, GROUPS[group], tier)
     assert sorted(results) == sorted(one["name"] for one in chosen)
     moved = {one["name"] for one in chosen if "resume_spec" in one}
     # another layout sums in another order: the one-process tolerance, not bit equality
     worst = {name: check_parity(name, res, resume_tol=1e-5 if name in moved else 0.0)
              for name, res in results.items()}
-    print(f"cp 2: max |loss - one process| per case: {worst}")
+    print(f"cp 2 ({group}): max |loss - one process| per case: {worst}")
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("tier", ["quick", pytest.param("full", marks=pytest.mark.full)])
-def test_dp2_cp2_and_tp2_cp2_match_one_process(request, tmp_path, tier):
-    chosen = wide_cases()
-    wide = next(iter(WIDE.values()))
-    assert {one["name"] for one in chosen} >= {"fsdp2-dp2-cp2", "fsdp2-tp2-cp2"}, chosen
-    results = _results(request, tmp_path, "cp-4", chosen, wide.nproc, wide.env, tier)
+@pytest.mark.parametrize("group,tier", [
+    *((g, "quick") for g in sorted(QUICK_WIDE)),
+    *(pytest.param(g, "full", marks=pytest.mark.full) for g in sorted(WIDE_GROUPS))])
+def test_dp2_cp2_and_tp2_cp2_match_one_process(request, tmp_path, group, tier):
+    chosen = wide_cases(WIDE_GROUPS[group])
+    assert any(one["name"].endswith("-tp2-cp2") for one in chosen), chosen
+    results = _results(request, tmp_path, "cp-4", group, chosen, WIDE_GROUPS[group], tier)
     worst = {name: check_parity(name, res) for name, res in results.items()}
-    print(f"4 ranks with cp 2: max |loss - one process| per case: {worst}")
+    print(f"4 ranks with cp 2 ({group}): max |loss - one process| per case: {worst}")
