@@ -179,19 +179,13 @@ class Spec(Section):
         return cls.backends.get(name)
 
     @property
-    def process_tp(self) -> int:
-        """Tensor-parallel ranks that are processes: topology.tp, except where one process drives a
-        host's devices (SPMD: its backend knows its devices per process only at run time), whose
-        device mesh holds TP inside the process."""
-        spmd = self.descriptor(self.backend).launch.process_devices(self) is None
-        return 1 if spmd else self.topology.tp
+    def spmd(self) -> bool:
+        """One process drives a host's devices (known at run time): its mesh holds tp and cp."""
+        return self.descriptor(self.backend).launch.process_devices(self) is None
 
-    @property
-    def process_cp(self) -> int:
-        """Context-parallel ranks that are processes: topology.cp, except under SPMD, whose device
-        mesh holds cp inside the process (a sequence axis the compiler partitions)."""
-        spmd = self.descriptor(self.backend).launch.process_devices(self) is None
-        return 1 if spmd else self.topology.cp
+    # tensor- and context-parallel ranks that are processes (SPMD: its mesh's model / seq axes)
+    process_tp = property(lambda self: 1 if self.spmd else self.topology.tp)
+    process_cp = property(lambda self: 1 if self.spmd else self.topology.cp)
 
     @property
     def shard_group_size(self) -> int:

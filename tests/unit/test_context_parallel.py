@@ -97,3 +97,23 @@ def test_the_model_attends_through_ulysses_except_for_whole_rows():
         assert model.config._attn_implementation == "sdpa"
         model(input_ids=torch.arange(6)[None])
     assert model.config._attn_implementation == NAME
+
+
+def test_token_accuracy_over_the_ranks_slices_is_the_whole_rows():
+    """evaluate's metric on each rank's slice (shift_labels, logits of its tokens), summed over the
+    cp group as evaluate sums it, equals the metric on whole rows."""
+    from types import SimpleNamespace
+
+    from parallel.engine.infer.evaluate import token_accuracy
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 5, (2, 8), generator=g)
+    labels = ids.clone()
+    labels[1, 6:] = -100
+    logits = torch.randn(2, 8, 5, generator=g)
+    whole = token_accuracy(SimpleNamespace(logits=logits), {"labels": labels})
+    parts = [make(rank=r).shard({"input_ids": ids, "labels": labels}) for r in (0, 1)]
+    sliced = [token_accuracy(SimpleNamespace(logits=logits[:, 4 * r:4 * (r + 1)]), p)
+              for r, p in enumerate(parts)]
+    for key in whole:
+        assert int(whole[key]) == sum(int(s[key]) for s in sliced), key

@@ -186,7 +186,7 @@ def test_cp_is_refused_where_a_backend_lacks_it_naming_the_field():
     from parallel.spec.errors import SpecError
 
     lacking = [d.name for d in registry.descriptors() if "cp" not in d.dimensions]
-    assert "xla_fsdp" in lacking and "fsdp" not in lacking and "deepspeed" not in lacking
+    assert not {"fsdp", "deepspeed", "xla_fsdp"} & set(lacking), lacking
     for name in lacking:
         with pytest.raises(SpecError) as err:
             load_spec({"backend": name, "topology": {"procs_per_node": 2, "cp": 2}})
@@ -194,6 +194,14 @@ def test_cp_is_refused_where_a_backend_lacks_it_naming_the_field():
     with pytest.raises(SpecError) as err:
         load_spec({"fsdp": {"version": 1}, "topology": {"procs_per_node": 2, "cp": 2}})
     assert "use fsdp.version: 2" in dict(err.value.problems)["topology.cp"]
+    with pytest.raises(SpecError) as err:
+        load_spec({"backend": "xla_fsdp", "xla": {"fsdp_version": 1},
+                   "topology": {"procs_per_node": 2, "cp": 2}})
+    assert "use xla.fsdp_version: 2" in dict(err.value.problems)["topology.cp"]
+    # SPMD: one process; its mesh holds cp (the process layout has none)
+    spmd = load_spec({"backend": "xla_fsdp", "xla": {"fsdp_version": 2},
+                      "topology": {"procs_per_node": 1, "cp": 2}})
+    assert spmd.dims.cp == 1 and spmd.topology.cp == 2
 
 
 def test_every_dimension_has_its_slot_in_the_layout():

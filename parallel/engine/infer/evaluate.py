@@ -24,9 +24,12 @@ Metric = Callable[[object, dict], dict]
 
 
 def token_accuracy(outputs, batch) -> dict:
-    """Next-token accuracy of a causal LM over target tokens (labels != -100)."""
-    predicted = outputs.logits[:, :-1].argmax(-1)
-    labels = batch["labels"][:, 1:]
+    """Next-token accuracy of a causal LM over target tokens (labels != -100). With topology.cp a
+    rank holds its slice of each row and `shift_labels`, the targets shifted before the split."""
+    if "shift_labels" in batch:
+        predicted, labels = outputs.logits.argmax(-1), batch["shift_labels"]
+    else:
+        predicted, labels = outputs.logits[:, :-1].argmax(-1), batch["labels"][:, 1:]
     mask = labels != IGNORE
     # a name ending in "/" is the denominator of the name before it
     return {"token_accuracy": ((predicted == labels) & mask).sum(), "token_accuracy/": mask.sum()}
