@@ -40,8 +40,11 @@ def main():
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {}
     for name, (script, *argv) in json.loads(Path(a.cases).read_text()).items():
-        job = common.args(argv)
-        common.run(job, load(script).build(job, rank, world), rank, world)
+        job, module = common.args(argv), load(script)
+        common.run(job, module.build(job, rank, world), rank, world)
+        teardown = getattr(module, "teardown", None)  # process-wide state a loop leaves behind
+        if teardown is not None:
+            teardown()
         if rank == 0:
             out[name] = json.loads(Path(job.out).read_text())
     if rank == 0:

@@ -82,6 +82,23 @@ def build_sp(a, rank: int, world: int):
     return step
 
 
+def teardown():
+    """What --sp leaves in the process beyond its job (benchmarks/cases.py runs several loops in one
+    process, and the suite's shared launches more jobs after it): DeepSpeed's Ulysses registration
+    replaced transformers' "sdpa" attention for every model (ALL_ATTENTION_FUNCTIONS) and keeps its
+    sequence-parallel group in module globals (measured: the next job's GPT-2 forward went through
+    it and failed)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    import deepspeed.runtime.sequence_parallel.parallel_state_sp as sp_state
+
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa_attention_forward
+    for name in dir(sp_state):
+        if name.startswith("_SEQUENCE") and not callable(getattr(sp_state, name)):
+            setattr(sp_state, name, None)
+
+
 def main():
     a = args()
     deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")

@@ -184,6 +184,8 @@ class Engine(EngineSetup):
             self.progress.phase = phase
 
     def close(self) -> None:
+        if self.context is not None:  # the model attends on its own again (no group after close)
+            self.context.release()
         self._release()  # what the backend holds that needs the process group
         self.check_finite(wait=True)  # a deferred non-finite loss is never silently dropped
         self.checkpoints.close()  # an async save in flight is published (or raises) first

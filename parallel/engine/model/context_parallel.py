@@ -121,6 +121,10 @@ class ContextParallel:
         self.mask_config = copy.copy(config)
         self.mask_config._attn_implementation_internal = "sdpa"
         self.padded = False  # said once
+        if getattr(config, "output_router_logits", False):
+            say(f"topology.cp {cp}: {type(base).__name__}'s load-balancing loss is computed from "
+                f"each rank's 1/{cp} of the tokens, which does not add up to one process's over "
+                "whole rows (as over data-parallel ranks: docs/moe.md)")
         _register()
         config._attn_implementation = NAME
 
@@ -148,6 +152,10 @@ class ContextParallel:
                              "eager_attention_forward; load the model with attn_implementation="
                              "'sdpa', or set cp: 1")
         return fn
+
+    def release(self) -> None:
+        """At close: the model's own attention again (its group is gone with the job)."""
+        self.config._attn_implementation = self.inner
 
     @contextmanager
     def plain(self):
