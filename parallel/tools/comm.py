@@ -6,6 +6,7 @@ stated links, tensor parallelism's all-reduces, and offload's PCIe copies."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 
 @dataclass(frozen=True)
@@ -105,16 +106,16 @@ def cp_comm_bytes(cfg: dict | None, spec, seq: int) -> float:
     if cp == 1 or not cfg:
         return 0.0
 
-    class _Heads:  # kv_repeat reads attributes, as of a transformers config
-        num_attention_heads = cfg["num_attention_heads"]
-        num_key_value_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-
-    repeat, _ = kv_repeat(_Heads, tp, cp)
+    heads = cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    # kv_repeat reads a transformers config's attributes
+    repeat, _ = kv_repeat(SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv_heads),
+                          tp, cp)
     low = 4 if spec.precision == "fp32" else 2
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     tokens = spec.micro_batch_size * -(-seq // cp)
-    q = tokens * _Heads.num_attention_heads // tp * head_dim * low
-    kv = tokens * _Heads.num_key_value_heads // tp * repeat * head_dim * low
+    q = tokens * heads // tp * head_dim * low
+    kv = tokens * kv_heads // tp * repeat * head_dim * low
     passes = 3 if spec.checkpoint_activations else 2
     return spec.grad_accum_steps * cfg["num_hidden_layers"] * passes * (2 * q + 2 * kv)
 

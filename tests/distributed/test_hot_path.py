@@ -35,35 +35,27 @@ CASES = [dataclasses.replace(c, spec={**c.spec, "grad_clip": 1.0})
          if get(c.backend).bench.native(load_spec(c.spec)) is not None]
 
 
-def with_tp(c, tp=2):
-    """The variant at tp 2 on the same ranks (dp 1: every rank all rows), where it splits."""
-    spec = {**c.spec, "micro_batch_size": ROWS, "topology": {**c.spec["topology"], "tp": tp}}
+def with_dim(c, dim: str, degree: int = 2):
+    """The variant at tp 2 or cp 2 on the same ranks (dp 1: every rank all rows), where it has
+    that dimension (else None: the refusals are tests/unit/test_dims.py's)."""
+    spec = {**c.spec, "micro_batch_size": ROWS,
+            "topology": {**c.spec["topology"], dim: degree}}
     try:
         load_spec(spec)
-    except SpecError:  # this mode refuses tensor parallelism (tests/unit/test_dims.py)
+    except SpecError:
         return None
-    return dataclasses.replace(c, name=f"{c.name}-tp{tp}", spec=spec)
-
-
-def with_cp(c, cp=2):
-    """The variant at cp 2 on the same ranks (dp 1: both ranks the same rows), where it has cp."""
-    spec = {**c.spec, "micro_batch_size": ROWS, "topology": {**c.spec["topology"], "cp": cp}}
-    try:
-        load_spec(spec)
-    except SpecError:  # this backend refuses context parallelism (tests/unit/test_dims.py)
-        return None
-    return dataclasses.replace(c, name=f"{c.name}-cp{cp}", spec=spec)
+    return dataclasses.replace(c, name=f"{c.name}-{dim}{degree}", spec=spec)
 
 
 # and each of them that splits, at tp 2 against the loop's torchtitan-style --tp
 DATA_PARALLEL = list(CASES)
-CASES += [t for t in map(with_tp, DATA_PARALLEL) if t is not None]
+CASES += [t for c in DATA_PARALLEL if (t := with_dim(c, "tp")) is not None]
 # cp 2 where the registry's backend has it. The first with a hand-written Ulysses loop runs against
 # it (native_deepspeed.py --sp: DeepSpeed's own, once per process: its sequence-parallel group is a
 # module global made once); every other one (COMPOSED) is counted against its data-parallel loop plus
 # those exchanges (no hand-written FSDP2 loop runs Ulysses: torchtitan's context parallelism is ring
 # attention on CUDA SDPA)
-SPLIT = [t for t in map(with_cp, DATA_PARALLEL) if t is not None]
+SPLIT = [t for c in DATA_PARALLEL if (t := with_dim(c, "cp")) is not None]
 ULYSSES = next(t for t in SPLIT if get(t.backend).bench.native(load_spec(t.spec)) is not None)
 CASES.append(ULYSSES)
 COMPOSED = {t.name: t for t in SPLIT if t is not ULYSSES}
