@@ -100,7 +100,10 @@ def finish_checkpoint(path: str | Path, sink: Sink, rank: int, meta: dict,
     path, tmp, group = Path(path), sink.tmp, sink.group
     if writers is None:
         writers = dist.get_world_size(group) if dist.is_initialized() else 1
-    own = {str(f.relative_to(tmp)): describe(f) for f in sorted(set(sink.written))}
+    # digests taken while writing where the writer took them (portable.DigestingFileSystem), else
+    # read back (the small files: trainer state, RNG, user state)
+    own = {str(f.relative_to(tmp)): sink.described.get(f) or describe(f)
+           for f in sorted(set(sink.written))}
     table = tmp / HASHES / f"rank{rank}.json"
     table.write_text(json.dumps(own, indent=0))
     _fsync_files([*sink.written, table])

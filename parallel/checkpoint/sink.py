@@ -15,20 +15,30 @@ import torch
 
 
 class Sink:
-    def __init__(self, tmp: str | Path, staged: bool = False, pool=None, group=None):
+    def __init__(self, tmp: str | Path, staged: bool = False, pool=None, group=None,
+                 threads: int = 1):
         """`staged`: state writes are copied to host memory (CUDA tensors into `pool`'s pinned
         buffers) and queued until portable.write_queued. `group`: the process group DCP's collective
-        writes run over (the background saver's own, so they never meet the training loop's)."""
+        writes run over (the background saver's own, so they never meet the training loop's).
+        `threads`: checkpoint.write_threads."""
         self.tmp = Path(tmp)
         self.staged = staged
         self.pool = pool
         self.group = group
         self.written: list[Path] = []  # files this rank wrote under tmp, hashed by this rank
+        # {file: {size, digest}} of files hashed as they were written (portable.py's DCP writer):
+        # finish_checkpoint reads back only the others
+        self.described: dict[Path, dict] = {}
         self.queued: list[tuple] = []  # while staged: (host copy of a state, planner, collective)
+        self.threads = threads  # DCP's writer threads for this rank's state files
 
     def record(self, *files) -> None:
         """Every writer of a checkpoint file calls this: the file is hashed by the rank that wrote it."""
         self.written.extend(Path(f) for f in files)
+
+    def described_as(self, file, entry: dict) -> None:
+        """`file`'s size and digest, taken from the bytes as they were written (no second read)."""
+        self.described[Path(file)] = entry
 
     def save_file(self, name: str, obj) -> Path:
         """torch.save `obj` (plain data: read back with weights_only) as tmp/name."""

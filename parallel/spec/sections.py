@@ -159,6 +159,13 @@ class Checkpointing(Section):
               "next and freed at close (docs/checkpoint-format.md)."),
     ] = False
 
+    write_threads: Annotated[
+        int,
+        Field(ge=1, le=64, description="Threads each rank writes its state files with (torch DCP's "
+              "FileSystemWriter thread_count, whose own default is 1); each file is hashed as it is "
+              "written (docs/checkpoint-format.md has the measured bandwidth per count)."),
+    ] = 1
+
     @model_validator(mode="after")
     def _needs_dir(self) -> Checkpointing:
         if self.dir is None and (self.every is not None or self.resume != "never"):

@@ -128,7 +128,8 @@ class Checkpointer:
         self.progress.at(e.step, "done, saving")
         group = self.saver.ensure_group() if background else None
         sink = Sink(begin_checkpoint(path, e.rank, group), staged=background,
-                    pool=self.saver.pinned if background else None, group=group)
+                    pool=self.saver.pinned if background else None, group=group,
+                    threads=spec.checkpoint.write_threads)
         small = self._small_files(e)  # taken now: the next step changes them
         meta = {"backend": e.name, "world_size": e.world_size, "step": e.step,
                 "user_state": e.user_state.kinds(),

@@ -215,6 +215,11 @@ def save_text(saves: dict) -> str:
             f" ({saves['load_vs_native']:.2f}x)" if "load_vs_native" in saves else "")
     if "async_blocking_s" in saves:
         text += f" / async {saves['async_blocking_s']:.2f} s"
+    if "save_gbps" in saves:
+        text += (f"; {saves['bytes'] / 1e9:.2f} GB saved at {saves['save_gbps']:.2f} GB/s "
+                 f"({saves['save_of_disk']:.0%} of the disk's direct write, "
+                 f"{saves['disk_write_gbps']:.2f} GB/s), loaded at {saves['load_gbps']:.2f} GB/s "
+                 f"({saves['load_of_disk']:.0%} of its cold read, {saves['disk_read_gbps']:.2f})")
     return text
 
 
