@@ -4,5 +4,5 @@ optimizer's by name in optim_state.py) through each save's sink (sink.py), in th
 asked (background.py), a rank's ranges of a tensor as blocks of the whole (chunks.py), files read as
 data (safe.py), the one reader of a checkpoint's small files (contents.py) and their schemas
 (schemas.py), its DCP adapter for modules torch's get_state_dict understands (dcp_state.py),
-native imports (importers.py) and the Hugging Face export (hf.py) with a tokenizer copied as data
-(tokenizer.py)."""
+native imports (importers.py) and the Hugging Face export (hf.py: what is exported; hf_files.py:
+the safetensors files it writes) with a tokenizer copied as data (tokenizer.py)."""

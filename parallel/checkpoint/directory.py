@@ -56,7 +56,7 @@ def begin_checkpoint(path: str | Path, rank: int, group=None) -> Path:
     ensure_replaceable(path)
     tmp = path.with_name(f".{path.name}.partial")
     if rank == 0:
-        _remove_ours(tmp)  # a previous crash's leftover; a planted link is removed, not followed
+        remove_ours(tmp)  # a previous crash's leftover; a planted link is removed, not followed
         _restore_after_crash(path)
         (tmp / HASHES).mkdir(parents=True)
     _barrier(group)  # the directory must exist before any rank writes into it
@@ -84,7 +84,7 @@ def is_ours(path: Path) -> bool:
     return isinstance(manifest.get("step"), int) and isinstance(manifest.get("world_size"), int)
 
 
-def _remove_ours(tmp: Path) -> None:
+def remove_ours(tmp: Path) -> None:
     """Remove a temporary path polyshard names (.NAME.partial / .NAME.old): a link is unlinked,
     never followed into what it points at."""
     if tmp.is_symlink() or tmp.is_file():
@@ -106,13 +106,13 @@ def finish_checkpoint(path: str | Path, sink: Sink, rank: int, meta: dict,
            for f in sorted(set(sink.written))}
     table = tmp / HASHES / f"rank{rank}.json"
     table.write_text(json.dumps(own, indent=0))
-    _fsync_files([*sink.written, table])
+    fsync_files([*sink.written, table])
     _barrier(group)  # every rank's files are durable and hashed before the manifest says complete
     if rank == 0:
         manifest = {"format_version": FORMAT_VERSION, "writer": "polyshard", **meta,
                     "writers": writers}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, default=str))
-        _fsync_files([tmp / MANIFEST])
+        fsync_files([tmp / MANIFEST])
         _fsync_dirs(tmp)
         _replace(tmp, path)
     _barrier(group)  # nobody returns before the checkpoint is in place
@@ -148,7 +148,7 @@ def publish(path: Path, keep_last: int | None, managed: Path | None = None) -> N
     step-N whose manifest polyshard wrote: a sibling with a manifest of its own (a web app's, a
     dataset's, an imported checkpoint under another name) is never touched."""
     tmp = path.parent / f".{LATEST}.partial"
-    _remove_ours(tmp)  # a planted link is removed, never written through
+    remove_ours(tmp)  # a planted link is removed, never written through
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     try:
         os.write(fd, (path.name + "\n").encode())
@@ -182,7 +182,7 @@ def _name_step(name: str) -> int | None:
     return int(name[5:]) if STEP_NAME.fullmatch(name) else None
 
 
-def _fsync_files(files) -> None:
+def fsync_files(files) -> None:
     for f in files:
         fd = os.open(f, os.O_RDONLY)
         try:
@@ -193,7 +193,7 @@ def _fsync_files(files) -> None:
 
 def _fsync_dirs(root: Path) -> None:
     """The directories' entries (the files themselves were fsynced by the ranks that wrote them)."""
-    _fsync_files([e.path for e in os.scandir(root) if e.is_dir()] + [root])  # no listing of files
+    fsync_files([e.path for e in os.scandir(root) if e.is_dir()] + [root])  # no listing of files
 
 
 def _replace(tmp: Path, path: Path) -> None:
@@ -202,12 +202,12 @@ def _replace(tmp: Path, path: Path) -> None:
     reads and the next save of that name restores first (_restore_after_crash)."""
     old = path.with_name(f".{path.name}.old")
     _restore_after_crash(path)
-    _remove_ours(old)
+    remove_ours(old)
     if path.exists():
         path.rename(old)  # keep the previous checkpoint until the new one is in place
     tmp.rename(path)
-    _fsync_files([path.parent])
-    _remove_ours(old)
+    fsync_files([path.parent])
+    remove_ours(old)
 
 
 def _restore_after_crash(path: Path) -> None:

@@ -15,27 +15,27 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from types import MappingProxyType
 
 import torch
 
 from parallel.checkpoint.contents import Contents
 from parallel.checkpoint.directory import resolve
+from parallel.checkpoint.hf_files import (  # noqa: F401 - ExportError, DTYPES: this module's API too
+    DTYPES,
+    MAX_SHARD_BYTES,
+    ExportError,
+    Weights,
+    _reading,
+    plain_weights,
+    write_hf,
+)
 from parallel.checkpoint.manifest import verify_checkpoint
 from parallel.checkpoint.safe import UnsafeFileError
 from parallel.checkpoint.schemas import PeftFile
 from parallel.checkpoint.tokenizer import check_tokenizer_dir, save_tokenizer
 from parallel.checkpoint.portable import open_state, read_tensors, tensor_shapes
 
-MAX_SHARD_BYTES = 5_000_000_000  # save_pretrained's default max_shard_size, "5GB"
-DTYPES = MappingProxyType({"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16})
-HF_DTYPE = MappingProxyType({torch.float32: "float32", torch.bfloat16: "bfloat16",
-                             torch.float16: "float16"})
 PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the Hugging Face model
-
-
-class ExportError(RuntimeError):
-    """A checkpoint that cannot be exported as asked; says what to pass instead."""
 
 
 def hf_config_json(model) -> str | None:
@@ -79,20 +79,12 @@ def export_hf(path: str | Path, out: str | Path, config: str | Path | None = Non
     files = Contents(path, manifest)
     cfg = _hf_config(files, config)
     dtype_name = dtype or (manifest.get("spec") or {}).get("precision", "fp32")
-    if dtype_name not in DTYPES:
-        raise ExportError(f"--dtype {dtype_name!r}: one of {', '.join(DTYPES)}")
     if tokenizer:
         check_tokenizer_dir(Path(tokenizer))  # before anything is written
     peft_cfg = _peft_config(files)
-    weights = _merged_weights(path, cfg, peft_cfg) if peft_cfg else _plain_weights(path, cfg)
-    out.mkdir(parents=True, exist_ok=True)
-    _write_shards(out, weights, DTYPES[dtype_name], max_shard_bytes, part)
-    if part[0]:
-        return out
-    cfg["dtype"] = cfg["torch_dtype"] = HF_DTYPE[DTYPES[dtype_name]]  # 4.57 reads dtype; older torch_
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    _generation_config(cfg, out)
-    if tokenizer:
+    weights = _merged_weights(path, cfg, peft_cfg) if peft_cfg else plain_weights(path, cfg)
+    write_hf(weights, cfg, dtype_name, out, max_shard_bytes, part)
+    if tokenizer and not part[0]:
         save_tokenizer(tokenizer, out)  # as data: no code, no link, names inside OUT (tokenizer.py)
     return out
 
@@ -127,21 +119,6 @@ def export_peft(path: str | Path, out: str | Path, adapter: str | None = None) -
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(str(out))
     return out
-
-
-Weights = list[tuple[str, tuple[int, ...], Callable[[], torch.Tensor]]]  # HF name, shape, reader
-
-
-def _plain_weights(path: Path, cfg: dict) -> Weights:
-    reader = open_state(path)
-    shapes = tensor_shapes(path, "model.", reader)
-    tied = cfg.get("tie_word_embeddings") and "lm_head.weight" in shapes
-    return [(name, tuple(shape), _reading(path, f"model.{name}", shape, dt, reader))
-            for name, (shape, dt) in shapes.items() if not (tied and name == "lm_head.weight")]
-
-
-def _reading(path: Path, key: str, shape, dtype, reader) -> Callable[[], torch.Tensor]:
-    return lambda: read_tensors(path, {key: (tuple(shape), dtype)}, reader)[key]
 
 
 def _merged_weights(path: Path, cfg: dict, peft_cfg: dict) -> Weights:
@@ -212,49 +189,6 @@ def _meta_peft_model(cfg: dict, peft_cfg: dict, adapter: str):
     return model, peft_config
 
 
-def _write_shards(out: Path, weights: Weights, dtype: torch.dtype, max_bytes: int,
-                  part: tuple[int, int] = (0, 1)) -> None:
-    """Shards planned from the shapes, then written one at a time (memory: one shard); `part` (i, n)
-    writes shards i, i + n, ... and part 0 the index."""
-    from safetensors.torch import save_file
-
-    size = torch.empty((), dtype=dtype).element_size()
-    shards: list[list] = [[]]
-    used = 0
-    for entry in weights:
-        nbytes = size * _numel(entry[1])
-        if shards[-1] and used + nbytes > max_bytes:
-            shards.append([])
-            used = 0
-        shards[-1].append(entry)
-        used += nbytes
-    n = len(shards)
-    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-                                                   for i in range(n)]
-    weight_map = {name: file_name for file_name, shard in zip(names, shards) for name, _, _ in shard}
-    mine, parts = part
-    for i, (file_name, shard) in enumerate(zip(names, shards)):
-        if i % parts != mine:
-            continue
-        tensors = {name: read().to(dtype).contiguous() for name, _, read in shard}
-        save_file(tensors, str(out / file_name), metadata={"format": "pt"})
-        del tensors
-    if n > 1 and mine == 0:
-        index = {"metadata": {"total_size": sum(size * _numel(s) for _, s, _ in weights)},
-                 "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-
-
-def _generation_config(cfg: dict, out: Path) -> None:
-    import transformers
-
-    cls = getattr(transformers, str((cfg.get("architectures") or [None])[0]), None)
-    if cls is not None and cls.can_generate():
-        from transformers import GenerationConfig, PretrainedConfig
-
-        GenerationConfig.from_model_config(PretrainedConfig.from_dict(cfg)).save_pretrained(str(out))
-
-
 def _hf_config(files: Contents, config: str | Path | None) -> dict:
     """The model's config (the checkpoint's hf_config.json, or --config), as bounded data: a JSON
     object with a model_type, no auto_map (a repository's code), sizes within toy's limits (a
@@ -287,8 +221,3 @@ def _peft_config(files: Contents) -> dict | None:
     return files.load_json("peft_config.json", "the run's adapter configs", PeftFile)
 
 
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

@@ -104,6 +104,9 @@ def save_state(state: dict, into: Sink | Path, planner=None, collective: bool = 
     keys; whole tensors held by several ranks are written once). A staged sink
     (checkpoint.async_save) copies the state to host memory and queues the write."""
     sink = into if isinstance(into, Sink) else Sink(into)
+    state = sink.kept(state)
+    if not state:  # a part this save does not keep (the optimizer, for save_pretrained)
+        return
     if sink.staged:
         sink.queue(state, planner, collective)
         return
@@ -186,7 +189,8 @@ class RecordingWriter(dcp.FileSystemWriter):
     checkpoint.write_threads threads."""
 
     def __init__(self, sink: Sink):
-        super().__init__(str(sink.tmp / STATE_DIR), thread_count=sink.threads)
+        super().__init__(str(sink.tmp / STATE_DIR), thread_count=sink.threads,
+                         sync_files=sink.durable)
         self.sink = sink
         self.fs = DigestingFileSystem(sink)
 

@@ -16,11 +16,14 @@ import torch
 
 class Sink:
     def __init__(self, tmp: str | Path, staged: bool = False, pool=None, group=None,
-                 threads: int = 1):
+                 threads: int = 1, sections: tuple[str, ...] | None = None, durable: bool = True):
         """`staged`: state writes are copied to host memory (CUDA tensors into `pool`'s pinned
         buffers) and queued until portable.write_queued. `group`: the process group DCP's collective
         writes run over (the background saver's own, so they never meet the training loop's).
-        `threads`: checkpoint.write_threads."""
+        `threads`: checkpoint.write_threads. `sections`: the portable state's top-level keys this
+        save keeps ("model" alone for save_pretrained's staging: no optimizer state written);
+        None keeps all. `durable`: state files are fsynced (a checkpoint); False for a staging
+        copy read back at once and removed (its pages need never reach the disk)."""
         self.tmp = Path(tmp)
         self.staged = staged
         self.pool = pool
@@ -31,6 +34,14 @@ class Sink:
         self.described: dict[Path, dict] = {}
         self.queued: list[tuple] = []  # while staged: (host copy of a state, planner, collective)
         self.threads = threads  # DCP's writer threads for this rank's state files
+        self.sections = sections
+        self.durable = durable
+
+    def kept(self, state: dict) -> dict:
+        """`state` with only this save's sections."""
+        if self.sections is None:
+            return state
+        return {k: v for k, v in state.items() if k in self.sections}
 
     def record(self, *files) -> None:
         """Every writer of a checkpoint file calls this: the file is hashed by the rank that wrote it."""

@@ -165,12 +165,22 @@ class Checkpointing(Section):
               "FileSystemWriter thread_count, whose own default is 1); each file is hashed as it is "
               "written (docs/checkpoint-format.md has the measured bandwidth per count)."),
     ] = 1
+    hf_at_end: Annotated[
+        bool,
+        Field(description="`engine.close()` after a job that trained writes the model in Hugging "
+              "Face format into `dir`/hf-step-NNNNNNNN (what `engine.save_pretrained` writes: "
+              "sharded safetensors, index, config.json; a LoRA run's adapter), every rank its "
+              "share of the files, fsynced and renamed into place; torchtitan's last_save_in_hf. "
+              "A directory of that name already there (a resumed job that trained no further) is "
+              "kept."),
+    ] = False
 
     @model_validator(mode="after")
     def _needs_dir(self) -> Checkpointing:
-        if self.dir is None and (self.every is not None or self.resume != "never"):
-            raise rule_error(("checkpoint.dir", f"is required by checkpoint.every / resume: "
-                              f"{self.resume}; "
+        if self.dir is None and (self.every is not None or self.resume != "never"
+                                 or self.hf_at_end):
+            asker = "hf_at_end" if self.hf_at_end else f"every / resume: {self.resume}"
+            raise rule_error(("checkpoint.dir", f"is required by checkpoint.{asker}; "
                               "set it to a directory such as runs/job/ckpt"))
         return self
 

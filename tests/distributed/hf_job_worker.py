@@ -182,6 +182,7 @@ def train_and_save(engine, root: Path, name: str, out):
     batch = global_batches(1, 1, 2)[0]
     out["hf_batch"] = batch.tolist()
     out["hf_eval"] = engine.evaluate([{"input_ids": batch, "labels": batch}])["loss"]
+    out["hf_step"] = engine.step
 
 
 def load(engine, source: Path, out):
@@ -208,17 +209,22 @@ def main():
     for case in json.loads(Path(args.cases).read_text()):
         out = results[case["name"]] = {}
         try:
+            if args.phase == "save":  # close() writes the weights in HF format (hf_at_end)
+                at_end = {"dir": str(root / f"{case['name']}-run"), "hf_at_end": True}
+                case["spec"] = {**case["spec"], "checkpoint": {
+                    **case["spec"].get("checkpoint", {}), **at_end}}
             engine, reference = engine_for(case["spec"])
             rank = engine.rank
+            out["world_size"] = engine.world_size
             if args.phase == "save":
                 evaluate(engine, reference, out)
                 generate(engine, reference, out)
                 packed(engine, reference, case["spec"], out)
                 train_and_save(engine, root, case["name"], out)
+                engine.close()  # the next case joins a fresh process group
             else:
                 load(engine, root / case["source"], out)
-            out["world_size"] = engine.world_size
-            engine.barrier()
+                engine.barrier()
         except Exception:  # noqa: BLE001 - recorded per case; the test names it
             out["error"] = traceback.format_exc()[-3000:]
     Path(f"{args.out}.rank{rank}").write_text(json.dumps(results))  # every rank's view

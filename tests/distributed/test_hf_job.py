@@ -112,12 +112,16 @@ def test_evaluate_generate_unwrap_and_registered_state(job, name):
     import torch
     from transformers import AutoModelForCausalLM
 
+    # and checkpoint.hf_at_end: engine.close() wrote the same weights as run/hf-step-N, alone there
     r = ranks[0]
-    hf = AutoModelForCausalLM.from_pretrained(job_root(job) / f"{name}-hf")
     batch = torch.tensor(r["hf_batch"])
-    with torch.no_grad():
-        loss = float(hf(input_ids=batch, labels=batch).loss)
-    assert abs(loss - r["hf_eval"]) <= 1e-5, (name, loss, r["hf_eval"])
+    run = job_root(job) / f"{name}-run"
+    assert sorted(p.name for p in run.iterdir()) == [f"hf-step-{r['hf_step']:08d}"], name
+    for out in (job_root(job) / f"{name}-hf", run / f"hf-step-{r['hf_step']:08d}"):
+        hf = AutoModelForCausalLM.from_pretrained(out)
+        with torch.no_grad():
+            loss = float(hf(input_ids=batch, labels=batch).loss)
+        assert abs(loss - r["hf_eval"]) <= 1e-5, (name, out, loss, r["hf_eval"])
     source = saved[matrix_source(name)]
     for rank, r in enumerate(loaded[name]):
         assert "error" not in r, f"{name} load rank {rank}:\n{r['error']}"

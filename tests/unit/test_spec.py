@@ -49,6 +49,7 @@ def test_defaults_are_valid_and_mean_fsdp_full_shard_fp32():
      "topology.shard_group_size", ["does not divide", "3"]),
     ({"backend": "xla_fsdp", "activation_checkpointing": False, "xla": {"xla_fsdp_grad_ckpt": True}},
      "xla.xla_fsdp_grad_ckpt", ["contradicts activation_checkpointing"]),
+    ({"checkpoint": {"hf_at_end": True}}, "checkpoint.dir", ["hf_at_end", "runs/job/ckpt"]),
 ])
 def test_rule_errors_name_path_value_and_fix(data, path, words):
     found = dict(problems(data))

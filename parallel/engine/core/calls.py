@@ -71,12 +71,14 @@ class EngineCalls(BackendHooks):
         memory; the files are written and published in the background."""
         return self.checkpoints.save(path, async_save)
 
-    def save_pretrained(self, directory, tokenizer=None, max_shard_bytes: int = 5_000_000_000) -> Path:
+    def save_pretrained(self, directory, tokenizer=None, max_shard_bytes: int | None = None
+                        ) -> Path:
         """The model in Hugging Face format, as `save_pretrained` writes it (sharded safetensors,
         config, generation config; a PEFT model: its adapter), written by every rank from its own
         shards, never gathered on one; `tokenizer`: a tokenizer object, saved beside it.
         `from_pretrained(directory)` loads the trained weights. `max_shard_bytes`: the largest
-        weight file (save_pretrained's max_shard_size, 5 GB)."""
+        weight file; by default the weights are split into about one file per rank, each at most
+        save_pretrained's max_shard_size (5 GB), so every rank writes a share."""
         return self.checkpoints.save_pretrained(directory, tokenizer, max_shard_bytes)
 
     def load(self, path, trust: bool = False) -> dict:

@@ -184,6 +184,8 @@ class Engine(EngineSetup):
             self.progress.phase = phase
 
     def close(self) -> None:
+        # checkpoint.hf_at_end first: it reads the model's shards over the live process group
+        self.checkpoints.at_end()
         if self.context is not None:  # the model attends on its own again (no group after close)
             self.context.release()
         self._release()  # what the backend holds that needs the process group

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import shutil
 from pathlib import Path
 from collections.abc import Callable
@@ -17,8 +18,10 @@ from parallel.checkpoint.background import BackgroundSaver
 from parallel.checkpoint.directory import (
     begin_checkpoint,
     finish_checkpoint,
+    fsync_files,
     library_versions,
     publish,
+    remove_ours,
     resolve,
 )
 from parallel.checkpoint.manifest import Verification
@@ -81,37 +84,57 @@ class Checkpointer:
         self.engine, self.write, self.read, self.progress = engine, write, read, progress
         self.packages = packages
         self.saver = BackgroundSaver()  # one write in flight, on its own thread and process group
+        self.started_at = 0  # the step the job started from (a load's): hf_at_end
 
     def save(self, path, async_save: bool | None = None) -> Path:
         with paused_gc():
             return self._save(Path(path), async_save)
 
-    def save_pretrained(self, directory, tokenizer=None, max_shard_bytes: int = 5_000_000_000
-                        ) -> Path:
-        """Hugging Face format: the state saved (every rank its shards) into a staging directory
-        beside `directory`, then every rank writes its share of the safetensors files from it
-        (export_hf's `part`: no rank holds the model), or the main rank a PEFT run's adapter; the
-        staging directory, polyshard's own, is removed."""
-        from parallel.checkpoint.hf import export_hf, export_peft
-
+    def save_pretrained(self, directory, tokenizer=None, max_shard_bytes: int | None = None,
+                        durable: bool = False) -> Path:
+        """Hugging Face format. Every rank writes its shards of the model alone (no optimizer
+        state, no fsync: a staging copy whose pages need never reach the disk) beside `directory`,
+        then its share of the safetensors files from them (write_hf's `part`: no rank holds the
+        model); a PEFT run's main rank writes the adapter from a whole staged checkpoint. The
+        staging directory, polyshard's own, is removed. `durable`: the weight files are fsynced."""
         e, out = self.engine, Path(directory)
-        staging = out.parent / f".{out.name}.polyshard-state"
+        staging = out.parent / f"{out.name}.polyshard-state"
         with paused_gc():
-            self._save(staging, async_save=False, pointer=False)  # no `latest` beside the user's
-        try:
-            if peft_config_json(e.model) is not None:
-                if e.is_main:
-                    export_peft(staging, out)
+            self.saver.wait()
+            peft = peft_config_json(e.model) is not None
+            if peft:
+                self._save(staging, async_save=False, pointer=False)  # no `latest` beside it
+                state = staging
             else:
-                export_hf(staging, out, max_shard_bytes=max_shard_bytes,
-                          part=(e.rank, e.world_size))
-            if tokenizer is not None and e.is_main:
-                tokenizer.save_pretrained(str(out))  # the caller's own object
-            e.barrier()
-        finally:
-            if e.is_main:
-                shutil.rmtree(staging, ignore_errors=True)
+                e.check_finite(wait=True)
+                state = begin_checkpoint(staging, e.rank)
+                self.write(Sink(state, sections=("model",), durable=False))
+                e.barrier()  # every rank's state files are in place before any is read
+            try:
+                self._write_pretrained(state, out, peft, max_shard_bytes, durable)
+                if tokenizer is not None and e.is_main:
+                    tokenizer.save_pretrained(str(out))  # the caller's own object
+                e.barrier()
+            finally:
+                if e.is_main:
+                    shutil.rmtree(state, ignore_errors=True)
         return out
+
+    def _write_pretrained(self, state: Path, out: Path, peft: bool, max_shard_bytes: int | None,
+                          durable: bool) -> None:
+        from parallel.checkpoint.hf import export_peft, plain_weights, write_hf
+
+        e = self.engine
+        if not peft:  # the model's shards alone: its config and dtype are the engine's
+            cfg = hf_config_json(e.model)
+            if cfg is None:
+                raise ValueError("save_pretrained / checkpoint.hf_at_end: the model has no "
+                                 "Hugging Face config (not a transformers model); use save()")
+            cfg = json.loads(cfg)
+            write_hf(plain_weights(state, cfg), cfg, e.spec.precision, out, max_shard_bytes,
+                     (e.rank, e.world_size), durable)
+        elif e.is_main:
+            export_peft(state, out)
 
     def _save(self, path: Path, async_save: bool | None, pointer: bool = True) -> Path:
         """Write model, optimizer, scheduler, step, RNG and data position under `path`, atomically,
@@ -169,6 +192,31 @@ class Checkpointer:
             files.update({k: v for k, v in configs.items() if v is not None})
         return files
 
+    def at_end(self) -> Path | None:
+        """checkpoint.hf_at_end, at close after a job that trained: the weights in Hugging Face
+        format as checkpoint.dir/hf-step-NNNNNNNN, written beside it and renamed into place by the
+        main rank once every rank's files are durable (collective)."""
+        e, ckpt = self.engine, self.engine.spec.checkpoint
+        if not ckpt.hf_at_end or e.step <= self.started_at:
+            return None
+        out = Path(ckpt.dir) / f"hf-step-{e.step:08d}"
+        if out.exists() or out.is_symlink():
+            e.say(f"checkpoint.hf_at_end: {out} is there already (written at this step); kept")
+            return out
+        tmp = out.with_name(f".{out.name}.partial")
+        if e.is_main:
+            remove_ours(tmp)  # a crash's leftover, of the name only polyshard writes
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+        e.barrier()
+        self.save_pretrained(tmp, durable=True)  # ends in a barrier: every rank's files fsynced
+        if e.is_main:
+            fsync_files([tmp])
+            tmp.rename(out)
+            fsync_files([out.parent])
+            e.say(f"checkpoint.hf_at_end: step {e.step}'s weights in Hugging Face format: {out}")
+        e.barrier()
+        return out
+
     def wait(self) -> None:
         """Block until an async save in flight is published (its error, if any, is raised here)."""
         self.saver.wait()
@@ -207,6 +255,7 @@ class Checkpointer:
         rng = files.load(rng_file, e.rank, "an RNG state", allow=NUMPY_ARRAY,
                          trust=trust) if same_world else None
         e.load_trainer_state(trainer)
+        self.started_at = e.step  # hf_at_end writes only after a step beyond it
         e.user_state.load(user, e.rank, lambda name, writer, what: files.load(
             name, writer, what, trust=trust), e.say)
         if rng is not None:  # another world size has other ranks: each keeps its seeded generator

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import statistics
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -97,7 +95,11 @@ def main() -> None:
         profile_pair(lambda b: ours(engine, b), native,
                      [mine(engine, {"input_ids": b, "labels": b}) for b in more],
                      Path(args.profile_dir), engine.rank)
-    saves = save_times(engine, Path(args.save_dir)) if args.save_dir else None
+    saves = None
+    if args.save_dir:
+        from parallel.tools.bench.saves import save_cell
+
+        saves = save_cell(engine, Path(args.save_dir), [mine(engine, b) for b in batches[args.warmup:]])
     ranks = per_rank(engine, saves, run["grads_peak"], run["counter"], memory)
     if engine.is_main:
         Path(args.out).write_text(json.dumps({
@@ -205,66 +207,6 @@ def per_rank(engine, saves, grads_peak: int, counter, memory: dict | None) -> li
     ranks = [None] * engine.world_size
     dist.all_gather_object(ranks, mine)
     return ranks
-
-
-def save_times(engine, root: Path) -> dict:
-    """Seconds `save` blocks the training loop (synchronous, and with checkpoint.async_save), and
-    seconds `load` takes, verification included; beside them the backend's own checkpointing as its
-    docs write it (engine.native_checkpoint: DCP of get_state_dict, DeepSpeed's save_checkpoint) on
-    the same state in the same processes, alternating with polyshard's. Loads are cold (the files'
-    cached pages dropped first). Medians of five after one untimed round of each; each checkpoint
-    is removed once timed. Rank 0 adds the checkpoint's bytes, GB/s, and the disk's own direct
-    write and cold read beside it (bench/disk.py)."""
-    native = engine.native_checkpoint()
-
-    def timed(action) -> float:
-        dist.barrier()
-        start = time.perf_counter()
-        action()
-        engine.wait_for_save()
-        dist.barrier()
-        return time.perf_counter() - start
-
-    def drop(path: Path) -> None:
-        dist.barrier()  # every rank is done with the files before one rank removes them
-        if engine.is_main:
-            shutil.rmtree(path, ignore_errors=True)
-
-    from parallel.engine.state.checkpointing import paused_gc
-    from parallel.tools.bench.disk import evict, tree_bytes
-
-    rounds: dict[str, list[float]] = {}
-    for i in range(6):  # round 0 warms DCP's plans and caches, and async save's process group
-        ours, theirs = root / f"ours-{i}", root / f"native-{i}"
-        times = {"sync_s": timed(lambda: engine.save(ours, async_save=False))}
-        evict(ours)  # a cold load, as after a restart: from the disk, not the page cache
-        times["load_s"] = timed(lambda: engine.load(ours))
-        if i == 0 and engine.is_main:  # the checkpoint's bytes, every rank's files
-            size = tree_bytes(ours)
-        if native:  # with the collector paused as polyshard's save and load pause it (torchtitan
-            with paused_gc():  # runs with it off): a collection landing inside would time Python
-                times["native_save_s"] = timed(lambda: native[0](theirs))
-                evict(theirs)
-                times["native_load_s"] = timed(lambda: native[1](theirs))
-        drop(ours)
-        drop(theirs)
-        if engine.background_save:
-            start = time.perf_counter()
-            engine.save(root / f"async-{i}", async_save=True)
-            times["async_blocking_s"] = time.perf_counter() - start
-            times["async_total_s"] = timed(lambda: None) + times["async_blocking_s"]
-            drop(root / f"async-{i}")
-        for key, value in times.items():
-            rounds.setdefault(key, []).append(value)
-    out = {key: statistics.median(values[1:]) for key, values in rounds.items()}
-    if engine.is_main:  # GB/s against the disk's own, measured beside the checkpoint
-        from parallel.tools.bench.disk import rates
-
-        out.update(rates(size, out["sync_s"], out["load_s"], root))
-    if native:
-        out["save_vs_native"] = out["sync_s"] / out["native_save_s"]
-        out["load_vs_native"] = out["load_s"] / out["native_load_s"]
-    return out
 
 
 def compile_row(engine) -> dict | None:

@@ -206,7 +206,7 @@ def done_line(r: dict) -> str:
 
 
 def save_text(saves: dict) -> str:
-    """'save 0.30 s (1.02x native) / load 0.21 s (1.05x) / async 0.03 s' from cell.save_times."""
+    """'save 0.30 s (1.02x native) / load 0.21 s (1.05x) / async 0.03 s' from saves.save_times."""
     text = f"save {saves['sync_s']:.2f} s"
     if "save_vs_native" in saves:
         text += f" ({saves['save_vs_native']:.2f}x native)"
@@ -220,6 +220,14 @@ def save_text(saves: dict) -> str:
                  f"({saves['save_of_disk']:.0%} of the disk's direct write, "
                  f"{saves['disk_write_gbps']:.2f} GB/s), loaded at {saves['load_gbps']:.2f} GB/s "
                  f"({saves['load_of_disk']:.0%} of its cold read, {saves['disk_read_gbps']:.2f})")
+    if "hf_s" in saves:
+        text += (f"; Hugging Face weights {saves['hf_s']:.2f} s ({saves['hf_vs_dcp']:.2f}x a DCP "
+                 f"save of the weights alone" + (f", {saves['hf_gbps']:.2f} GB/s" if "hf_gbps" in saves
+                                                 else "") + ")")
+    if "inflight_slowdown" in saves:
+        text += (f"; steps while an async save writes {saves['inflight_slowdown']:+.0%} "
+                 f"({saves['inflight_step_s'] * 1e3:.0f} ms against {saves['plain_step_s'] * 1e3:.0f},"
+                 f" save blocked {saves['async_block_s'] * 1e3:.0f} ms)")
     return text
 
 

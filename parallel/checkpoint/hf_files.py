@@ -1,0 +1,149 @@
+"""The Hugging Face side of an export: weights read from a checkpoint's DCP state and written as
+safetensors shards with their index, config.json and generation config (hf.py decides what is
+exported; engine.save_pretrained and checkpoint.hf_at_end write through `write_hf`)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from types import MappingProxyType
+
+import torch
+
+from parallel.checkpoint.directory import fsync_files
+from parallel.checkpoint.portable import open_state, read_tensors, tensor_shapes
+
+
+MAX_SHARD_BYTES = 5_000_000_000  # save_pretrained's default max_shard_size, "5GB"
+DTYPES = MappingProxyType({"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16})
+HF_DTYPE = MappingProxyType({torch.float32: "float32", torch.bfloat16: "bfloat16",
+                             torch.float16: "float16"})
+
+
+class ExportError(RuntimeError):
+    """A checkpoint that cannot be exported as asked; says what to pass instead."""
+
+
+Weights = list[tuple[str, tuple[int, ...], Callable[[], torch.Tensor]]]  # HF name, shape, reader
+
+
+def write_hf(weights: Weights, cfg: dict, dtype_name: str, out: Path,
+             max_shard_bytes: int | None = MAX_SHARD_BYTES, part: tuple[int, int] = (0, 1),
+             durable: bool = False) -> None:
+    """The weight files of `part` (i, n), and for part 0 the index, config.json and generation
+    config; `durable`: each file fsynced (checkpoint.hf_at_end publishes the directory after).
+    `max_shard_bytes` None: the weights split over the n parts (every process writes about one
+    file's share), at most save_pretrained's 5 GB a file."""
+    if dtype_name not in DTYPES:
+        raise ExportError(f"--dtype {dtype_name!r}: one of {', '.join(DTYPES)}")
+    out.mkdir(parents=True, exist_ok=True)
+    _write_shards(out, weights, DTYPES[dtype_name], max_shard_bytes, part, durable)
+    if part[0]:
+        return
+    cfg["dtype"] = cfg["torch_dtype"] = HF_DTYPE[DTYPES[dtype_name]]  # 4.57 reads dtype; older torch_
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    _generation_config(cfg, out)
+
+
+def plain_weights(path: Path, cfg: dict) -> Weights:
+    reader = open_state(path)
+    shapes = tensor_shapes(path, "model.", reader)
+    tied = cfg.get("tie_word_embeddings") and "lm_head.weight" in shapes
+    return [(name, tuple(shape), _reading(path, f"model.{name}", shape, dt, reader))
+            for name, (shape, dt) in shapes.items() if not (tied and name == "lm_head.weight")]
+
+
+class _Reading:
+    """One stored tensor, read when called; _write_shards reads a shard's plain tensors in one DCP
+    read (a DCP load plans per call: one per tensor cost 3x a save of the weights)."""
+
+    def __init__(self, path: Path, key: str, shape, dtype, reader):
+        self.path, self.key, self.wanted, self.reader = path, key, (tuple(shape), dtype), reader
+
+    def __call__(self) -> torch.Tensor:
+        return read_tensors(self.path, {self.key: self.wanted}, self.reader)[self.key]
+
+
+def _reading(path: Path, key: str, shape, dtype, reader) -> _Reading:
+    return _Reading(path, key, shape, dtype, reader)
+
+
+def _read_shard(shard: list) -> dict[str, torch.Tensor]:
+    """A shard's tensors: the plain ones of one checkpoint in one read, merged ones one by one."""
+    plain = [(name, read) for name, _, read in shard if isinstance(read, _Reading)]
+    got = {}
+    if plain:
+        first = plain[0][1]
+        values = read_tensors(first.path, {r.key: r.wanted for _, r in plain}, first.reader)
+        got = {name: values[r.key] for name, r in plain}
+    return {name: got[name] if name in got else read() for name, _, read in shard}
+
+
+def _plan(weights: Weights, size: int, max_bytes: int | None, parts: int) -> list[list]:
+    """The weights in file order, cut where a file would pass `max_bytes` (save_pretrained's rule);
+    `max_bytes` None: cut into `parts` files of about equal bytes (each tensor in the file its
+    middle byte falls in), then by save_pretrained's 5 GB where a file passes it."""
+    if max_bytes is None:
+        total, start = sum(size * _numel(shape) for _, shape, _ in weights) or 1, 0
+        spread: list[list] = [[] for _ in range(parts)]
+        for entry in weights:
+            nbytes = size * _numel(entry[1])
+            spread[min(parts - 1, (start + nbytes // 2) * parts // total)].append(entry)
+            start += nbytes
+        return [cut for shard in spread if shard
+                for cut in _plan(shard, size, MAX_SHARD_BYTES, 1)]
+    shards: list[list] = [[]]
+    used = 0
+    for entry in weights:
+        nbytes = size * _numel(entry[1])
+        if shards[-1] and used + nbytes > max_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(entry)
+        used += nbytes
+    return shards
+
+
+def _write_shards(out: Path, weights: Weights, dtype: torch.dtype, max_bytes: int | None,
+                  part: tuple[int, int] = (0, 1), durable: bool = False) -> None:
+    """Shards planned from the shapes, then written one at a time (memory: one shard); `part` (i, n)
+    writes shards i, i + n, ... and part 0 the index."""
+    from safetensors.torch import save_file
+
+    size = torch.empty((), dtype=dtype).element_size()
+    shards = _plan(weights, size, max_bytes, part[1])
+    n = len(shards)
+    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+                                                   for i in range(n)]
+    weight_map = {name: file_name for file_name, shard in zip(names, shards) for name, _, _ in shard}
+    mine, parts = part
+    for i, (file_name, shard) in enumerate(zip(names, shards)):
+        if i % parts != mine:
+            continue
+        tensors = {name: t.to(dtype).contiguous() for name, t in _read_shard(shard).items()}
+        save_file(tensors, str(out / file_name), metadata={"format": "pt"})
+        del tensors
+        if durable:
+            fsync_files([out / file_name])
+    if n > 1 and mine == 0:
+        index = {"metadata": {"total_size": sum(size * _numel(s) for _, s, _ in weights)},
+                 "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def _generation_config(cfg: dict, out: Path) -> None:
+    import transformers
+
+    cls = getattr(transformers, str((cfg.get("architectures") or [None])[0]), None)
+    if cls is not None and cls.can_generate():
+        from transformers import GenerationConfig, PretrainedConfig
+
+        GenerationConfig.from_model_config(PretrainedConfig.from_dict(cfg)).save_pretrained(str(out))
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
