@@ -260,6 +260,10 @@ CSV_KEYS = ["median_s", "p90_s", "tokens_per_s", "target_tokens_per_s", "loss_fi
             "grads_bytes", "optimizer_bytes", "rss_peak_bytes", "mfu", "peak_measured_bytes",
             "peak_planned_bytes", "peak_error"]
 
+# --save's GB/s against the disk's, the Hugging Face save, and the steps run while an async save writes
+SAVE_EXTRA = ("save_gbps", "load_gbps", "disk_write_gbps", "disk_read_gbps", "save_of_disk",
+              "load_of_disk", "hf_s", "hf_vs_dcp", "hf_gbps", "inflight_slowdown")
+
 
 def write_csv(results: dict, path: Path) -> None:
     with open(path, "w", newline="") as f:
@@ -267,11 +271,13 @@ def write_csv(results: dict, path: Path) -> None:
         w.writerow(["cell", *CSV_KEYS, "all_gather_B", "reduce_scatter_B", "all_reduce_B",
                     "native_median_s", "x_native", "x_native_p5", "x_native_p95", "native_loss_gap",
                     "save_sync_s", "save_async_blocking_s", "save_async_total_s", "load_s",
-                    "native_save_s", "native_load_s", "first_step_s",
+                    "native_save_s", "native_load_s", *SAVE_EXTRA,
+                    "first_step_s",
                     "compile_s", "compiled_units", "graphs", "graph_breaks", "recompiles", "note"])
         for label, r in results.items():
             if "median_s" not in r:
-                w.writerow([label, *[""] * (len(CSV_KEYS) + 20), r.get("skipped") or "error"])
+                w.writerow([label, *[""] * (len(CSV_KEYS) + 20 + len(SAVE_EXTRA)),
+                            r.get("skipped") or "error"])
                 continue
             c, native = r["comm_bytes_per_step"], r.get("native") or {}
             saves = (r.get("ranks") or [{}])[0].get("saves") or {}
@@ -280,7 +286,8 @@ def write_csv(results: dict, path: Path) -> None:
                         *(native.get("paired") or ["", "", ""]),
                         "" if loss_gap(r) is None else loss_gap(r),
                         *[saves.get(k, "") for k in ("sync_s", "async_blocking_s", "async_total_s",
-                                                     "load_s", "native_save_s", "native_load_s")],
+                                                     "load_s", "native_save_s", "native_load_s",
+                                                     *SAVE_EXTRA)],
                         r.get("first_step_s", ""),
                         *[(r.get("compile") or {}).get(k, "") for k in
                           ("compile_s", "compiled", "graphs", "breaks", "recompiles")],
