@@ -6,6 +6,7 @@ import); engine.py: the engine, composed from parallelize.py's steps; autotp.py:
 AutoTP's plan (autotp_split.py: what it did to a model); state.py and fragments.py: its checkpoint state (fragments.py: a rank's ZeRO ranges in
 place); plan.py: memory and communication model; schema.py, interop.py, import_zero.py,
 import_tp.py, accelerate.py, exports.py: DeepSpeed's own rules and its files in and out;
-native_checkpoint.py: DeepSpeed checkpoints in; universal.py: DeepSpeed universal checkpoints out;
+native_checkpoint.py: DeepSpeed checkpoints in (stream_import.py: a ZeRO checkpoint one rank's file at a
+time); universal.py: DeepSpeed universal checkpoints out;
 ops.py: its just-in-time ops (built ahead, first builds said, a killed build's lock refused).
 """

@@ -6,6 +6,7 @@ get_unsafe_globals_in_checkpoint on ZeRO-2 and universal checkpoints DeepSpeed 0
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 from pathlib import Path
 
@@ -39,10 +40,14 @@ def _tag_dir(src: Path, pointer: str) -> Path:
                             f"its {pointer} file", src)
 
 
-def read_deepspeed(src: Path, trust: bool = False):
-    """A ZeRO-1/2/3 checkpoint: DeepSpeed's own zero_to_fp32 merge, applied to the fp32 partitions
-    and then to each optimizer entry partitioned the same way (exp_avg, momentum_buffer...)."""
+def read_deepspeed(src: Path, trust: bool = False, stream: bool = True):
+    """A ZeRO-1/2/3 checkpoint, streamed (stream_import.py: one rank's optimizer file in memory at
+    a time), or with `stream=False` (and for checkpoints with frozen parameters) DeepSpeed's own
+    zero_to_fp32 merge, applied to the fp32 partitions and then to each optimizer entry
+    partitioned the same way (exp_avg, momentum_buffer...), the whole state in memory."""
     from deepspeed.utils import zero_to_fp32 as z
+
+    from backends.deepspeed.stream_import import streamed_zero
 
     tag_dir = _tag_dir(src, "latest")
     with contextlib.redirect_stdout(io.StringIO()):  # zero_to_fp32 prints progress
@@ -50,16 +55,33 @@ def read_deepspeed(src: Path, trust: bool = False):
         for f in model_files:  # zero_to_fp32 unpickles them fully: each is checked as data first
             _load(Path(f), "a DeepSpeed model-states file", trust)
         models = z.parse_model_states(model_files)
-        # each optimizer file loaded once: fp32 partitions and the base optimizer's state dict
-        # ("base_optimizer_state" at ZeRO-1/2, "optimizer_state_dict" at ZeRO-3)
-        saved = [_load(Path(f), "a DeepSpeed optimizer-states file", trust)["optimizer_state_dict"]
-                 for f in z.get_optim_files(str(tag_dir))]
-        stage = saved[0]["zero_stage"]
-        world = max(saved[0]["partition_count"]) if isinstance(saved[0]["partition_count"], list) \
-            else saved[0]["partition_count"]
-        if world != len(saved):
-            raise CheckpointImportError(f"{tag_dir}: {len(saved)} optimizer files for {world} "
+        steps = _load(Path(model_files[0]), "a DeepSpeed model-states file", trust).get("global_steps")
+        optim_files = z.get_optim_files(str(tag_dir))
+
+        def optim(f) -> dict:
+            return _load(Path(f), "a DeepSpeed optimizer-states file", trust)["optimizer_state_dict"]
+
+        first = optim(optim_files[0])
+        stage, world = first["zero_stage"], first["partition_count"]
+        world = max(world) if isinstance(world, list) else world
+        del first
+        gc.collect()  # a loaded optimizer file holds reference cycles: freed now
+        if world != len(optim_files):
+            raise CheckpointImportError(f"{tag_dir}: {len(optim_files)} optimizer files for {world} "
                                         "partitions; a rank's file is missing")
+        streamed = streamed_zero(models, optim_files, stage, world, optim) if stream else None
+        if streamed is not None:
+            return streamed, steps, world
+        return _merged(models, [optim(f) for f in optim_files], stage, world), steps, world
+
+
+def _merged(models, saved: list, stage: int, world: int) -> dict:
+    """The whole state by zero_to_fp32's merge, from every rank's optimizer state dict (fp32
+    partitions and the base optimizer's: "base_optimizer_state" at ZeRO-1/2,
+    "optimizer_state_dict" at ZeRO-3)."""
+    from deepspeed.utils import zero_to_fp32 as z
+
+    with contextlib.redirect_stdout(io.StringIO()):  # zero_to_fp32 prints progress
         key = "single_partition_of_fp32_groups" if stage <= 2 else "fp32_flat_groups"
         fp32_groups = [s[key] for s in saved]
         paddings = saved[0].get("param_alignment_paddings")
@@ -87,10 +109,8 @@ def read_deepspeed(src: Path, trust: bool = False):
     # ZeRO-1/2 keep one flat group per optimizer param group; ZeRO-3 splits them into sub-groups.
     per_group = ([[clean_name(n) for n in g] for g in raw_names] if stage <= 2
                  else [[clean_name(n) for g in raw_names for n in g]])
-    steps = _load(Path(model_files[0]), "a DeepSpeed model-states file", trust).get("global_steps")
-    return ({"model": {clean_name(k): v for k, v in model.items()},
-             "optim": {"state": state, "param_groups": named_groups(raw[0]["param_groups"],
-                                                                     per_group)}}, steps, world)
+    return {"model": {clean_name(k): v for k, v in model.items()},
+            "optim": {"state": state, "param_groups": named_groups(raw[0]["param_groups"], per_group)}}
 
 
 def read_deepspeed_universal(src: Path, trust: bool = False):

@@ -5,4 +5,5 @@ asked (background.py), a rank's ranges of a tensor as blocks of the whole (chunk
 data (safe.py), the one reader of a checkpoint's small files (contents.py) and their schemas
 (schemas.py), its DCP adapter for modules torch's get_state_dict understands (dcp_state.py),
 native imports (importers.py) and the Hugging Face export (hf.py: what is exported; hf_files.py:
-the safetensors files it writes) with a tokenizer copied as data (tokenizer.py)."""
+the safetensors files it writes) with a tokenizer copied as data (tokenizer.py); streamed.py: a state
+written by several writers from one process, one part in memory at a time (streaming imports)."""

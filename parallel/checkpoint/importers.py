@@ -16,6 +16,7 @@ import torch
 from parallel.checkpoint.directory import library_versions, write_checkpoint
 from parallel.checkpoint.portable import clean_name, save_state
 from parallel.checkpoint.optim_state import hyperparams
+from parallel.checkpoint.streamed import Streamed, write_streamed
 
 
 class CheckpointImportError(RuntimeError):
@@ -34,7 +35,10 @@ def import_checkpoint(read, kind: str, src: str | Path, out: str | Path, step: i
                            "number of optimizer steps it was trained for)")
 
     def write(sink) -> None:
-        save_state(state, sink, collective=False)
+        if isinstance(state, Streamed):  # one source rank's part in memory at a time
+            write_streamed(state, sink)
+        else:
+            save_state(state, sink, collective=False)
         sink.save_file("trainer.pt", {"step": step, "scheduler": None, "loaders": []})
 
     meta = {"backend": f"import:{kind}", "world_size": world, "step": step, "spec": None,

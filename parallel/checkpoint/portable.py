@@ -110,13 +110,20 @@ def save_state(state: dict, into: Sink | Path, planner=None, collective: bool = 
     if sink.staged:
         sink.queue(state, planner, collective)
         return
-    optim = state.get("optim")
-    if optim is not None:  # one object: DCP's and XLA's SPMD planners would flatten a list apart
-        state = {**state, "optim": {**optim, "param_groups": tuple(optim["param_groups"])}}
+    state = as_written(state)
     with _quiet_dcp():
         dcp.save(state, storage_writer=RecordingWriter(sink),
                  planner=planner or RangeSavePlanner(), process_group=sink.group,
                  no_dist=not (collective and dist.is_initialized()))
+
+
+def as_written(state: dict) -> dict:
+    """The state as DCP is given it: param_groups one object (a tuple), since DCP's and XLA's SPMD
+    planners would flatten a list apart."""
+    optim = state.get("optim")
+    if optim is None or "param_groups" not in optim:
+        return state
+    return {**state, "optim": {**optim, "param_groups": tuple(optim["param_groups"])}}
 
 
 def write_queued(sink: Sink) -> None:

@@ -15,9 +15,14 @@ from parallel.toy import build_llama, llama_config
 STEPS, ROWS = 3, 4
 
 
-def model_and_batches():
+SIZES = {"tiny": {}, "56m": {"vocab_size": 32000, "hidden_size": 512, "intermediate_size": 1376,
+                             "num_hidden_layers": 8, "num_attention_heads": 8,
+                             "num_key_value_heads": 8}}
+
+
+def model_and_batches(size: str = "tiny"):
     torch.manual_seed(0)
-    return build_llama(llama_config("tiny")), global_batches(5, 1, ROWS)
+    return build_llama(llama_config("tiny", **SIZES[size])), global_batches(5, 1, ROWS)
 
 
 def fsdp2_dcp(out: Path):
@@ -41,16 +46,16 @@ def fsdp2_dcp(out: Path):
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=out)
 
 
-def deepspeed_zero2(out: Path):
+def deepspeed_zero2(out: Path, stage: int = 2, size: str = "tiny"):
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)
-    model, batches = model_and_batches()
+    model, batches = model_and_batches(size)
     cls, kw = optimizer_arg("adamw")
     rows = ROWS // dist.get_world_size()
     config = {"train_micro_batch_size_per_gpu": rows, "gradient_accumulation_steps": 1,
               "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
-              "zero_optimization": {"stage": 2}}
+              "zero_optimization": {"stage": stage}}
     engine, *_ = deepspeed.initialize(model=model, optimizer=cls(model.parameters(), **kw),
                                       config=config)
     rank = dist.get_rank()
@@ -120,8 +125,9 @@ def xla_fsdp_v1(out: Path):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--which", required=True, help="comma-separated: fsdp2_dcp,deepspeed_zero2,xla")
+    p.add_argument("--which", required=True, help="comma-separated: fsdp2_dcp,deepspeed_zero2,deepspeed_zero3,xla")
     p.add_argument("--root", required=True)
+    p.add_argument("--size", default="tiny", choices=SIZES, help="deepspeed_zero3's model")
     args = p.parse_args()
     if "xla" not in args.which:
         dist.init_process_group("gloo")
@@ -129,8 +135,9 @@ def main():
         if name == "deepspeed_universal_resume":
             deepspeed_universal_resume(Path(args.root))
             continue
-        {"fsdp2_dcp": fsdp2_dcp, "deepspeed_zero2": deepspeed_zero2,
-         "xla": xla_fsdp_v1}[name](Path(args.root) / name)
+        {"fsdp2_dcp": fsdp2_dcp, "deepspeed_zero2": deepspeed_zero2, "xla": xla_fsdp_v1,
+         "deepspeed_zero3": lambda out: deepspeed_zero2(out, 3, args.size)}[name](
+            Path(args.root) / name)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

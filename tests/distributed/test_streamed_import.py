@@ -1,0 +1,80 @@
+"""`polyshard ckpt import deepspeed` streams (backends/deepspeed/stream_import.py): a ZeRO-3 checkpoint
+of the 56M Llama saved by plain DeepSpeed at 4 ranks is imported with one rank's optimizer file in
+memory at a time: peak RSS <= 1.25x the largest source file + 1 GiB (the whole-model path, measured
+beside it, holds the model twice and passes that bound), the portable state equal bit for bit to the
+whole-model path's, and both load at 2 ranks on FSDP2 into the same bytes with the same next loss."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from harness import ROOT, needs_both, torchrun
+
+pytestmark = [pytest.mark.distributed, pytest.mark.full]
+DIST = ROOT / "tests" / "distributed"
+WORKER = str(DIST / "streamed_import_worker.py")
+BUDGET_S = 5  # seconds in make test (tests/conftest.py): the whole file is make test-full's
+IMPORT = ("import sys; from parallel.checkpoint.importers import import_checkpoint; "
+          "from backends.deepspeed.native_checkpoint import read_deepspeed; "
+          "import_checkpoint(lambda s, trust: read_deepspeed(s, trust, stream=sys.argv[3] == '1'),"
+          " 'deepspeed', sys.argv[1], sys.argv[2])")
+MEASURE = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
+           "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) if r.returncode == 0 "
+           "else sys.exit(r.returncode)")
+
+
+def import_rss(src, out, stream: bool) -> int:
+    """Peak RSS in bytes of one import, in a process of its own."""
+    done = subprocess.run([sys.executable, "-c", MEASURE, sys.executable, "-c", IMPORT, str(src),
+                           str(out), "1" if stream else "0"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return int(done.stdout.split()[-1]) * 1024
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("streamed")
+    torchrun(4, [str(DIST / "native_worker.py"), "--which", "deepspeed_zero3", "--size", "56m",
+                 "--root", str(tmp)], timeout=600)
+    src = tmp / "deepspeed_zero3"
+    largest = max(f.stat().st_size for f in src.rglob("*_optim_states.pt"))
+    rss = {kind: import_rss(src, tmp / kind, kind == "streamed") for kind in ("streamed", "whole")}
+    torchrun(2, [WORKER, "--paths", f"{tmp / 'streamed'},{tmp / 'whole'}", "--out",
+                 str(tmp / "loaded")], timeout=600)
+    loaded = json.loads((tmp / "loaded.rank0").read_text()), json.loads((tmp / "loaded.rank1").read_text())
+    return tmp, largest, rss, loaded
+
+
+@needs_both
+@pytest.mark.timeout(1500)
+def test_the_import_holds_one_source_file_not_the_model(imported):
+    _, largest, rss, _ = imported
+    bound = 1.25 * largest + (1 << 30)
+    assert rss["streamed"] <= bound, (rss, largest)
+    assert rss["whole"] > bound, (rss, largest)  # the bound tells the two paths apart
+
+
+@needs_both
+@pytest.mark.timeout(1500)
+def test_streamed_state_equals_the_whole_model_path_bit_for_bit(imported):
+    import torch
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from parallel.checkpoint.portable import open_state, read_tensors
+
+    tmp, _, _, loaded = imported
+    states = {}
+    for kind in ("streamed", "whole"):
+        entries = open_state(tmp / kind).read_metadata().state_dict_metadata
+        wanted = {k: (tuple(v.size), v.properties.dtype) for k, v in entries.items()
+                  if isinstance(v, TensorStorageMetadata)}
+        states[kind] = (set(entries), read_tensors(tmp / kind, wanted))
+    (keys_a, a), (keys_b, b) = states["streamed"], states["whole"]
+    assert keys_a == keys_b and any(k.endswith(".exp_avg_sq") for k in keys_a)
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+    for rank in loaded:  # FSDP2 at 2 ranks: the same bytes on each rank, the same next loss
+        streamed, whole = rank[str(tmp / "streamed")], rank[str(tmp / "whole")]
+        assert streamed == whole and streamed["step"] == 3, (streamed, whole)
