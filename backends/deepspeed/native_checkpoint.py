@@ -117,7 +117,10 @@ def read_deepspeed_universal(src: Path, trust: bool = False):
     """A DeepSpeed universal checkpoint (what `ds_to_universal` writes and `load_universal_checkpoint`
     reads): `zero/<name>/fp32.pt`, one file per optimizer entry (`exp_avg.pt`, ...) and `step.pt` per
     parameter, the param groups in `zero/optimizer_state.pt`, and the model-states file for group
-    membership, buffers, frozen and tied parameters."""
+    membership, buffers, frozen and tied parameters. Streamed: one parameter's files in memory at a
+    time (checkpoint/streamed.py), part 0 also the buffers, frozen parameters and param groups."""
+    from parallel.checkpoint.streamed import Streamed
+
     tag_dir = _tag_dir(src, "latest_universal")
     zero, model_file = tag_dir / "zero", tag_dir / "mp_rank_00_model_states.pt"
     if not zero.is_dir() or not model_file.is_file():
@@ -126,27 +129,47 @@ def read_deepspeed_universal(src: Path, trust: bool = False):
     states = _load(model_file, "a DeepSpeed model-states file", trust)
     groups = _load(zero / "optimizer_state.pt", "DeepSpeed's universal optimizer state", trust)
     names = [[clean_name(n) for n in shapes] for shapes in states["param_shapes"]]
-    model, optim, steps = {}, {}, []
-    for raw in (n for shapes in states["param_shapes"] for n in shapes):
-        folder, name = zero / child_name(raw, "a parameter name", model_file), clean_name(raw)
+    raws = [n for shapes in states["param_shapes"] for n in shapes]
+    folders = {raw: zero / child_name(raw, "a parameter name", model_file) for raw in raws}
+    for raw, folder in folders.items():
         if not (folder / "fp32.pt").is_file():
             raise CheckpointImportError(f"{folder / 'fp32.pt'}: missing (parameter {raw})")
-        model[name] = _load(folder / "fp32.pt", "a universal fp32 file", trust)["param"]
-        entry = {f.stem: _load(f, "a universal optimizer file", trust)["param"]
-                 for f in sorted(folder.glob("*.pt")) if f.stem not in ("fp32", "step")}
-        if (folder / "step.pt").is_file():
-            step = _load(folder / "step.pt", "a universal step file", trust)
-            entry["step"] = torch.as_tensor(step, dtype=torch.float32).clone()
-            steps.append(entry)
-        optim[name] = entry
+    extra = _whole_entries(states, model_file)  # buffers and frozen parameters, by name
+    aliases = {clean_name(a): clean_name(c) for a, c in (states.get("shared_params") or {}).items()}
+    steps = {raw: torch.as_tensor(_load(folders[raw] / "step.pt", "a universal step file", trust),
+                                  dtype=torch.float32).clone()
+             for raw in raws if (folders[raw] / "step.pt").is_file()}
+    shared_step([{"step": t} for t in steps.values()])  # one step count, or an error naming it
+    param_groups = named_groups(groups["param_groups"], names)
+    found = states.get("global_steps"), states.get("dp_world_size")
+    del states, groups  # the model-states file holds the whole module: not kept
+    gc.collect()
+
+    def part(i: int) -> dict:
+        model, optim = (dict(extra), {}) if i == 0 else ({}, {})
+        for raw in raws[i:i + 1]:
+            folder, name = folders[raw], clean_name(raw)
+            model[name] = _load(folder / "fp32.pt", "a universal fp32 file", trust)["param"]
+            optim[name] = {f.stem: _load(f, "a universal optimizer file", trust)["param"]
+                           for f in sorted(folder.glob("*.pt")) if f.stem not in ("fp32", "step")}
+            if raw in steps:
+                optim[name]["step"] = steps[raw]
+        model.update({a: model[c] for a, c in aliases.items() if c in model})
+        state = {"model": model, "optim": {"state": optim}}
+        if i == 0:
+            state["optim"]["param_groups"] = param_groups
+        return state
+
+    return Streamed(part, max(1, len(raws))), *found
+
+
+def _whole_entries(states: dict, model_file: Path) -> dict:
+    """Frozen parameters and buffers from the model-states file's module state (fp32 where floating)."""
     module = states.get("module") or {}
+    out = {}
     for raw in list(states.get("frozen_param_shapes") or {}) + list(states.get("buffer_names") or []):
         if raw not in module:
             raise CheckpointImportError(f"{model_file}: {raw} is not in its module state")
-        model[clean_name(raw)] = module[raw].float() if module[raw].is_floating_point() \
+        out[clean_name(raw)] = module[raw].float() if module[raw].is_floating_point() \
             else module[raw]
-    for alias, canonical in (states.get("shared_params") or {}).items():
-        model[clean_name(alias)] = model[clean_name(canonical)]
-    shared_step(steps)  # one step count, or an error naming the disagreement
-    return ({"model": model, "optim": {"state": optim, "param_groups": named_groups(
-        groups["param_groups"], names)}}, states.get("global_steps"), states.get("dp_world_size"))
+    return out
