@@ -28,8 +28,8 @@ def deepspeed_classes() -> tuple:
     return (LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address)
 
 
-def _load(path: Path, what: str, trust: bool):
-    return torch_load(path, what, deepspeed_classes(), trust)
+def _load(path: Path, what: str, trust: bool, mmap: bool = False):
+    return torch_load(path, what, deepspeed_classes(), trust, mmap=mmap)
 
 
 def _tag_dir(src: Path, pointer: str) -> Path:
@@ -58,8 +58,9 @@ def read_deepspeed(src: Path, trust: bool = False, stream: bool = True):
         steps = _load(Path(model_files[0]), "a DeepSpeed model-states file", trust).get("global_steps")
         optim_files = z.get_optim_files(str(tag_dir))
 
-        def optim(f) -> dict:
-            return _load(Path(f), "a DeepSpeed optimizer-states file", trust)["optimizer_state_dict"]
+        def optim(f) -> dict:  # mapped: a streamed import's planning pass reads no tensor's bytes
+            return _load(Path(f), "a DeepSpeed optimizer-states file", trust,
+                         mmap=True)["optimizer_state_dict"]
 
         first = optim(optim_files[0])
         stage, world = first["zero_stage"], first["partition_count"]
@@ -149,8 +150,9 @@ def read_deepspeed_universal(src: Path, trust: bool = False):
         model, optim = (dict(extra), {}) if i == 0 else ({}, {})
         for raw in raws[i:i + 1]:
             folder, name = folders[raw], clean_name(raw)
-            model[name] = _load(folder / "fp32.pt", "a universal fp32 file", trust)["param"]
-            optim[name] = {f.stem: _load(f, "a universal optimizer file", trust)["param"]
+            # mapped: the planning pass reads no tensor's bytes (streamed.py builds a part twice)
+            model[name] = _load(folder / "fp32.pt", "a universal fp32 file", trust, True)["param"]
+            optim[name] = {f.stem: _load(f, "a universal optimizer file", trust, True)["param"]
                            for f in sorted(folder.glob("*.pt")) if f.stem not in ("fp32", "step")}
             if raw in steps:
                 optim[name]["step"] = steps[raw]

@@ -24,8 +24,8 @@ from parallel.checkpoint.hf_files import (  # noqa: F401 - ExportError, DTYPES: 
     DTYPES,
     MAX_SHARD_BYTES,
     ExportError,
+    Reading,
     Weights,
-    _reading,
     plain_weights,
     write_hf,
 )
@@ -140,7 +140,7 @@ def _merged_weights(path: Path, cfg: dict, peft_cfg: dict) -> Weights:
             layer = owner[: -len(".base_layer")]
             out.append((hf_name, tuple(shape), _merging(path, model, layer, shapes, reader)))
         else:
-            out.append((hf_name, tuple(shape), _reading(path, f"model.{name}", shape, dt, reader)))
+            out.append((hf_name, tuple(shape), Reading(path, f"model.{name}", shape, dt, reader)))
     return out
 
 

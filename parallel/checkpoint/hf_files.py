@@ -50,11 +50,11 @@ def plain_weights(path: Path, cfg: dict) -> Weights:
     reader = open_state(path)
     shapes = tensor_shapes(path, "model.", reader)
     tied = cfg.get("tie_word_embeddings") and "lm_head.weight" in shapes
-    return [(name, tuple(shape), _reading(path, f"model.{name}", shape, dt, reader))
+    return [(name, tuple(shape), Reading(path, f"model.{name}", shape, dt, reader))
             for name, (shape, dt) in shapes.items() if not (tied and name == "lm_head.weight")]
 
 
-class _Reading:
+class Reading:
     """One stored tensor, read when called; _write_shards reads a shard's plain tensors in one DCP
     read (a DCP load plans per call: one per tensor cost 3x a save of the weights)."""
 
@@ -65,13 +65,9 @@ class _Reading:
         return read_tensors(self.path, {self.key: self.wanted}, self.reader)[self.key]
 
 
-def _reading(path: Path, key: str, shape, dtype, reader) -> _Reading:
-    return _Reading(path, key, shape, dtype, reader)
-
-
 def _read_shard(shard: list) -> dict[str, torch.Tensor]:
     """A shard's tensors: the plain ones of one checkpoint in one read, merged ones one by one."""
-    plain = [(name, read) for name, _, read in shard if isinstance(read, _Reading)]
+    plain = [(name, read) for name, _, read in shard if isinstance(read, Reading)]
     got = {}
     if plain:
         first = plain[0][1]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import zipfile
 from pathlib import Path
 
 import torch
@@ -44,18 +45,22 @@ def _unsupported(err: Exception) -> str:
 
 
 def torch_load(path: Path | io.BytesIO, what: str, allow: tuple = (), trust: bool = False,
-               limit: int | None = None):
+               limit: int | None = None, mmap: bool = False):
     """torch.load of a file from elsewhere: torch's weights_only unpickler (tensors, containers,
     numbers, strings), plus the classes in `allow`. `trust`: full pickle, for a file whose origin you
-    trust (it can run any code)."""
+    trust (it can run any code). `mmap`: tensors mapped from the file, read when touched (a zip
+    file only: torch.save's format since 1.6; an older file is read whole)."""
     name = getattr(path, "name", None) or str(path)
     if isinstance(path, (str, Path)):
         regular_file(Path(path), what, limit or (1 << 62), follow=True)
-    if trust:
-        return torch.load(path, map_location="cpu", weights_only=False)  # the caller's decision
+        mmap = mmap and zipfile.is_zipfile(path)
+    else:
+        mmap = False
+    if trust:  # the caller's decision
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
     try:
         with torch.serialization.safe_globals(list(allow)):
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:
         raise UnsafeFileError(
             f"{name}: refused ({what}): it asks to load {_unsupported(err)}, which is code, not "

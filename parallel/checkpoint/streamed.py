@@ -6,7 +6,8 @@ DCP's save is three steps, which a multi-rank save runs on every rank at once: e
 its items (metadata only), the coordinator makes the global plan (deduplication, the index), then
 each writer writes its data. Here the writers are a source checkpoint's ranks: `part(i)` builds
 writer i's state (its shards as FlatRange blocks of the whole tensors, chunks.py) for planning, is
-dropped, and is built again to write, so memory holds one part, never the model (measured: a
+dropped, and is built again to write, so memory holds one part, never the model; readers map their
+files (torch.load mmap), so the planning pass reads no tensor's bytes (measured: a
 torch.load of a DeepSpeed optimizer file holds reference cycles, so a part is collected explicitly
 before the next is built; without it two parts were alive at once). Files carry writer
 i's prefix (`__i_`), as they would from rank i; the one `.metadata` indexes them all.

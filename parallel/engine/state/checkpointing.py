@@ -98,7 +98,7 @@ class Checkpointer:
         model); a PEFT run's main rank writes the adapter from a whole staged checkpoint. The
         staging directory, polyshard's own, is removed. `durable`: the weight files are fsynced."""
         e, out = self.engine, Path(directory)
-        staging = out.parent / f"{out.name}.polyshard-state"
+        staging = out.parent / f".{out.name}.polyshard-state"
         with paused_gc():
             self.saver.wait()
             peft = peft_config_json(e.model) is not None

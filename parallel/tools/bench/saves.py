@@ -27,15 +27,7 @@ def save_times(engine, root: Path) -> dict:
     cached pages dropped first). Medians of five after one untimed round of each; each checkpoint
     is removed once timed. Rank 0 adds the checkpoint's bytes, GB/s, and the disk's own direct
     write and cold read beside it (bench/disk.py)."""
-    native = engine.native_checkpoint()
-
-    def timed(action) -> float:
-        dist.barrier()
-        start = time.perf_counter()
-        action()
-        engine.wait_for_save()
-        dist.barrier()
-        return time.perf_counter() - start
+    native, timed = engine.native_checkpoint(), _timer(engine, wait=True)
 
     def drop(path: Path) -> None:
         dist.barrier()  # every rank is done with the files before one rank removes them
@@ -79,11 +71,15 @@ def save_times(engine, root: Path) -> dict:
     return out
 
 
-def _timer(engine):
+def _timer(engine, wait: bool = False):
+    """timed(action): seconds from a barrier to a barrier after it; `wait`: until an async save
+    it started is published."""
     def timed(action) -> float:
         dist.barrier()
         start = time.perf_counter()
         action()
+        if wait:
+            engine.wait_for_save()
         dist.barrier()
         return time.perf_counter() - start
     return timed
