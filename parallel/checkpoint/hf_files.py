@@ -5,14 +5,16 @@ exported; engine.save_pretrained and checkpoint.hf_at_end write through `write_h
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from types import MappingProxyType
 
 import torch
 
-from parallel.checkpoint.directory import fsync_files
+from parallel.checkpoint.directory import fsync_files, remove_ours
 from parallel.checkpoint.portable import open_state, read_tensors, tensor_shapes
+from parallel.files import write_atomic
 
 
 MAX_SHARD_BYTES = 5_000_000_000  # save_pretrained's default max_shard_size, "5GB"
@@ -42,7 +44,7 @@ def write_hf(weights: Weights, cfg: dict, dtype_name: str, out: Path,
     if part[0]:
         return
     cfg["dtype"] = cfg["torch_dtype"] = HF_DTYPE[DTYPES[dtype_name]]  # 4.57 reads dtype; older torch_
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    write_atomic(out / "config.json", json.dumps(cfg, indent=2).encode())
     _generation_config(cfg, out)
 
 
@@ -118,14 +120,18 @@ def _write_shards(out: Path, weights: Weights, dtype: torch.dtype, max_bytes: in
         if i % parts != mine:
             continue
         tensors = {name: t.to(dtype).contiguous() for name, t in _read_shard(shard).items()}
-        save_file(tensors, str(out / file_name), metadata={"format": "pt"})
+        # written beside and renamed over its name: a planted link is replaced, never written through
+        tmp = out / f".{file_name}.partial"
+        remove_ours(tmp)
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
         del tensors
         if durable:
-            fsync_files([out / file_name])
+            fsync_files([tmp])
+        os.replace(tmp, out / file_name)
     if n > 1 and mine == 0:
         index = {"metadata": {"total_size": sum(size * _numel(s) for _, s, _ in weights)},
                  "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        write_atomic(out / "model.safetensors.index.json", json.dumps(index, indent=2).encode())
 
 
 def _generation_config(cfg: dict, out: Path) -> None:
@@ -135,7 +141,9 @@ def _generation_config(cfg: dict, out: Path) -> None:
     if cls is not None and cls.can_generate():
         from transformers import GenerationConfig, PretrainedConfig
 
-        GenerationConfig.from_model_config(PretrainedConfig.from_dict(cfg)).save_pretrained(str(out))
+        generation = GenerationConfig.from_model_config(PretrainedConfig.from_dict(cfg))
+        # what its save_pretrained writes (to_json_file, use_diff), never through a planted link
+        write_atomic(out / "generation_config.json", generation.to_json_string(use_diff=True).encode())
 
 
 def _numel(shape) -> int:

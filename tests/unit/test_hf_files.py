@@ -42,3 +42,19 @@ def test_a_single_part_writes_one_file_when_it_fits(tmp_path):
     write_hf(entries, {"model_type": "llama"}, "fp32", tmp_path, None, (0, 1))
     assert [f.name for f in tmp_path.glob("*.safetensors")] == ["model.safetensors"]
     assert not (tmp_path / "model.safetensors.index.json").exists()
+
+
+def test_planted_links_are_replaced_not_written_through(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep")
+    out = tmp_path / "out"
+    out.mkdir()
+    names = ("config.json", "generation_config.json", "model.safetensors")
+    for name in names:
+        (out / name).symlink_to(victim)
+    _, entries = weights()
+    write_hf(entries, {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, "fp32", out,
+             None, (0, 1))
+    assert victim.read_text() == "keep"
+    assert not any((out / name).is_symlink() for name in names)
+    assert sorted(p.name for p in out.iterdir()) == sorted(names)  # no temporary file left
