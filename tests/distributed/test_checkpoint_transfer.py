@@ -22,10 +22,10 @@ BUDGET_S = 160  # seconds in make test (tests/conftest.py)
 
 WORKER = ROOT / "tests" / "distributed" / "transfer_worker.py"
 # Every variant in the registry (tests/distributed/matrix.py) is a source and a target, ZeRO-0 included.
-CASES = matrix.cases(world=2, micro_batch_size=2)
+CASES = matrix.cases(world=2, micro_batch_size=2, every=True)
 SOURCES = [c.name for c in CASES]
 # one rank of the first variant: loads the 2-rank checkpoints (2 -> 1), and XLA v1's (1 -> 1)
-ONE = matrix.cases(world=1, micro_batch_size=4)[0]
+ONE = matrix.cases(world=1, micro_batch_size=4, every=True)[0]
 ONE = dataclasses.replace(ONE, name=f"{ONE.name}_w1")
 BACKENDS = {c.name: c.spec for c in [*CASES, ONE]}
 LAUNCHES = matrix.by_launch([*CASES, ONE])  # one launch per group of cases that launch alike

@@ -5,6 +5,7 @@ into fresh processes (compiling again) equal the uninterrupted compiled run exac
 
 import pytest
 from harness import case, check_parity, needs_deepspeed, parity_jobs, parity_results
+from matrix import FULL
 
 pytestmark = pytest.mark.distributed
 BUDGET_S = 140  # seconds in make test (tests/conftest.py)
@@ -33,16 +34,19 @@ def check(results, cases):
               f"{res['train']['compile']['compile_s']:.1f} s compiling")
 
 
+# make test: each backend's default variant, each compile scope once; make test-full (matrix.FULL)
+# adds the other variants' blocks
 CASES = [
     # activation checkpointing and accumulation: the wrapper is what compiles, no_sync around it
     case("fsdp2-blocks-ac-accum", compiled("fsdp", activation_checkpointing=True,
                                            micro_batch_size=1, grad_accum_steps=2),
          optimizer="adamw"),
-    case("fsdp1-blocks", compiled("fsdp", fsdp={"version": 1}), optimizer="adamw"),
-    case("zero2-blocks", compiled("deepspeed", shard="grad_op"), optimizer="adamw"),
     # DeepSpeedEngine.compile(): the whole model, ZeRO-3's hooks between the graphs
     case("zero3-model", compiled("deepspeed", scope="model", shard="full"), optimizer="adamw"),
 ]
+if FULL:
+    CASES += [case("fsdp1-blocks", compiled("fsdp", fsdp={"version": 1}), optimizer="adamw"),
+              case("zero2-blocks", compiled("deepspeed", shard="grad_op"), optimizer="adamw")]
 
 
 def shared_jobs(tmp):
@@ -54,5 +58,5 @@ def shared_jobs(tmp):
 @needs_deepspeed
 @pytest.mark.timeout(900)
 def test_compiled_runs_match_eager_and_resume_exactly(shared):
-    # one launch per phase for all four: a block's graph compiled for one case serves the next
+    # one launch per phase for the cases: a block's graph compiled for one serves the next
     check(parity_results(*shared[__name__], key="compile"), CASES)

@@ -23,7 +23,7 @@ BUDGET_S = 660  # seconds in make test (tests/conftest.py)
 
 DIST = ROOT / "tests" / "distributed"
 TWO = {"topology": {"procs_per_node": 2}, "micro_batch_size": 2}
-CASES = matrix.cases(world=2, micro_batch_size=2)  # every variant in the registry
+CASES = matrix.cases(world=2, micro_batch_size=2)  # the tier's variants (matrix.py)
 
 
 def shared_jobs(tmp):
@@ -123,14 +123,16 @@ def spec(tmp, name, timeout_s=60, **changes):
 
 
 def preempted_cases() -> dict:
-    """name: (case, which rank signals itself: -1 every rank). Every variant in the registry with
-    one rank signalled (the last), the first variant with every rank signalled, and XLA v2 on TPU
-    VM slices, where torch_xla's preemption sync manager agrees instead of the loss reduction."""
+    """name: (case, which rank signals itself: -1 every rank). Every variant of the tier
+    (matrix.py) with one rank signalled (the last), the first with every rank signalled, and XLA
+    v2 on TPU VM slices, where torch_xla's preemption sync manager agrees instead of the loss
+    reduction (its own feature: in every tier)."""
     out = {c.name: (c, c.nproc - 1) for c in CASES}
     first = CASES[0]
     out[f"{first.name}-every-rank"] = (first, -1)
-    if "xla2" in out:
-        xla2 = out["xla2"][0]
+    xla2 = [c for c in matrix.cases(world=2, micro_batch_size=2, every=True) if c.name == "xla2"]
+    if xla2:
+        xla2 = xla2[0]
         sync = merged(xla2.spec, {"xla": {"preemption_sync": True},
                                   "checkpoint": {"preemption_signals": ["SIGTERM"]}})
         out["xla2-sync"] = (dataclasses.replace(xla2, name="xla2-sync", spec=sync), 0)
@@ -209,7 +211,7 @@ def preempted_groups(tmp):
 @needs_both
 @pytest.mark.timeout(1200)
 def test_sigterm_saves_exits_to_requeue_and_resumes_exactly(shared):
-    """Every variant in the registry, one rank signalled (and every rank, on the first): SIGTERM
+    """Every variant of the tier (matrix.py), one rank signalled (and every rank, on the first): SIGTERM
     after step 3, the ranks agree at the end of step 3 + 1 + (lag - 1), save a complete checkpoint
     there and raise Preempted (exit code 85); a fresh engine resumes from it (resume: auto) and
     steps 1-8 equal the same job's uninterrupted run bit for bit. One launch per launch group:
@@ -260,7 +262,9 @@ def test_the_sync_manager_agrees_saves_and_resumes_across_launches(tmp_path, ref
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("when", ["before-first-step", "during-save-and-again"])
+# make test: the save interrupted and signalled again; make test-full adds the signal before step 1
+@pytest.mark.parametrize("when", [pytest.param("before-first-step", marks=pytest.mark.full),
+                                  "during-save-and-again"])
 def test_sigterm_at_the_edges(tmp_path, uninterrupted, when):
     """Before the first step: every rank exits 85 at the first train_step, no checkpoint is
     written, and the relaunch trains from scratch. During the save of step 2, then again after step
@@ -343,7 +347,8 @@ def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path, uninterrupted
 
 @needs_both
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("backend", ["fsdp", "deepspeed"])
+# the report is the engine's, the same on both (make test: FSDP2; make test-full: ZeRO-3 too)
+@pytest.mark.parametrize("backend", ["fsdp", pytest.param("deepspeed", marks=pytest.mark.full)])
 def test_stalled_rank_fails_the_launch_naming_it(tmp_path, backend):
     """Rank 1 sleeps before step 3; rank 0's first collective of the step (FSDP2's all-gather on
     its DeviceMesh group; ZeRO-3's) times out after timeout_s, and the report, gathered only now,

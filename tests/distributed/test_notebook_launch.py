@@ -12,10 +12,9 @@ from parallel import notebook_launch
 pytestmark = pytest.mark.distributed
 BUDGET_S = 100  # seconds in make test (tests/conftest.py)
 
+# the launch environment is the backend's (registry: launch.env): make test starts each backend's
+# default variant, make test-full every variant (matrix.py's tiers)
 CASES = matrix.cases(world=2, micro_batch_size=2)
-# the launch environment is the backend's (registry: launch.env): make test starts the first variant
-# of each backend, make test-full every variant
-FIRST = [c for i, c in enumerate(CASES) if c.backend not in {d.backend for d in CASES[:i]}]
 STEPS = 2
 
 
@@ -57,15 +56,14 @@ def one_process() -> list:
 
 @needs_both
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("tier", ["first", pytest.param("every", marks=pytest.mark.full)])
-def test_every_backend_launches_from_a_notebook(monkeypatch, tier):
+def test_every_backend_launches_from_a_notebook(monkeypatch):
     expected = one_process()  # autograd has run here, as in a notebook: the ranks are spawned
     runs = {}
-    for case in FIRST if tier == "first" else CASES:
+    for case in CASES:
         for key, value in case.env.items():
             monkeypatch.setenv(key, value)
         runs[case.name] = notebook_launch(train, case.spec, timeout=240)
-    for case in FIRST if tier == "first" else CASES:
+    for case in CASES:
         results = runs[case.name]
         assert len(results) == case.nproc, case.name
         for losses in results:

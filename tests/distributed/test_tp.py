@@ -30,13 +30,24 @@ def with_tp(c, tp=2, **extra):
 
 def tp_variants(world=4):
     out = []
-    for c in matrix.cases(world=world, micro_batch_size=2):
+    for c in matrix.cases(world=world, micro_batch_size=2, every=True):
         try:
             load_spec(with_tp(c))
         except SpecError:  # the backend refuses tp in this mode (FSDP1, ZeRO, XLA v1): unit-tested
             continue
         out.append(c)
     return out
+
+
+def quick(variants):
+    """make test's TP variants: per backend its default one (matrix.py's tiers) where it has tp,
+    else its first that has; make test-full: every variant."""
+    defaults = {c.name for c in matrix.cases(world=4, micro_batch_size=2, every=False)}
+    out = {}
+    for c in variants:
+        if c.backend not in out or (c.name in defaults and out[c.backend].name not in defaults):
+            out[c.backend] = c
+    return [c for c in variants if c in out.values()]
 
 
 VARIANTS = {c.name: c for c in tp_variants()}
@@ -83,7 +94,7 @@ def shared_jobs(tmp):
     jobs = []
     for group, variants in sorted(GROUPS.items()):
         key = "tp-" + group.replace("+", "-")
-        jobs += parity_jobs(tmp, [one for c in variants for one in cases(c, "quick")],
+        jobs += parity_jobs(tmp, [one for c in quick(variants) for one in cases(c, "quick")],
                             nproc=variants[0].nproc, env=variants[0].env, key=key)
     jobs.append(job("lora_tp_worker", ["--out", tmp / "lora.json"], 2))
     transfers = tmp / "transfers"
@@ -98,7 +109,7 @@ def shared_jobs(tmp):
 @pytest.mark.parametrize("tier", ["quick", pytest.param("full", marks=pytest.mark.full)])
 @pytest.mark.parametrize("group", sorted(GROUPS))
 def test_tp_matches_one_process_and_resumes(request, tmp_path, group, tier):
-    variants = GROUPS[group]
+    variants = GROUPS[group] if tier == "full" else quick(GROUPS[group])
     if tier == "quick":
         tmp, run = request.getfixturevalue("shared")[__name__]
         results = parity_results(tmp, run, key="tp-" + group.replace("+", "-"))
@@ -137,7 +148,7 @@ def transfer_setup(tmp, tier):
     test: every source and every loader once, round robin (each source into another backend where
     there is one); make test-full: every pair."""
     sources = {f"{c.name}-tp2": (c, with_tp(c, micro_batch_size=4)) for c in tp_variants(world=2)}
-    targets = [c for c in matrix.cases(world=2, micro_batch_size=2) if c.name in TARGETS]
+    targets = [c for c in matrix.cases(world=2, micro_batch_size=2, every=True) if c.name in TARGETS]
     wide = list(tp_variants(world=4))
     loaders = {c.name: (c, c.spec) for c in targets}
     loaders.update({f"{c.name}-dp2-tp2": (c, with_tp(c)) for c in wide})
@@ -217,8 +228,11 @@ def test_tp_checkpoints_load_at_tp1_other_worlds_and_backends(request, tmp_path,
 SEQUENTIAL = ROOT / "tests" / "distributed" / "sequential_worker.py"
 
 
+# make test-full's: make test's shared 4-rank launch runs its TP jobs (FSDP2 with HSDP, ZeRO-3)
+# one after another in the same processes too
+@pytest.mark.full
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("tier", ["quick", pytest.param("full", marks=pytest.mark.full)])
+@pytest.mark.parametrize("tier", ["quick", "full"])
 def test_tp_jobs_one_after_another_in_one_process(tmp_path, tier):
     """A sweep or a notebook kernel runs jobs one after another: each TP variant that launches as
     torch processes (XLA's runtime is one client per process) runs dp 2 x tp 2 twice, each job

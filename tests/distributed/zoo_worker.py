@@ -65,23 +65,24 @@ def run(phase, backends, names, root, source_of, models):
     return out
 
 
-def refusals(phase, backends, names, root):
+def refusals(phase, backends, names, root, source_of):
     """What cannot work must fail at prepare / load, naming the cause."""
     out = {}
     if phase == "save" and "xla1" in names:  # default flatten_parameters: a unit is one tensor
         spec = {**backends["xla1"], "wrap": zoo.ZOO["groups"]["wrap"], "seed": SEED}
         out["refusal-xla1-split-groups"] = _error_of(lambda: _prepare_groups(spec))
-    if phase == "load" and "zero2" in names:  # two groups saved, two other groups here
+    zero = [n for n in names if backends[n]["backend"] == "deepspeed"]
+    if phase == "load" and zero:  # two groups saved, two other groups here
         def load_into_other_groups():
-            spec = {**backends["zero2"], "wrap": zoo.ZOO["groups"]["wrap"], "seed": SEED}
+            spec = {**backends[zero[0]], "wrap": zoo.ZOO["groups"]["wrap"], "seed": SEED}
             engine = create_engine(load_spec(spec))
             swapped = lambda named: [  # noqa: E731 - the checkpoint's groups, the other way round
                 {"params": [n for n, p in named if zoo.no_decay(n, p)]},
                 {"params": [n for n, p in named if not zoo.no_decay(n, p)], "weight_decay": 0.0}]
             engine.prepare(zoo.ZOO["groups"]["build"](), (torch.optim.AdamW, {"lr": zoo.LR}),
                            param_groups=swapped)
-            engine.load(root / "zero1-groups")
-        out["refusal-zero2-other-groups"] = _error_of(load_into_other_groups)
+            engine.load(root / source_of[f"{zero[0]}-groups"])  # another backend's
+        out["refusal-zero-other-groups"] = _error_of(load_into_other_groups)
     return out
 
 
@@ -114,7 +115,8 @@ def main():
     names = args.names.split(",")
     results = run(args.phase, backends, names, Path(args.root),
                   json.loads(Path(args.source_of).read_text()), args.models.split(","))
-    results.update(refusals(args.phase, backends, names, Path(args.root)))
+    results.update(refusals(args.phase, backends, names, Path(args.root),
+                            json.loads(Path(args.source_of).read_text())))
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if rank == 0:
         for model_name in args.models.split(","):
