@@ -64,6 +64,7 @@ def test_launch_deepspeed_with_lr_schedule(tmp_path, shard):
     assert "lr 6.0e-04 -> 1.8e-03" in text, text[-2000:]
 
 
+@pytest.mark.full  # make test launches the same layout: test_xla_is_one_field_away_on_a_cpu_host
 @pytest.mark.timeout(300)
 def test_launch_xla_spmd_with_device_loader(tmp_path):
     pytest.importorskip("torch_xla")

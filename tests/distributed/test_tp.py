@@ -53,12 +53,18 @@ def quick(variants):
 VARIANTS = {c.name: c for c in tp_variants()}
 # variants that launch alike share one launch pair (train, resume): FSDP2 and ZeRO-0-3 at 4 ranks
 GROUPS = {"+".join(c.name for c in group): group for group in matrix.by_launch(tp_variants())}
+# make test: the same groups' quick() variants at tp 2 on 2 ranks (dp 1: four processes on a 2-core
+# host cost twice the time); dp 2 x tp 2 is make test's in the transfer loads below and make
+# test-full's here
+QUICK = {"+".join(c.name for c in group): quick(group)
+         for group in matrix.by_launch(tp_variants(world=2))}
 
 
 def cases(c, tier="full"):
-    """A variant's TP cases. make test ("quick") runs one case per variant holding every option at
-    once (a tied head, padded rows, accumulation, clipping, checkpointing, AdamW) and what only one
-    backend has; make test-full ("full") runs each option on its own too."""
+    """A variant's TP cases. make test ("quick", dp 1) runs one case per variant holding every
+    option at once (a tied head, padded rows, accumulation, clipping, checkpointing, AdamW) and what
+    only one backend has; make test-full ("full", dp 2) runs each option on its own too, HSDP and
+    compile."""
     base = with_tp(c)
     everything = {**base, "micro_batch_size": 1, "grad_accum_steps": 2, "grad_clip": 0.5,
                   "activation_checkpointing": True}
@@ -73,14 +79,16 @@ def cases(c, tier="full"):
     if c.name == "zero3":  # built partitioned under zero.Init, then split by AutoTP
         out.append(case("zero-init", base, optimizer="adamw", factory=True))
     if c.name == "fsdp2":  # what only FSDP2 has
-        out += [case("hsdp-3d", {**base, "shard": "hybrid", "topology": {
-                    **base["topology"], "shard_group_size": 1}}),
-                case("rank0-loading", {**base, "fsdp": {"version": 2,
-                                                        "cpu_ram_efficient_loading": True}},
-                     optimizer="adamw", factory=True),
-                # torchtitan's order: TP, then compile per block, then fully_shard
-                case("compile-blocks", {**base, "compile": {"enabled": True, "scope": "blocks"}},
-                     optimizer="adamw")]
+        out.append(case("rank0-loading", {**base, "fsdp": {"version": 2,
+                                                           "cpu_ram_efficient_loading": True}},
+                        optimizer="adamw", factory=True))
+        if tier == "full":  # at dp 2 (make test's quick tier runs dp 1: no replicas to make)
+            out += [case("hsdp-3d", {**base, "shard": "hybrid", "topology": {
+                        **base["topology"], "shard_group_size": 1}}),
+                    # torchtitan's order: TP, then compile per block, then fully_shard
+                    case("compile-blocks", {**base, "compile": {"enabled": True,
+                                                                "scope": "blocks"}},
+                         optimizer="adamw")]
     return [{**one, "name": f"{c.name}-{one['name']}"} for one in out]
 
 
@@ -92,9 +100,9 @@ def shared_jobs(tmp):
     """make test's tier in the suite's shared launches (shared.py): each group's parity cases, and
     the checkpoint transfers' saves (phase 1) and loads (phase 2)."""
     jobs = []
-    for group, variants in sorted(GROUPS.items()):
+    for group, variants in sorted(QUICK.items()):
         key = "tp-" + group.replace("+", "-")
-        jobs += parity_jobs(tmp, [one for c in quick(variants) for one in cases(c, "quick")],
+        jobs += parity_jobs(tmp, [one for c in variants for one in cases(c, "quick")],
                             nproc=variants[0].nproc, env=variants[0].env, key=key)
     jobs.append(job("lora_tp_worker", ["--out", tmp / "lora.json"], 2))
     transfers = tmp / "transfers"
@@ -109,7 +117,7 @@ def shared_jobs(tmp):
 @pytest.mark.parametrize("tier", ["quick", pytest.param("full", marks=pytest.mark.full)])
 @pytest.mark.parametrize("group", sorted(GROUPS))
 def test_tp_matches_one_process_and_resumes(request, tmp_path, group, tier):
-    variants = GROUPS[group] if tier == "full" else quick(GROUPS[group])
+    variants = GROUPS[group] if tier == "full" else QUICK[group]
     if tier == "quick":
         tmp, run = request.getfixturevalue("shared")[__name__]
         results = parity_results(tmp, run, key="tp-" + group.replace("+", "-"))
@@ -131,8 +139,10 @@ def test_tp_matches_one_process_and_resumes(request, tmp_path, group, tier):
         stats = res["train"].get("compile")
         if stats is not None:  # every block ran compiled over DTensors, nothing compiled late
             assert stats["ran_compiled"] == stats["units"] > 0 and stats["late_graphs"] == 0, stats
-        if "matrix_specs" in res["train"]:  # SPMD: weights tiled over both mesh axes (2 x 2)
-            assert any("devices=[2,2]" in s for s in res["train"]["matrix_specs"]), res["train"]
+        if "matrix_specs" in res["train"]:  # SPMD: weights tiled over both mesh axes (2 x 2;
+            # make test's dp 1: split over tp alone)
+            tiled = "devices=[2,2]" if tier == "full" else "devices=["
+            assert any(tiled in s for s in res["train"]["matrix_specs"]), res["train"]
     print(f"{group} tp: max |loss - one process| per case: {worst}")
 
 
