@@ -50,35 +50,77 @@ def named_groups(groups: list[dict], names_per_group: list[list[str]]) -> list[d
     return [{**hyperparams(g), "params": names} for g, names in zip(groups, names_per_group)]
 
 
-def read_dcp(src: Path, trust: bool = False):  # noqa: ARG001 - DCP's files are data only
+def read_dcp(src: Path, trust: bool = False, stream: bool = True,  # noqa: ARG001 - data only
+             budget: int | None = None):
     """torch DCP written from get_state_dict: {"model": ..., "optim"/"optimizer": ...} or bare
-    model keys. Loaded whole in this process, without a template."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    from parallel.checkpoint.portable import SafeReader, raise_refusal
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    model keys, without a template. Streamed (`stream`): parts of at most `budget` bytes (default:
+    the largest source file's; dcp_parts), each read from the source by its own DCP load when it is
+    written, one in memory at a time; else loaded whole."""
+    from parallel.checkpoint.portable import SafeReader
 
     if not (src / ".metadata").is_file():
         raise CheckpointImportError(f"{src}: no .metadata file; not a torch.distributed.checkpoint directory")
+    metadata = SafeReader(str(src)).read_metadata()  # checked before DCP, which swallows a failure
+    if not stream:
+        return _portable(_load_keys(src, None), src), None, 1
+    if budget is None:
+        budget = max((f.stat().st_size for f in src.glob("*.distcp")), default=0)
+    parts = dcp_parts(metadata, budget)
+    return Streamed(lambda i: _portable(_load_keys(src, parts[i]), src), len(parts)), None, 1
+
+
+def dcp_parts(metadata, budget: int) -> list[list[str]]:
+    """A DCP index's entries cut into parts in index order: tensors of at most `budget` bytes
+    together (one larger tensor: a part of its own, read whole), everything not a tensor (param
+    groups, extra state) in the first part."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    entries = metadata.state_dict_metadata
+    parts: list[list[str]] = [[k for k, v in entries.items()
+                               if not isinstance(v, TensorStorageMetadata)]]
+    size = 0
+    for key, meta in entries.items():
+        if not isinstance(meta, TensorStorageMetadata):
+            continue
+        nbytes = meta.size.numel() * meta.properties.dtype.itemsize
+        if parts[-1] and size + nbytes > budget:
+            parts.append([])
+            size = 0
+        parts[-1].append(key)
+        size += nbytes
+    return parts
+
+
+def _load_keys(src: Path, keys: list[str] | None) -> dict:
+    """The source's entries `keys` (None: all), as the nested dict they were saved from."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    from parallel.checkpoint.portable import SafeReader, raise_refusal
+
     sd: dict = {}
-    reader = SafeReader(str(src))
-    reader.read_metadata()  # checked before DCP, which swallows a failing read
     try:
-        _load_state_dict(sd, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(),
-                         no_dist=True)
+        _load_state_dict(sd, storage_reader=SafeReader(str(src)),
+                         planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True)
     except CheckpointException as err:
         raise_refusal(err)
         raise
+    return sd
+
+
+def _portable(sd: dict, src: Path) -> dict:
+    """A (part of a) get_state_dict layout as the portable state: clean names, param groups by
+    name (where this part has them)."""
     model = sd.get("model", {k: v for k, v in sd.items() if torch.is_tensor(v)})
-    model = {clean_name(k): v for k, v in model.items()}
+    state = {"model": {clean_name(k): v for k, v in model.items()}}
     optim = sd.get("optim", sd.get("optimizer"))
-    state = {"model": model}
     if optim is not None:
         if not all(isinstance(k, str) for k in optim.get("state", {})):
             raise CheckpointImportError(f"{src}: optimizer state is keyed by position, not parameter name; "
                                "save it with torch.distributed.checkpoint.state_dict.get_state_dict")
-        groups = [{**g, "params": [clean_name(n) for n in g["params"]]} for g in optim["param_groups"]]
-        state["optim"] = {"state": {clean_name(k): v for k, v in optim["state"].items()},
-                          "param_groups": groups}
-    return state, None, 1
+        state["optim"] = {"state": {clean_name(k): v for k, v in optim.get("state", {}).items()}}
+        if "param_groups" in optim:
+            state["optim"]["param_groups"] = [{**g, "params": [clean_name(n) for n in g["params"]]}
+                                              for g in optim["param_groups"]]
+    return state

@@ -25,12 +25,12 @@ def model_and_batches(size: str = "tiny"):
     return build_llama(llama_config("tiny", **SIZES[size])), global_batches(5, 1, ROWS)
 
 
-def fsdp2_dcp(out: Path):
+def fsdp2_dcp(out: Path, size: str = "tiny"):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.fsdp import fully_shard
 
-    model, batches = model_and_batches()
+    model, batches = model_and_batches(size)
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
@@ -127,7 +127,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--which", required=True, help="comma-separated: fsdp2_dcp,deepspeed_zero2,deepspeed_zero3,xla")
     p.add_argument("--root", required=True)
-    p.add_argument("--size", default="tiny", choices=SIZES, help="deepspeed_zero3's model")
+    p.add_argument("--size", default="tiny", choices=SIZES,
+                   help="the model of fsdp2_dcp and deepspeed_zero3")
     args = p.parse_args()
     if "xla" not in args.which:
         dist.init_process_group("gloo")
@@ -135,7 +136,8 @@ def main():
         if name == "deepspeed_universal_resume":
             deepspeed_universal_resume(Path(args.root))
             continue
-        {"fsdp2_dcp": fsdp2_dcp, "deepspeed_zero2": deepspeed_zero2, "xla": xla_fsdp_v1,
+        {"fsdp2_dcp": lambda out: fsdp2_dcp(out, args.size), "deepspeed_zero2": deepspeed_zero2,
+         "xla": xla_fsdp_v1,
          "deepspeed_zero3": lambda out: deepspeed_zero2(out, 3, args.size)}[name](
             Path(args.root) / name)
     if dist.is_initialized():
