@@ -16,7 +16,7 @@ import matrix
 from parallel import registry
 
 pytestmark = pytest.mark.distributed
-BUDGET_S = 70  # seconds in make test (tests/conftest.py)
+BUDGET_S = 30  # seconds in make test (tests/conftest.py)
 CASES = [c for c in matrix.cases(world=2, micro_batch_size=2)
          if not registry.get(c.backend).capabilities.check("checkpoint.async_save", True)]
 

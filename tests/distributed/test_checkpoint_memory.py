@@ -13,7 +13,7 @@ from matrix import FULL
 from reliability import record
 
 pytestmark = pytest.mark.distributed
-BUDGET_S = 170  # seconds in make test (tests/conftest.py)
+BUDGET_S = 60  # seconds in make test (tests/conftest.py)
 
 WORKER = ROOT / "tests" / "distributed" / "ckpt_memory_worker.py"
 # make test: ZeRO-3; make test-full (matrix.FULL) ZeRO-1/2 too (flat partitions, one save and load
@@ -43,9 +43,10 @@ def measure(tmp, world: int) -> dict:
 @pytest.mark.timeout(1500)
 def test_zero_checkpoints_hold_a_fraction_of_the_state_that_falls_with_n(tmp_path):
     rows, fractions = [], {}
-    measured = {world: measure(tmp_path, world) for world in (2, 4)}
+    worlds = (2, 4) if FULL else (2,)  # make test-full: at 4 ranks too (a rank's share halves)
+    measured = {world: measure(tmp_path, world) for world in worlds}
     for name in STAGES:
-        for world in (2, 4):
+        for world in worlds:
             got = measured[world][name]
             whole = 12 * got["params"]
             worst = {k: max(r[k] for r in got["ranks"]) / whole for k in ("save", "load")}

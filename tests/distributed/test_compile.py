@@ -8,7 +8,7 @@ from harness import case, check_parity, needs_deepspeed, parity_jobs, parity_res
 from matrix import FULL
 
 pytestmark = pytest.mark.distributed
-BUDGET_S = 140  # seconds in make test (tests/conftest.py)
+BUDGET_S = 30  # seconds in make test (tests/conftest.py)
 
 BASE = {"topology": {"procs_per_node": 2}, "micro_batch_size": 2}
 UNITS = 2  # toy:tiny's decoder layers, the units wrap.policy auto selects

@@ -16,7 +16,7 @@ from harness import case, check_parity, parity_jobs, parity_results, run_parity
 from parallel.spec.io import SpecError, load_spec
 
 pytestmark = pytest.mark.distributed
-BUDGET_S = 120  # seconds in make test (tests/conftest.py): the launches are shared
+BUDGET_S = 30  # seconds in make test (tests/conftest.py): the launches are shared
 
 
 def with_cp(c, cp=2, tp=1, **extra):

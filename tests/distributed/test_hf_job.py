@@ -15,7 +15,7 @@ from parallel import registry
 from parallel.tools.cells import merged
 
 pytestmark = pytest.mark.distributed
-BUDGET_S = 100  # seconds in make test (tests/conftest.py)
+BUDGET_S = 30  # seconds in make test (tests/conftest.py)
 
 
 def long_rows(case) -> matrix.Case:

@@ -25,7 +25,7 @@ from parallel.spec.io import SpecError, load_spec
 from parallel.tools.bench.report import NATIVE_DIR
 
 pytestmark = pytest.mark.distributed
-BUDGET_S = 200  # seconds in make test (tests/conftest.py)
+BUDGET_S = 30  # seconds in make test (tests/conftest.py)
 
 DIST = ROOT / "tests" / "distributed"
 ROWS = 4  # global rows per step

@@ -18,7 +18,7 @@ from shared import job, read
 from parallel.spec.io import SpecError, load_spec
 
 pytestmark = pytest.mark.distributed
-BUDGET_S = 390  # seconds in make test (tests/conftest.py)
+BUDGET_S = 30  # seconds in make test (tests/conftest.py)
 
 
 def with_tp(c, tp=2, **extra):

@@ -12,7 +12,7 @@ from harness import needs_both
 from shared import job, read
 
 pytestmark = pytest.mark.distributed
-BUDGET_S = 60  # seconds in make test (tests/conftest.py)
+BUDGET_S = 30  # seconds in make test (tests/conftest.py)
 
 CASES = matrix.cases(world=2, micro_batch_size=2)
 ALL = ["jsonl", "tensorboard", "mlflow", "wandb"]

@@ -9,7 +9,7 @@ from harness import case, check_parity, parity_jobs, parity_results
 
 pytest.importorskip("torch_xla")
 pytestmark = pytest.mark.distributed
-BUDGET_S = 140  # seconds in make test (tests/conftest.py)
+BUDGET_S = 30  # seconds in make test (tests/conftest.py)
 
 V1 = {"backend": "xla_fsdp", "micro_batch_size": 2, "xla": {"fsdp_version": 1}}
 V2 = {"backend": "xla_fsdp", "micro_batch_size": 2, "xla": {"fsdp_version": 2}}
