@@ -14,6 +14,7 @@ import torch
 
 from parallel.checkpoint.directory import fsync_files, remove_ours
 from parallel.checkpoint.portable import open_state, read_tensors, tensor_shapes
+from parallel.checkpoint.streamed import in_parts
 from parallel.files import write_atomic
 
 
@@ -91,16 +92,7 @@ def _plan(weights: Weights, size: int, max_bytes: int | None, parts: int) -> lis
             start += nbytes
         return [cut for shard in spread if shard
                 for cut in _plan(shard, size, MAX_SHARD_BYTES, 1)]
-    shards: list[list] = [[]]
-    used = 0
-    for entry in weights:
-        nbytes = size * _numel(entry[1])
-        if shards[-1] and used + nbytes > max_bytes:
-            shards.append([])
-            used = 0
-        shards[-1].append(entry)
-        used += nbytes
-    return shards
+    return in_parts(list(weights), lambda entry: size * _numel(entry[1]), max_bytes)
 
 
 def _write_shards(out: Path, weights: Weights, dtype: torch.dtype, max_bytes: int | None,

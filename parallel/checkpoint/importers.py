@@ -16,7 +16,7 @@ import torch
 from parallel.checkpoint.directory import library_versions, write_checkpoint
 from parallel.checkpoint.portable import clean_name, save_state
 from parallel.checkpoint.optim_state import hyperparams
-from parallel.checkpoint.streamed import Streamed, write_streamed
+from parallel.checkpoint.streamed import Streamed, in_parts, write_streamed
 
 
 class CheckpointImportError(RuntimeError):
@@ -76,18 +76,10 @@ def dcp_parts(metadata, budget: int) -> list[list[str]]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     entries = metadata.state_dict_metadata
-    parts: list[list[str]] = [[k for k, v in entries.items()
-                               if not isinstance(v, TensorStorageMetadata)]]
-    size = 0
-    for key, meta in entries.items():
-        if not isinstance(meta, TensorStorageMetadata):
-            continue
-        nbytes = meta.size.numel() * meta.properties.dtype.itemsize
-        if parts[-1] and size + nbytes > budget:
-            parts.append([])
-            size = 0
-        parts[-1].append(key)
-        size += nbytes
+    tensors = [k for k, v in entries.items() if isinstance(v, TensorStorageMetadata)]
+    parts = in_parts(tensors, lambda k: entries[k].size.numel() * entries[k].properties.dtype.itemsize,
+                     budget)
+    parts[0][:0] = [k for k, v in entries.items() if not isinstance(v, TensorStorageMetadata)]
     return parts
 
 

@@ -23,6 +23,21 @@ from parallel.checkpoint.portable import RecordingWriter, _quiet_dcp, as_written
 from parallel.checkpoint.sink import Sink
 
 
+def in_parts(items: list, nbytes: Callable[[object], int], budget: int) -> list[list]:
+    """`items` in order, cut where a part would pass `budget` bytes (an item larger than the budget:
+    a part of its own); [[]] for no items."""
+    parts: list[list] = [[]]
+    used = 0
+    for item in items:
+        size = nbytes(item)
+        if parts[-1] and used + size > budget:
+            parts.append([])
+            used = 0
+        parts[-1].append(item)
+        used += size
+    return parts
+
+
 class Streamed:
     """A state in `writers` parts: `part(i)` -> writer i's portable state (a rank's shards and
     ranges; whole tensors and param_groups in one part only), built on demand."""
