@@ -29,6 +29,7 @@ from parallel.checkpoint.manifest import verify_checkpoint
 from parallel.checkpoint.importers import CheckpointImportError
 from parallel.checkpoint.safe import child_name
 from parallel.checkpoint.portable import open_state, read_tensors, tensor_shapes
+from parallel.files import write_atomic
 from parallel.checkpoint.optim_state import read_groups
 
 OPTIM_STATE = "optim.state."
@@ -62,7 +63,7 @@ def write_universal(src: str | Path, out: str | Path) -> Path:
             entry = child_name(key.rpartition(".")[2], "an optimizer entry", path)
             torch.save(value if entry == "step" else {"param": value}, folder / f"{entry}.pt")
     _write_states(path, manifest, tag_dir, groups, shapes, set(trained), reader)
-    (out / "latest_universal").write_text(tag_dir.name)
+    write_atomic(out / "latest_universal", tag_dir.name.encode())  # never through a planted link
     return tag_dir
 
 

@@ -60,13 +60,16 @@ def read_dcp(src: Path, trust: bool = False, stream: bool = True,  # noqa: ARG00
 
     if not (src / ".metadata").is_file():
         raise CheckpointImportError(f"{src}: no .metadata file; not a torch.distributed.checkpoint directory")
-    metadata = SafeReader(str(src)).read_metadata()  # checked before DCP, which swallows a failure
+    # one reader for every load: DCP's index (O(keys x writers)) is parsed once, and checked here,
+    # before DCP, which swallows a failing read
+    reader = SafeReader(str(src))
+    metadata = reader.read_metadata()
     if not stream:
-        return _portable(_load_keys(src, None), src), None, 1
+        return _portable(_load_keys(reader, None), src), None, 1
     if budget is None:
         budget = max((f.stat().st_size for f in src.glob("*.distcp")), default=0)
-    parts = dcp_parts(metadata, budget)
-    return Streamed(lambda i: _portable(_load_keys(src, parts[i]), src), len(parts)), None, 1
+    parts = [set(keys) for keys in dcp_parts(metadata, budget)]  # looked up per index entry
+    return Streamed(lambda i: _portable(_load_keys(reader, parts[i]), src), len(parts)), None, 1
 
 
 def dcp_parts(metadata, budget: int) -> list[list[str]]:
@@ -83,18 +86,18 @@ def dcp_parts(metadata, budget: int) -> list[list[str]]:
     return parts
 
 
-def _load_keys(src: Path, keys: list[str] | None) -> dict:
+def _load_keys(reader, keys: set[str] | None) -> dict:
     """The source's entries `keys` (None: all), as the nested dict they were saved from."""
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    from parallel.checkpoint.portable import SafeReader, raise_refusal
+    from parallel.checkpoint.portable import raise_refusal
 
     sd: dict = {}
     try:
-        _load_state_dict(sd, storage_reader=SafeReader(str(src)),
-                         planner=_EmptyStateDictLoadPlanner(keys=keys), no_dist=True)
+        _load_state_dict(sd, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(keys=keys),
+                         no_dist=True)
     except CheckpointException as err:
         raise_refusal(err)
         raise

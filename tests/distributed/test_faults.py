@@ -130,9 +130,9 @@ def preempted_cases() -> dict:
     out = {c.name: (c, c.nproc - 1) for c in CASES}
     first = CASES[0]
     out[f"{first.name}-every-rank"] = (first, -1)
-    xla2 = [c for c in matrix.cases(world=2, micro_batch_size=2, every=True) if c.name == "xla2"]
-    if xla2 and matrix.FULL:
-        xla2 = xla2[0]
+    xla2 = next((c for c in matrix.cases(world=2, micro_batch_size=2, every=True)
+                 if c.name == "xla2"), None) if matrix.FULL else None
+    if xla2 is not None:
         sync = merged(xla2.spec, {"xla": {"preemption_sync": True},
                                   "checkpoint": {"preemption_signals": ["SIGTERM"]}})
         out["xla2-sync"] = (dataclasses.replace(xla2, name="xla2-sync", spec=sync), 0)

@@ -83,7 +83,7 @@ def test_a_dcp_checkpoint_imported_in_parts_equals_the_whole_import(tmp_path):
     out = {kind: import_checkpoint(read, "dcp", src, tmp_path / kind, step=1) for kind, read in (
         ("streamed", lambda s, trust: read_dcp(s, trust, budget=64 << 10)),
         ("whole", lambda s, trust: read_dcp(s, trust, stream=False)))}
-    a, b = (_load_keys(out[k] / STATE_DIR, None) for k in ("streamed", "whole"))
+    a, b = (_load_keys(SafeReader(str(out[k] / STATE_DIR)), None) for k in ("streamed", "whole"))
     assert a["optim"]["param_groups"] == b["optim"]["param_groups"]
     flat = lambda sd: {(h, k): v for h in ("model", "optim") for k, v in  # noqa: E731
                        (sd[h] if h == "model" else sd[h]["state"]).items()}
