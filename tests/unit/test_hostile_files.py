@@ -345,6 +345,20 @@ def test_model_sizes_are_bounded_by_their_product(tmp_path, capsys, config):
     assert time.monotonic() - started < 20
 
 
+def test_dryrun_weighs_a_rank_against_the_memory_the_kernel_can_give():
+    """The refusal's "available" is MemAvailable (free pages plus reclaimable cache), not MemFree:
+    CI, after a suite had read gigabytes of checkpoints, had 3.5 GiB free of 24 and refused the
+    8B tp 8 x cp 4 rank (4.1 GiB) that fits."""
+    from parallel.spec.errors import SpecError
+    from parallel.tools.dryrun import HOST_SHARE, check_fits
+
+    fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    available = int(fields["MemAvailable"].split()[0]) * 1024
+    check_fits(0.9 * HOST_SHARE * available, 1024, 1)
+    with pytest.raises(SpecError, match="--world"):
+        check_fits(1.1 * HOST_SHARE * available, 1024, 1)
+
+
 @pytest.mark.parametrize("flag,argv", [
     ("--world", ("plan", "configs/demo.yaml", "--model", "toy:demo", "--world", "0")),
     ("--per-node", ("plan", "configs/demo.yaml", "--model", "toy:demo", "--world", "8",
