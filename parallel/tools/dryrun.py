@@ -14,6 +14,7 @@ cannot carry) and the report says so.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -138,23 +139,29 @@ def by_type(planned: dict[str, float], tp_bytes: float) -> dict[str, float]:
     return out
 
 
-def kept_shares(model, wrap) -> tuple[float, float]:
-    """(output, root): the fractions of the parameters in the output layer with the final norm
-    before it (Hugging Face names: model.norm, transformer.ln_f), and in what no wrap unit holds
-    (embeddings, final norm, head): what a backend may keep gathered from forward into backward
-    (its plan model's `comm`)."""
+def kept_shares(model, wrap, tp: int = 1, tp_plan: dict | None = None) -> tuple[float, float]:
+    """(output, root): the fractions of one tensor-parallel rank's parameters in the output layer
+    with the final norm before it (Hugging Face names: model.norm, transformer.ln_f), and in what
+    no wrap unit holds (embeddings, final norm, head): what a backend may keep gathered from
+    forward into backward (its plan model's `comm`). Weighed by the rank's TP shards (`model`
+    unprepared, on the meta device): the 8B at tp 8 splits its head 8 ways and not its
+    embedding, so the whole model's head share (0.065; 0.35 at 2 layers) is not the rank's
+    (0.045; 0.10), and plan's gathers came out 13% low at 2 layers."""
+    from parallel.engine.model.tp_plan import local_shapes
     from parallel.engine.model.wrap import plan_wrap
 
+    size = {id(p): math.prod(shape) for (_, shape, _), p in
+            zip(local_shapes(model, tp, tp_plan), model.parameters())}
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     base = getattr(model, getattr(model, "base_model_prefix", ""), None)
     norm = next((getattr(base, n) for n in ("norm", "ln_f", "final_layer_norm")
                  if isinstance(getattr(base, n, None), torch.nn.Module)), None)
-    total = sum(p.numel() for p in model.parameters()) or 1
-    kept = {id(p): p.numel() for m in (out, norm) if m is not None for p in m.parameters()}
+    total = sum(size.values()) or 1
+    kept = {id(p) for m in (out, norm) if m is not None for p in m.parameters()}
     inside = {id(p) for _, unit in plan_wrap(model, wrap) if unit is not model
               for p in unit.parameters()}
-    root = sum(p.numel() for p in model.parameters() if id(p) not in inside)
-    return sum(kept.values()) / total, root / total
+    root = sum(n for i, n in size.items() if i not in inside)
+    return sum(size[i] for i in kept) / total, root / total
 
 
 HOST_SHARE = 0.8  # of this machine's available memory a dry run may take
@@ -200,6 +207,8 @@ def run(spec, source: str, world: int, rank: int, seq: int, optimizer: str = "ad
     join_fake_world(rank, world, spec.topology.procs_per_node)
     engine = create_engine(spec)
     model = meta_model(source)
+    # before prepare: TP and FSDP replace the parameters whose shares these are
+    output, root = kept_shares(model, spec.wrap, spec.topology.tp, spec.topology.tp_plan)
     vocab = model.config.vocab_size
     engine.prepare(model, optimizer_arg(optimizer, 1e-4))
     materialise(engine.model, engine.device)
@@ -224,7 +233,6 @@ def run(spec, source: str, world: int, rank: int, seq: int, optimizer: str = "ad
     planned = {"params": est.params, "grads": est.grads, "optimizer": est.optimizer,
                "peak": est.total}
     snap = counter.snapshot()
-    output, root = kept_shares(model, spec.wrap)
     predicted = by_type(planned_collectives(spec, float(numel(shapes)), output, root),
                         tp_comm_bytes(cfg, spec, seq))
     if spec.topology.cp > 1:  # Ulysses' exchanges (plan: cp_comm_bytes)

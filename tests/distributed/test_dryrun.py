@@ -3,8 +3,8 @@ inside each host, FSDP2 over 128 data-parallel ranks), one rank built and steppe
 over torch's fake process group. Its parameter bytes are plan's exactly (the TP split of the
 model's own plan, then FSDP2's dim-0 shards with their padding), gradients too, and its TP
 all-reduces are those plan counts: a change to either side's layout shows here. make test dry-runs
-the tp 8 x cp 4 layout of the same world (the same shards, plus Ulysses' all-to-alls); the tp 8
-layout alone runs in make test-full."""
+the tp 8 x cp 4 layout of the same world (the same shards, plus Ulysses' all-to-alls) at 2 of the
+8B's 32 layers; all 32, and the tp 8 layout alone, run in make test-full."""
 
 import json
 import subprocess
@@ -31,13 +31,9 @@ def test_llama3_8b_at_1024_ranks_tp8_holds_what_plan_says():
     assert out.returncode == 0, out.stderr[-4000:]
     got = json.loads(out.stdout[out.stdout.index("{"):])
     measured, planned = got["measured"], got["planned"]
-    # one rank: q/k/v/o/gate/up/down and the head split 8 ways, embedding and norms whole, each
-    # then dim-0 sharded over 128 ranks (padded up): 11.4M parameters, not 8.03e9 / 1024 = 7.8M
-    h, kv, mlp, vocab, dp = 4096, 1024, 14336, 128256, 128
-    ceil = lambda a: -(-a // dp)  # noqa: E731
-    layer = (ceil(h // 8) * h + ceil(kv // 8) * h * 2 + ceil(h) * (h // 8)
-             + ceil(mlp // 8) * h * 2 + ceil(h) * (mlp // 8) + 2 * ceil(h))
-    by_hand = 4 * (32 * layer + ceil(vocab) * h + ceil(vocab // 8) * h + ceil(h))
+    # one rank: 11.4M parameters, not 8.03e9 / 1024 = 7.8M (shards_by_hand, below)
+    by_hand = shards_by_hand(32)
+    h, vocab = 4096, 128256
     assert measured["params"] == planned["params"] == by_hand == 45_752_448
     assert measured["grads"] == planned["grads"] == by_hand  # fp32 gradients of the same shards
     # AdamW: two fp32 moments per element, plus one 4-byte step counter per parameter tensor
@@ -61,37 +57,54 @@ def test_llama3_8b_at_1024_ranks_tp8_holds_what_plan_says():
         assert abs(row["planned"] - row["bytes"]) <= 0.10 * row["bytes"], (kind, row)
 
 
+def shards_by_hand(layers: int) -> int:
+    """Bytes of one rank's fp32 parameters at tp 8 over 128 data-parallel ranks (the 8B's widths):
+    q/k/v/o/gate/up/down and the head split 8 ways, embedding and norms whole, each then dim-0
+    sharded over 128 ranks (padded up)."""
+    h, kv, mlp, vocab, dp = 4096, 1024, 14336, 128256, 128
+    ceil = lambda a: -(-a // dp)  # noqa: E731
+    layer = (ceil(h // 8) * h + ceil(kv // 8) * h * 2 + ceil(h) * (h // 8)
+             + ceil(mlp // 8) * h * 2 + ceil(h) * (mlp // 8) + 2 * ceil(h))
+    return 4 * (layers * layer + ceil(vocab) * h + ceil(vocab // 8) * h + ceil(h))
+
+
 @pytest.mark.timeout(300)
-def test_llama3_8b_at_1024_ranks_tp8_cp4_exchanges_what_plan_says():
+# make test: the 8B's widths, vocabulary and layout at 2 of its 32 layers (every count below is per
+# layer or per rank: 9 s); make test-full: all 32 (40 s)
+@pytest.mark.parametrize("layers", [2, pytest.param(32, marks=pytest.mark.full)])
+def test_llama3_8b_at_1024_ranks_tp8_cp4_exchanges_what_plan_says(tmp_path, layers):
     """The long-row layout (configs/tp8-cp4-llama3-8b.yaml): tp 8 in a host, cp 4 over 4 hosts,
     FSDP2 over the 32 data-parallel x 4 cp ranks: one rank holds what the tp 8 layout's rank holds
-    at 128 data-parallel ranks (the same 128-way shards, counted by hand in the test above), its
-    Ulysses all-to-alls are plan's to the byte, its TP all-reduces carry a quarter of the tokens
-    and its FSDP gathers are plan's."""
-    seq = 32
+    at 128 data-parallel ranks (the same 128-way shards, counted by hand), its Ulysses all-to-alls
+    are plan's to the byte, its TP all-reduces carry a quarter of the tokens and its FSDP gathers
+    are plan's."""
+    seq, model = 32, tmp_path / "llama3-8b.json"
+    model.write_text(json.dumps({**json.loads((ROOT / MODEL).read_text()),
+                                 "num_hidden_layers": layers}))
     out = subprocess.run([sys.executable, "-m", "parallel.cli", "dryrun",
-                          "configs/tp8-cp4-llama3-8b.yaml", "--model", MODEL, "--world", "1024",
-                          "--seq", str(seq), "--json"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=280)
+                          "configs/tp8-cp4-llama3-8b.yaml", "--model", str(model), "--world",
+                          "1024", "--seq", str(seq), "--json"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=280)
     assert out.returncode == 0, out.stderr[-4000:]
     got = json.loads(out.stdout[out.stdout.index("{"):])
     assert (got["tp"], got["cp"]) == (8, 4)
-    assert got["measured"]["params"] == got["planned"]["params"] == 45_752_448
+    assert got["measured"]["params"] == got["planned"]["params"] == shards_by_hand(layers)
     # per layer: q, k, v and the output exchanged in forward, their gradients in backward, forward
     # again in recomputation (3 passes x 4 calls); each call's input is this rank's seq / 4 tokens
     # of 32 / 8 = 4 query heads, or of 8 / 8 = 1 key/value head repeated 4 times (kv_repeat), of
     # 128 dimensions in bf16
     one = 1 * (seq // 4) * 4 * 128 * 2
     exchanged = got["collectives"]["all_to_all"]
-    assert exchanged["calls"] == 32 * 3 * 4
-    assert exchanged["bytes"] == exchanged["planned"] == 32 * 3 * 4 * one, exchanged
+    assert exchanged["calls"] == layers * 3 * 4
+    assert exchanged["bytes"] == exchanged["planned"] == layers * 3 * 4 * one, exchanged
     measured, planned = got["measured"], got["planned"]
     assert measured["grads"] == planned["grads"] == measured["params"]  # fp32, the same shards
-    assert 0 <= measured["optimizer"] - 2 * measured["params"] <= 4 * 32 * 9 + 4 * 3  # AdamW
+    # AdamW
+    assert 0 <= measured["optimizer"] - 2 * measured["params"] <= 4 * layers * 9 + 4 * 3
     assert abs(planned["peak"] - measured["peak"]) / measured["peak"] < 0.25, got
     # TP's all-reduces over each rank's seq / 4 tokens: per layer 2 rowwise outputs + 1 recomputed
     # + 5 colwise input gradients, and the head's input gradient (bf16); then the loss and count
-    tp_reduce = (32 * 8 + 1) * (seq // 4) * 1 * 4096 * 2
+    tp_reduce = (layers * 8 + 1) * (seq // 4) * 1 * 4096 * 2
     assert 0 <= got["collectives"]["all_reduce"]["bytes"] - tp_reduce <= 64, got["collectives"]
     for kind in ("all_gather", "reduce_scatter"):  # FSDP2 over the 128 dp x cp ranks: plan's
         row = got["collectives"][kind]
