@@ -7,7 +7,8 @@ Two things made that silent: a first build says nothing for minutes, and a build
 torch's lock file (`<cache>/<op>/lock`, created by FileBaton and held open by the builder) behind, so
 every later job waits on it for ever, saying nothing. Here a build is announced with its expected time,
 and a lock no process holds open is refused, naming the file and the fix, before DeepSpeed waits on it.
-`python -m backends.deepspeed.ops` builds both ahead (`make` runs it once, at set-up).
+`python -m backends.deepspeed.ops [NAME ...]` builds them ahead (`make` runs it once, at set-up: make
+test the shared-memory op alone, make test-full and the demo both).
 """
 
 from __future__ import annotations
@@ -89,4 +90,7 @@ def build(names=tuple(OPS)) -> None:
 
 
 if __name__ == "__main__":
-    build()
+    unknown = sorted(set(sys.argv[1:]) - set(OPS))
+    if unknown:
+        sys.exit(f"unknown op(s) {unknown}: choose from {sorted(OPS)}")
+    build(tuple(sys.argv[1:]) or tuple(OPS))

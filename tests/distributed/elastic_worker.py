@@ -11,6 +11,8 @@
                                 during start-up, before the first step
   --signal-in-save K            rank R sends itself SIGTERM inside the save of step K, and again
                                 after step K + 1 (a signal during a save, and a second signal)
+  --found FILE                  on a restart (attempt >= 1), rank 0 writes what it finds in
+                                checkpoint.dir before resuming: `latest` and any partial directory
 
 The loop is the one a user writes: engine.resume() (checkpoint.resume: auto), train_step,
 engine.maybe_save() every checkpoint.every steps. Rank 0 appends every step's loss to --log.
@@ -141,6 +143,7 @@ def main():
     p.add_argument("--log")
     p.add_argument("--kill-rank", type=int, default=1)
     p.add_argument("--sleep", type=float, default=0.0, help="seconds after each step (a slow job)")
+    p.add_argument("--found", help="a restart's view of checkpoint.dir, written by rank 0")
     for flag in ("--kill-step", "--kill-in-save", "--stall-step", "--bad-batch-step",
                  "--signal-step", "--signal-in-save"):
         p.add_argument(flag, type=int)
@@ -171,6 +174,12 @@ def main():
                 os.kill(os.getpid(), signal.SIGTERM)
             write(tmp)
         engine.checkpoints.write = signal_while_writing
+    if args.found and attempt > 0 and engine.is_main:
+        root = Path(spec.checkpoint.dir)
+        latest = root / "latest"
+        Path(args.found).write_text(json.dumps({
+            "attempt": attempt, "latest": latest.read_text().strip() if latest.is_file() else None,
+            "partial": sorted(p.name for p in root.glob(".*.partial"))}))
     engine.resume()
     if faulty and fresh and args.signal_step == 0:
         os.kill(os.getpid(), signal.SIGTERM)  # during start-up, before any step

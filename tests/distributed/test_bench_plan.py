@@ -43,10 +43,11 @@ def volume(cell) -> float:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench")
-    # make test: ZeRO-2/-3 and FSDP's SHARD_GRAD_OP / FULL_SHARD; make test-full (matrix.FULL) adds
-    # no sharding (DDP's 2 Psi, as SHARD_GRAD_OP's: a launch each, 17 s)
+    # make test: FULL_SHARD / ZeRO-3 with defaults, and the textbook ZeRO-1/3 and XLA's below;
+    # make test-full (matrix.FULL) adds SHARD_GRAD_OP / ZeRO-2 with defaults and no sharding (DDP's
+    # 2 Psi): a launch each, 16 s
     default, table = bench(tmp, "default", "fsdp,deepspeed",
-                           "none,grad_op,full" if FULL else "grad_op,full")
+                           "none,grad_op,full" if FULL else "full")
     textbook, xla_table = bench(tmp, "textbook", "deepspeed,xla_fsdp", "optimizer,full",
                                 *[w for s in TEXTBOOK for w in ("--set", s)])
     table += xla_table
@@ -115,6 +116,8 @@ def test_counted_collective_bytes_match_the_formulas(results):
     # the plan predicts.
     psi = default["deepspeed/full/w2"]["params"]
     for shard, value in (("grad_op", 3), ("full", 2)):
+        if f"deepspeed/{shard}/w2" not in default:  # make test: FULL_SHARD alone
+            continue
         assert math.isclose(volume(default[f"deepspeed/{shard}/w2"]), value, rel_tol=0.03), shard
         spec = load_spec({"backend": "deepspeed", "shard": shard, "topology": {"procs_per_node": 2}})
         assert comm_volume(spec, psi=psi) == value
@@ -137,7 +140,7 @@ def test_plan_predicts_the_measured_peak(results):
     default, textbook, table = results
     peaks = {label: cell for label, cell in {**default, **textbook}.items() if "median_s" in cell
              and not label.startswith("xla")}
-    assert len(peaks) == (7 if FULL else 5), list(peaks)  # deepspeed/full/w2 in both runs
+    assert len(peaks) == (7 if FULL else 3), list(peaks)  # deepspeed/full/w2 in both runs
     for label, cell in peaks.items():
         assert cell["peak_by"] == "profiler", label
         assert cell["peak_measured_bytes"] >= cell["boundary_measured_bytes"] > 0, label
@@ -145,7 +148,7 @@ def test_plan_predicts_the_measured_peak(results):
                                                 cell["peak_measured_bytes"])
     # the reduce bucket no larger than the model (its ~0.1 M parameters), not DeepSpeed's 5e8
     # elements (1907 MiB per rank whatever the model, measured before: docs/deepspeed.md)
-    for label in ("deepspeed/grad_op/w2", "deepspeed/full/w2"):
+    for label in {"deepspeed/grad_op/w2", "deepspeed/full/w2"} & set(peaks):
         assert peaks[label]["peak_measured_bytes"] < 64 * 2 ** 20, (label, peaks[label])
     assert "peak MiB (plan, error)" in table
 
