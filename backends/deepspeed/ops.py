@@ -22,14 +22,20 @@ OPS = {"deepspeed_shm_comm": ("ShareMemCommBuilder", 28), "cpu_adam": ("CPUAdamB
 
 
 def extension_root() -> Path:
-    """Where torch builds and caches extensions for this python and torch build."""
+    """Where torch builds and caches extensions for this python and torch build: as torch's
+    `_get_build_directory` decides it, TORCH_EXTENSIONS_DIR itself where it is set (no python /
+    CUDA folder under it: naming one there made every lock check and build notice look in a
+    directory torch never uses), else a folder per python and CUDA build under torch's default."""
     import torch
     from torch.utils.cpp_extension import get_default_build_root
 
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    chosen = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if chosen is not None:
+        return Path(chosen)
     cuda = torch.version.cuda
     flavour = f"cu{cuda.replace('.', '')}" if cuda else "cpu"
-    return root / f"py{sys.version_info.major}{sys.version_info.minor}_{flavour}"
+    python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    return Path(get_default_build_root()) / f"{python}_{flavour}"
 
 
 def held_open(path: Path) -> bool:

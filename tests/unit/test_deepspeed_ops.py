@@ -2,6 +2,7 @@
 the file and the fix, a build in progress is waited for, and a first build is said with its time."""
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -38,3 +39,18 @@ def test_a_first_build_is_said_once_with_its_time(tmp_path, monkeypatch):
     (tmp_path / "cpu_adam" / "cpu_adam.so").touch()
     ops.announce_builds(["cpu_adam"], said.append)
     assert len(said) == 1  # built: nothing to say
+
+
+@pytest.mark.parametrize("chosen", [True, False])
+def test_the_extension_root_is_where_torch_builds(tmp_path, monkeypatch, chosen):
+    """torch's own choice of the build directory is the oracle: TORCH_EXTENSIONS_DIR itself when
+    set (our checks looked in a python / CUDA folder under it, where torch never builds)."""
+    from torch.utils import cpp_extension
+
+    if chosen:
+        monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    else:
+        monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+        monkeypatch.setattr(cpp_extension, "get_default_build_root", lambda: str(tmp_path))
+    built = cpp_extension._get_build_directory("polyshard_probe", verbose=False)
+    assert ops.extension_root() / "polyshard_probe" == Path(built)
