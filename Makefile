@@ -17,6 +17,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q -c constraints.txt uv
 	$(BIN)/python -m uv pip install -q --python $(BIN)/python --compile-bytecode -c constraints.txt \
 		-e '.[all,dev]' || { echo "uv failed: installing with pip instead"; \
+		$(BIN)/python -m pip install -q --upgrade pip && \
 		$(BIN)/python -m pip install -q -c constraints.txt -e '.[all,dev]'; }
 	@touch $(STAMP)
 
