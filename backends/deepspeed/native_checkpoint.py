@@ -41,10 +41,11 @@ def _tag_dir(src: Path, pointer: str) -> Path:
 
 
 def read_deepspeed(src: Path, trust: bool = False, stream: bool = True):
-    """A ZeRO-1/2/3 checkpoint, streamed (stream_import.py: one rank's optimizer file in memory at
-    a time), or with `stream=False` (and for checkpoints with frozen parameters) DeepSpeed's own
-    zero_to_fp32 merge, applied to the fp32 partitions and then to each optimizer entry
-    partitioned the same way (exp_avg, momentum_buffer...), the whole state in memory."""
+    """A ZeRO-1/2/3 checkpoint, streamed (stream_import.py: one rank's optimizer file, and its
+    model-states file's frozen parameters, in memory at a time), or with `stream=False` DeepSpeed's
+    own zero_to_fp32 merge, applied to the fp32 partitions (and the frozen parameters) and then to
+    each optimizer entry partitioned the same way (exp_avg, momentum_buffer...), the whole state in
+    memory."""
     from deepspeed.utils import zero_to_fp32 as z
 
     from backends.deepspeed.stream_import import streamed_zero
@@ -52,9 +53,18 @@ def read_deepspeed(src: Path, trust: bool = False, stream: bool = True):
     tag_dir = _tag_dir(src, "latest")
     with contextlib.redirect_stdout(io.StringIO()):  # zero_to_fp32 prints progress
         model_files = z.get_model_state_files(str(tag_dir))
+        models = []
         for f in model_files:  # zero_to_fp32 unpickles them fully: each is checked as data first
-            _load(Path(f), "a DeepSpeed model-states file", trust)
-        models = z.parse_model_states(model_files)
+            _load(Path(f), "a DeepSpeed model-states file", trust, mmap=True)
+            (parsed,) = z.parse_model_states([f])  # one file at a time: ZeRO-3's hold the
+            if stream:  # frozen parameters' slices, read again part by part (mapped)
+                parsed.frozen_param_fragments = None
+            models.append(parsed)
+            gc.collect()
+
+        def frozen(i: int) -> dict:  # rank i's slices of the frozen parameters (ZeRO-1/2: rank 0
+            return _load(Path(model_files[i]), "a DeepSpeed model-states file", trust,  # whole)
+                         mmap=True).get("frozen_param_fragments") or {}
         steps = _load(Path(model_files[0]), "a DeepSpeed model-states file", trust).get("global_steps")
         optim_files = z.get_optim_files(str(tag_dir))
 
@@ -70,9 +80,8 @@ def read_deepspeed(src: Path, trust: bool = False, stream: bool = True):
         if world != len(optim_files):
             raise CheckpointImportError(f"{tag_dir}: {len(optim_files)} optimizer files for {world} "
                                         "partitions; a rank's file is missing")
-        streamed = streamed_zero(models, optim_files, stage, world, optim) if stream else None
-        if streamed is not None:
-            return streamed, steps, world
+        if stream:
+            return streamed_zero(models, optim_files, stage, world, optim, frozen), steps, world
         return _merged(models, [optim(f) for f in optim_files], stage, world), steps, world
 
 
@@ -88,18 +97,21 @@ def _merged(models, saved: list, stage: int, world: int) -> dict:
         paddings = saved[0].get("param_alignment_paddings")
         raw = [s.get("base_optimizer_state", s.get("optimizer_state_dict")) for s in saved]
 
-        def merge(flat_groups):
+        def merge(flat_groups, exclude_frozen: bool):
             if stage <= 2:
-                out = z._get_fp32_state_dict_from_zero2_checkpoint(world, flat_groups, models, True,
-                                                                   paddings)
+                out = z._get_fp32_state_dict_from_zero2_checkpoint(world, flat_groups, models,
+                                                                   exclude_frozen, paddings)
             else:
-                out = z._get_fp32_state_dict_from_zero3_checkpoint(world, flat_groups, models, True)
+                out = z._get_fp32_state_dict_from_zero3_checkpoint(world, flat_groups, models,
+                                                                   exclude_frozen)
             return z.to_torch_tensor(out)
 
-        model = merge(fp32_groups)
+        # the model with its frozen parameters (which zero_to_fp32's last argument would leave
+        # out); the moments without (a frozen parameter has none)
+        model = merge(fp32_groups, exclude_frozen=False)
         keys = [k for k, v in raw[0]["state"][0].items() if torch.is_tensor(v) and v.dim() == 1
                 and v.numel() > 1]
-        moments = {k: merge([[r["state"][g][k] for g in sorted(r["state"])] for r in raw])
+        moments = {k: merge([[r["state"][g][k] for g in sorted(r["state"])] for r in raw], True)
                    for k in keys}
     raw_names = [list(shapes) for shapes in models[0].param_shapes]  # per (sub-)group, in order
     step = shared_step(raw[0]["state"].values())

@@ -6,7 +6,9 @@ each source rank's file becomes one writer's part of the portable state (checkpo
 its fp32 partition and moments as FlatRange blocks of the whole tensors, at the offsets DeepSpeed's
 own merge reads them from (ZeRO-3: each parameter split in ceil(numel / world) pieces, one per rank;
 ZeRO-1/2: each parameter group one flat vector cut in equal partitions, with DeepSpeed's alignment
-paddings). Checkpoints with frozen parameters, whose layout differs, use the whole-model path.
+paddings). Frozen parameters (no fp32 master, no optimizer state) come from the model-states
+files as DeepSpeed's zero_to_fp32 merges them: ZeRO-3 each rank's slice of ceil(numel / world)
+elements from its own file, ZeRO-1/2 whole from rank 0's.
 """
 
 from __future__ import annotations
@@ -21,11 +23,11 @@ from parallel.checkpoint.portable import clean_name
 from parallel.checkpoint.streamed import Streamed
 
 
-def streamed_zero(models, optim_files: list, stage: int, world: int, load) -> Streamed | None:
+def streamed_zero(models, optim_files: list, stage: int, world: int, load, frozen) -> Streamed:
     """The portable state of a ZeRO checkpoint as `world` parts (part i from rank i's optimizer
-    file, `load(path)` -> its optimizer_state_dict); None when it has frozen parameters."""
-    if any(m.frozen_param_shapes for m in models):
-        return None
+    file, `load(path)` -> its optimizer_state_dict, and the frozen parameters' slices in rank i's
+    model-states file, `frozen(i)` -> its frozen_param_fragments)."""
+    frozen_shapes = dict(models[0].frozen_param_shapes or {})
     shapes = [dict(g) for g in models[0].param_shapes]  # per (sub-)group, in order
     names = [[clean_name(n) for n in g] for g in shapes]
     per_group = names if stage <= 2 else [[n for g in names for n in g]]
@@ -46,6 +48,7 @@ def streamed_zero(models, optim_files: list, stage: int, world: int, load) -> St
             model[name] = FlatRange(flats[g][lo:lo + n], start, tuple(shape))
             optim[name] = {k: FlatRange(raw["state"][groups[g]][k][lo:lo + n], start, tuple(shape))
                            for k in keys}
+        model.update(_frozen_part(frozen, frozen_shapes, stage, i, world))
         for alias, canonical in models[0].shared_params:
             if clean_name(canonical) in model:
                 model[clean_name(alias)] = model[clean_name(canonical)]
@@ -60,6 +63,24 @@ def streamed_zero(models, optim_files: list, stage: int, world: int, load) -> St
             raw["param_groups"], per_group)}}
 
     return Streamed(part, world)
+
+
+def _frozen_part(frozen, shapes: dict, stage: int, rank: int, world: int) -> dict:
+    """Rank `rank`'s part of the frozen parameters: ZeRO-3's slice [rank * piece, + piece) of each
+    (piece = ceil(numel / world), the last padded), ZeRO-1/2's whole tensors in part 0."""
+    if not shapes or (stage <= 2 and rank):
+        return {}
+    fragments, out = frozen(rank), {}
+    for raw_name, shape in shapes.items():
+        numel, frag = math.prod(shape), fragments[raw_name].reshape(-1)
+        if stage <= 2:
+            out[clean_name(raw_name)] = frag.view(tuple(shape))
+            continue
+        piece = math.ceil(numel / world)
+        n = max(0, min(piece, numel - rank * piece))
+        if n:
+            out[clean_name(raw_name)] = FlatRange(frag[:n], rank * piece, tuple(shape))
+    return out
 
 
 def _zero3_places(shapes, flats, rank: int, world: int, _paddings):

@@ -46,18 +46,23 @@ def fsdp2_dcp(out: Path, size: str = "tiny"):
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=out)
 
 
-def deepspeed_zero2(out: Path, stage: int = 2, size: str = "tiny"):
+def deepspeed_zero2(out: Path, stage: int = 2, size: str = "tiny", frozen: bool = False):
+    """DeepSpeed's own loop; `frozen`: the embedding and the first block's attention untrained (a
+    LoRA run's base), outside the optimizer, as users freeze them."""
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo", dist_init_required=False)
     model, batches = model_and_batches(size)
+    if frozen:
+        for p in (*model.model.embed_tokens.parameters(), *model.model.layers[0].self_attn.parameters()):
+            p.requires_grad_(False)
     cls, kw = optimizer_arg("adamw")
     rows = ROWS // dist.get_world_size()
     config = {"train_micro_batch_size_per_gpu": rows, "gradient_accumulation_steps": 1,
               "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True,
               "zero_optimization": {"stage": stage}}
-    engine, *_ = deepspeed.initialize(model=model, optimizer=cls(model.parameters(), **kw),
-                                      config=config)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = deepspeed.initialize(model=model, optimizer=cls(trained, **kw), config=config)
     rank = dist.get_rank()
     for ids in batches[:STEPS]:
         mine = ids[rank * rows:(rank + 1) * rows]
@@ -125,7 +130,8 @@ def xla_fsdp_v1(out: Path):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--which", required=True, help="comma-separated: fsdp2_dcp,deepspeed_zero2,deepspeed_zero3,xla")
+    p.add_argument("--which", required=True, help="comma-separated: fsdp2_dcp,deepspeed_zero2,deepspeed_zero3,xla, "
+                   "deepspeed_zero2_frozen,deepspeed_zero3_frozen")
     p.add_argument("--root", required=True)
     p.add_argument("--size", default="tiny", choices=SIZES,
                    help="the model of fsdp2_dcp and deepspeed_zero3")
@@ -138,7 +144,9 @@ def main():
             continue
         {"fsdp2_dcp": lambda out: fsdp2_dcp(out, args.size), "deepspeed_zero2": deepspeed_zero2,
          "xla": xla_fsdp_v1,
-         "deepspeed_zero3": lambda out: deepspeed_zero2(out, 3, args.size)}[name](
+         "deepspeed_zero3": lambda out: deepspeed_zero2(out, 3, args.size),
+         "deepspeed_zero2_frozen": lambda out: deepspeed_zero2(out, 2, frozen=True),
+         "deepspeed_zero3_frozen": lambda out: deepspeed_zero2(out, 3, frozen=True)}[name](
             Path(args.root) / name)
     if dist.is_initialized():
         dist.barrier()

@@ -27,6 +27,7 @@ TARGETS = {"fsdp1": {"backend": "fsdp", "fsdp": {"version": 1}, **TWO},
            "zero3": {"backend": "deepspeed", "shard": "full", **TWO}}
 NATIVE = {"dcp": "fsdp2_dcp", "deepspeed": "deepspeed_zero2", "xla": "xla",
           "deepspeed-universal": "deepspeed_universal"}
+FROZEN = ("deepspeed_zero2_frozen", "deepspeed_zero3_frozen")  # embedding, block 0's attention
 
 
 def to_universal(native) -> None:
@@ -50,8 +51,8 @@ def polyshard(*args):
 def imported(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("import")
     native, root = tmp / "native", tmp / "ckpt"
-    torchrun(2, [str(DIST / "native_worker.py"), "--which", "fsdp2_dcp,deepspeed_zero2",
-                 "--root", str(native)], timeout=300)
+    torchrun(2, [str(DIST / "native_worker.py"), "--which", "fsdp2_dcp,deepspeed_zero2,"
+                 + ",".join(FROZEN), "--root", str(native)], timeout=300)
     torchrun(1, [str(DIST / "native_worker.py"), "--which", "xla", "--root", str(native)],
              timeout=300, env={"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1", "USE_TORCH_XLA": "1"})
     to_universal(native)
@@ -161,3 +162,61 @@ def test_truncated_and_flipped_files_are_refused_by_verify_and_load(imported):
                              line for line in error.splitlines() if "CheckpointError" in line)[-90:]})
     record("faults-corruption", {"summary": f"{len(rows)} corrupted checkpoints, all refused, "
                                  "naming the file and the failed check", "rows": rows})
+
+
+def assembled(streamed) -> tuple[dict, dict]:
+    """A streamed import's parts put together: (model, optimizer state) whole."""
+    import math
+
+    from parallel.checkpoint.chunks import FlatRange
+
+    model, state = {}, {}
+
+    def put(into, key, value):
+        if not isinstance(value, FlatRange):
+            into[key] = value
+            return
+        whole = into.setdefault(key, torch.full((math.prod(value.shape),), float("nan"),
+                                                dtype=value.data.dtype))
+        whole[value.start:value.start + value.data.numel()] = value.data.reshape(-1)
+
+    for i in range(streamed.writers):
+        part = streamed.part(i)
+        for name, value in part["model"].items():
+            put(model, name, value)
+        for name, entry in part["optim"]["state"].items():
+            for key, value in entry.items():
+                put(state.setdefault(name, {}), key, value)
+    return model, state
+
+
+@needs_both
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("which", FROZEN)
+def test_frozen_parameters_come_through_a_zero_import(imported, which):
+    """Plain DeepSpeed with the embedding and block 0's attention frozen (outside the optimizer, as a
+    LoRA run's base): the streamed import (ZeRO-3: each rank's slice from its own model-states file;
+    ZeRO-1/2: whole from rank 0's) and DeepSpeed's zero_to_fp32 merge agree bit for bit, and the
+    frozen parameters are the initial weights. Before: the streamed path refused them and the merge
+    was asked to leave them out, so the import had 16 of the model's 21 tensors."""
+    from native_worker import model_and_batches
+
+    from backends.deepspeed.native_checkpoint import read_deepspeed
+
+    tmp, _ = imported
+    streamed, steps, world = read_deepspeed(tmp / "native" / which)
+    model, state = assembled(streamed)
+    whole = read_deepspeed(tmp / "native" / which, stream=False)[0]
+    assert (steps, world) == (3, 2)
+    assert sorted(model) == sorted(whole["model"]) and sorted(state) == sorted(whole["optim"]["state"])
+    for name, value in whole["model"].items():
+        assert torch.equal(model[name].reshape(value.shape), value), name
+    for name, entry in whole["optim"]["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(torch.as_tensor(state[name][key]).reshape(torch.as_tensor(value).shape),
+                               torch.as_tensor(value)), (name, key)
+    initial = model_and_batches()[0].state_dict()
+    frozen = sorted(set(model) - set(state))  # the tiny Llama keeps no persistent buffer
+    assert len(frozen) == 5 and "model.embed_tokens.weight" in frozen, frozen
+    for name in frozen:
+        assert torch.equal(model[name].reshape(initial[name].shape), initial[name]), name
