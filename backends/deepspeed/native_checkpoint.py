@@ -53,19 +53,24 @@ def read_deepspeed(src: Path, trust: bool = False, stream: bool = True):
     tag_dir = _tag_dir(src, "latest")
     with contextlib.redirect_stdout(io.StringIO()):  # zero_to_fp32 prints progress
         model_files = z.get_model_state_files(str(tag_dir))
-        models = []
-        for f in model_files:  # zero_to_fp32 unpickles them fully: each is checked as data first
-            _load(Path(f), "a DeepSpeed model-states file", trust, mmap=True)
-            (parsed,) = z.parse_model_states([f])  # one file at a time: ZeRO-3's hold the
-            if stream:  # frozen parameters' slices, read again part by part (mapped)
+        # zero_to_fp32 unpickles them fully: each is checked as data first (mapped: no tensor's
+        # bytes read), then parsed one at a time; a streamed import drops ZeRO-3's slices of the
+        # frozen parameters and reads them again part by part (`frozen`, mapped)
+        models, steps = [], None
+        for i, f in enumerate(model_files):
+            checked = _load(Path(f), "a DeepSpeed model-states file", trust, mmap=True)
+            steps = checked.get("global_steps") if i == 0 else steps
+            del checked
+            (parsed,) = z.parse_model_states([f])
+            if stream:
                 parsed.frozen_param_fragments = None
             models.append(parsed)
             gc.collect()
 
-        def frozen(i: int) -> dict:  # rank i's slices of the frozen parameters (ZeRO-1/2: rank 0
-            return _load(Path(model_files[i]), "a DeepSpeed model-states file", trust,  # whole)
+        def frozen(i: int) -> dict:  # rank i's frozen slices (ZeRO-1/2: rank 0's, whole)
+            return _load(Path(model_files[i]), "a DeepSpeed model-states file", trust,
                          mmap=True).get("frozen_param_fragments") or {}
-        steps = _load(Path(model_files[0]), "a DeepSpeed model-states file", trust).get("global_steps")
+
         optim_files = z.get_optim_files(str(tag_dir))
 
         def optim(f) -> dict:  # mapped: a streamed import's planning pass reads no tensor's bytes

@@ -72,14 +72,15 @@ def _frozen_part(frozen, shapes: dict, stage: int, rank: int, world: int) -> dic
         return {}
     fragments, out = frozen(rank), {}
     for raw_name, shape in shapes.items():
-        numel, frag = math.prod(shape), fragments[raw_name].reshape(-1)
         if stage <= 2:
-            out[clean_name(raw_name)] = frag.view(tuple(shape))
+            out[clean_name(raw_name)] = fragments[raw_name]
             continue
+        numel = math.prod(shape)
         piece = math.ceil(numel / world)
         n = max(0, min(piece, numel - rank * piece))
         if n:
-            out[clean_name(raw_name)] = FlatRange(frag[:n], rank * piece, tuple(shape))
+            out[clean_name(raw_name)] = FlatRange(fragments[raw_name].reshape(-1)[:n],
+                                                  rank * piece, tuple(shape))
     return out
 
 
