@@ -1,116 +1,229 @@
 """`checkpoint.async_save`: `save` returns once this rank's state is copied into host memory; a
-background thread writes, hashes and publishes it (docs/checkpoint-format.md, "Async save").
+background writer writes, hashes and publishes it (docs/checkpoint-format.md, "Async save").
 
 Every write path goes through `portable.save_state` with the save's `Sink` (sink.py); a staged sink
 copies the state it is given (DTensor shards, ZeRO ranges, whole tensors: only what this rank holds,
-O(model / N)) and queues the write instead of doing it. The background thread runs the queued DCP writes and the
-checkpoint's collective steps (hash, barrier, manifest, rename, `latest`) over a process group of its
-own (gloo), so they never interleave with the training loop's collectives. `latest` moves only after
-every rank's files are durable: a crash while writing leaves it on the previous complete checkpoint.
-The next `save`, `load` and `close` wait for the write in flight and raise its error, if any.
+O(model / N)) into this rank's `HostPool` and queues the write instead of doing it. The writer runs
+the queued DCP writes and the checkpoint's collective steps (hash, barrier, manifest, rename,
+`latest`) as one `directory.PendingSave`, over a process group of its own (gloo), so they never
+interleave with the training loop's collectives. `checkpoint.async_writer` says where it runs: a process of
+this rank's own (writer.py: no share of the training process's interpreter lock) or a thread.
+`latest` moves only after every rank's files are durable: a crash while writing leaves it on the
+previous complete checkpoint. The next `save`, `load` and `close` wait for the write in flight and
+raise its error, if any.
 """
 
 from __future__ import annotations
 
 import copy
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
 
-from parallel.checkpoint.chunks import FlatRange
+from parallel.checkpoint.chunks import FlatRange, Shards
 
-class PinnedPool:
-    """Page-locked host buffers for staging CUDA tensors, reused from one async save to the next.
-    Measured on an H100 (125M-parameter Llama, AdamW, one rank): copies into pageable memory made
-    `save` block 0.78 s (FSDP2) and 0.56 s (ZeRO-3) against 3.8 s and 3.3 s synchronous; a copy into
-    pinned memory runs at the link's speed and without blocking the host, while pinning afresh each
-    save costs about what it saves. The buffers stay between saves (as large as this rank's state,
-    O(model / N)) until `release`; a save reuses them only after the previous write has finished
-    (BackgroundSaver keeps one write in flight)."""
+ALIGN = 64  # bytes: every staged tensor starts on a cache line (and any dtype's alignment)
 
-    def __init__(self):
-        self.buffers: list[torch.Tensor] = []
+
+class HostPool:
+    """The host memory staged copies go into, kept from one async save to the next: segments of
+    bytes, one per state a save queues, each reused while the next save's state has the same
+    bytes (a new shape: a new segment). Copies from CUDA go into page-locked segments without
+    blocking the host (into pageable memory the copy was the whole blocking time: measured 0.78 s
+    against 0.11 s pinned on an H100, docs/checkpoint-format.md); from CPU tensors, a plain copy
+    with no allocation. `shared`: segments are memory files (memfd) another process maps too (the
+    writer process: nothing is copied again to hand it over). As large as this rank's state,
+    O(model / N), held between saves until `release` (torchtitan's async_with_pinned_mem holds the
+    same); a save reuses them only after the previous write has finished (one write in flight)."""
+
+    def __init__(self, shared: bool = False):
+        self.shared = shared
+        self.segments: list[torch.UntypedStorage] = []
+        self.fds: list[int | None] = []  # each shared segment's memory file
+        self.fresh: set[int] = set()  # segments (re)made since the writer last saw them
+        self.registered: set[int] = set()  # shared segments page-locked with cudaHostRegister
         self.used = 0
-        self.copied = False
+        self.copied = False  # a device-to-host copy is in flight
+        self.geometry: dict = {}  # DTensor pieces' chunks by layout (chunks.Shards.sources)
 
-    def copy(self, t: torch.Tensor) -> torch.Tensor:
+    def copies(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Host copies of `tensors` in the save's next segment, each an exact view (its storage
+        is its own bytes, so DCP writes it without cloning: chunks.exact_view)."""
+        sizes = [-(-t.numel() * t.element_size() // ALIGN) * ALIGN for t in tensors]
         i, self.used = self.used, self.used + 1
-        if i == len(self.buffers):
-            self.buffers.append(None)
-        buf = self.buffers[i]
-        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = self.buffers[i] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        buf.copy_(t.detach(), non_blocking=True)
-        self.copied = True
-        return buf
+        if i == len(self.segments):
+            self.segments.append(None)
+            self.fds.append(None)
+        if self.segments[i] is None or self.segments[i].nbytes() != sum(sizes):
+            self._allocate(i, sum(sizes), any(t.is_cuda for t in tensors))
+        segment, out, at = self.segments[i], [], 0
+        for t, size in zip(tensors, sizes):
+            view = torch.empty(0, dtype=t.dtype).set_(segment[at:at + t.numel() * t.element_size()],
+                                                      0, t.shape)
+            view.copy_(t.detach(), non_blocking=t.is_cuda)
+            self.copied |= t.is_cuda
+            out.append(view)
+            at += size
+        return out
+
+    def _allocate(self, i: int, nbytes: int, pinned: bool) -> None:
+        self._free(i)
+        if self.shared and nbytes:
+            fd = os.memfd_create(f"polyshard-stage-{i}", os.MFD_CLOEXEC)
+            os.ftruncate(fd, nbytes)
+            segment = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", True, nbytes)
+            if pinned:  # page-locked in place, as torch's own staging (_state_dict_stager) does
+                _register(segment.data_ptr(), nbytes)
+                self.registered.add(i)
+            self.fds[i] = fd
+            self.fresh.add(i)
+        else:
+            segment = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned).untyped_storage()
+        self.segments[i] = segment
+
+    def _free(self, i: int) -> None:
+        if i in self.registered:
+            _unregister(self.segments[i].data_ptr())
+            self.registered.discard(i)
+        if self.fds[i] is not None:
+            os.close(self.fds[i])
+        self.segments[i], self.fds[i] = None, None
+        self.fresh.discard(i)
 
     def finish(self) -> None:
-        """Every copy issued has landed (the background writer reads the buffers); buffers this
-        save did not use (the state changed shape) are dropped."""
+        """Every copy issued has landed (the writer reads the segments); segments this save did
+        not use (the state changed) are freed."""
         if self.copied:
             torch.cuda.current_stream().synchronize()
-        del self.buffers[self.used:]
+        for i in range(self.used, len(self.segments)):
+            self._free(i)
+        del self.segments[self.used:], self.fds[self.used:]
         self.used, self.copied = 0, False
 
     def release(self) -> None:
-        self.buffers.clear()
+        for i in range(len(self.segments)):
+            self._free(i)
+        self.segments, self.fds, self.geometry = [], [], {}
 
 
-def stage(obj, pool: PinnedPool | None = None):
+def _register(ptr: int, nbytes: int) -> None:
+    """cudaHostRegister (portable), as torch.cuda._pin_memory_utils does where it exists."""
+    err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 1))
+    if err:
+        raise RuntimeError(f"page-locking {nbytes} bytes of staging memory failed (cudaError "
+                           f"{err}); set checkpoint.async_writer: thread")
+
+
+def _unregister(ptr: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+def stage(obj, pool: HostPool | None = None):
     """A copy of a state in host memory that no later training step can change: each rank's own
-    shards and ranges only, so the copy is as large as what the rank holds. CUDA tensors go into
-    `pool`'s pinned buffers when one is given."""
+    shards and ranges only, so the copy is as large as what the rank holds. DTensors and sharded
+    tensors become `Shards` (their pieces as DCP writes them, with no device mesh behind them), so
+    the copy can be written by another thread or process."""
+    pool = pool or HostPool()  # none: memory of this copy's own
+    sources: list[torch.Tensor] = []
+    pieces: dict[int, list] = {}  # id of a sharded tensor -> its pieces (looked up once)
+    with torch.no_grad():
+        _collect(obj, sources, pieces, pool.geometry)
+        copies = pool.copies(sources)
+    return _rebuild(obj, iter(copies), pieces)
+
+
+def _sharded(obj) -> bool:
     from torch.distributed._shard.sharded_tensor import ShardedTensor
     from torch.distributed.tensor import DTensor
 
-    if isinstance(obj, dict):
-        return {k: stage(v, pool) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(stage(v, pool) for v in obj)
-    if isinstance(obj, FlatRange):
-        return FlatRange(_host_copy(obj.data, pool), obj.start, obj.shape)
-    if isinstance(obj, DTensor):
-        return DTensor.from_local(_host_copy(obj.to_local(), pool), obj.device_mesh, obj.placements,
-                                  run_check=False, shape=obj.shape, stride=obj.stride())
-    if isinstance(obj, ShardedTensor):
-        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+    return isinstance(obj, (DTensor, ShardedTensor))
 
-        target = _create_cpu_state_dict({"t": obj})
-        return _copy_state_dict({"t": obj}, target)["t"]
+
+def _collect(obj, out: list, pieces: dict, geometry: dict) -> None:
+    """The tensors `stage` copies, in the order _rebuild takes them back."""
+    if isinstance(obj, dict):
+        for v in obj.values():
+            _collect(v, out, pieces, geometry)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _collect(v, out, pieces, geometry)
+    elif isinstance(obj, FlatRange):
+        out.append(obj.data)
+    elif isinstance(obj, torch.Tensor) and _sharded(obj):
+        pieces[id(obj)] = Shards.sources(obj, geometry)
+        out.extend(data for _, _, data in pieces[id(obj)])
+    elif isinstance(obj, torch.Tensor):
+        out.append(obj)
+
+
+def _rebuild(obj, copies, pieces: dict):
+    if isinstance(obj, dict):
+        return {k: _rebuild(v, copies, pieces) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_rebuild(v, copies, pieces) for v in obj)
+    if isinstance(obj, FlatRange):
+        return obj.over(next(copies))
+    if id(obj) in pieces:
+        return Shards(obj.size(), [(chunk, props, next(copies))
+                                   for chunk, props, _ in pieces[id(obj)]])
     if isinstance(obj, torch.Tensor):
-        return _host_copy(obj, pool)
+        return next(copies)
     return copy.deepcopy(obj)
 
 
-def _host_copy(t: torch.Tensor, pool: PinnedPool | None) -> torch.Tensor:
-    if t.is_cuda and pool is not None:
-        return pool.copy(t)
-    return t.detach().to("cpu", copy=True)
-
-
 class BackgroundSaver:
-    """One write in flight per engine, on one thread, with its own gloo process group."""
+    """One write in flight per engine: on a process of this rank's own (`writer="process"`,
+    writer.py) or on one thread, each with a gloo process group of its own."""
 
-    def __init__(self):
-        self._pool: ThreadPoolExecutor | None = None
-        self._pending: Future | None = None
+    def __init__(self, writer: str = "process", timeout_s: float = 600.0):
+        self.writer, self.timeout_s = writer, timeout_s
+        self.pinned = HostPool(shared=writer == "process")
         self.group = None
-        self.pinned = PinnedPool()
+        self._threads: ThreadPoolExecutor | None = None
+        self._process = None  # writer.WriterProcess, started at the first async save
+        self._pending: Future | None = None
+
+    @property
+    def writer_pid(self) -> int | None:
+        """The writer process's pid (None before the first async save, or with a thread)."""
+        return None if self._process is None else self._process.proc.pid
 
     def ensure_group(self):
-        """Made on the first async save, by every rank in the same order (a collective)."""
+        """Made on the first async save, by every rank in the same order (a collective): the
+        barrier that opens a save's directory runs on it, never on the training loop's group."""
         if self.group is None and dist.is_initialized():
             self.group = dist.new_group(backend="gloo")
         return self.group
 
-    def submit(self, fn) -> None:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="polyshard-save")
-        self._pending = self._pool.submit(fn)
+    def submit(self, job) -> None:
+        """`job`: a directory.PendingSave whose state is staged in `self.pinned`."""
+        if self.writer == "process":
+            if self._process is None:
+                from parallel.checkpoint.writer import WriterProcess
+
+                self._process = WriterProcess.start(job.rank, self.timeout_s, self.group)
+            self._process.submit(job, self.pinned)
+            return
+        if self._threads is None:
+            self._threads = ThreadPoolExecutor(1, thread_name_prefix="polyshard-save")
+        self._pending = self._threads.submit(job.run)
 
     def wait(self) -> None:
         """Block until the write in flight is published; raise what it raised."""
+        if self._process is not None:
+            self._process.wait()
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.result()
+
+    def close(self) -> None:
+        """The write in flight is published (or raises), then the writer and the buffers go."""
+        try:
+            self.wait()
+        finally:
+            process, self._process = self._process, None
+            if process is not None:
+                process.stop()
+            self.pinned.release()

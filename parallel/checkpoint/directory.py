@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
@@ -48,19 +49,53 @@ def write_checkpoint(path: str | Path, rank: int, write: Callable[[Sink], None],
     return finish_checkpoint(path, sink, rank, meta, writers)
 
 
+@dataclass
+class PendingSave:
+    """One save after `save` returned: its staged state written, its small files, then the
+    checkpoint finished (every rank's hashes, fsync, manifest, rename) and published. The same
+    steps a synchronous save runs in place; a writer process runs it from a pickled copy."""
+
+    path: Path
+    sink: Sink
+    small: dict  # name -> object (torch.save) or text, taken when `save` was called
+    meta: dict
+    rank: int
+    publish: bool  # this rank points `latest` at it (the main rank, when `save` asked for it)
+    keep: int | None
+    managed: Path | None
+    opened: bool  # sink.tmp made already (a synchronous save, which wrote its state into it)
+
+    def run(self) -> None:
+        from parallel.checkpoint.portable import write_queued
+
+        if not self.opened:  # the writer's own barrier: none is left in the step's path
+            begin_checkpoint(self.path, self.rank, self.sink.group)
+        write_queued(self.sink)  # a staged save's state (nothing when it was written already)
+        for name, obj in self.small.items():
+            (self.sink.write_text if isinstance(obj, str) else self.sink.save_file)(name, obj)
+        finish_checkpoint(self.path, self.sink, self.rank, self.meta)
+        if self.publish:
+            publish(self.path, self.keep, self.managed)
+
+
 def begin_checkpoint(path: str | Path, rank: int, group=None) -> Path:
     """Rank 0 makes the temporary directory every rank then writes into (collective). Every rank
     first checks that `path` is free or a polyshard checkpoint (it is replaced only then), so all
     refuse alike, before the barrier."""
     path = Path(path)
     ensure_replaceable(path)
-    tmp = path.with_name(f".{path.name}.partial")
+    tmp = partial_path(path)
     if rank == 0:
         remove_ours(tmp)  # a previous crash's leftover; a planted link is removed, not followed
         _restore_after_crash(path)
         (tmp / HASHES).mkdir(parents=True)
     _barrier(group)  # the directory must exist before any rank writes into it
     return tmp
+
+
+def partial_path(path: Path) -> Path:
+    """Where a checkpoint of `path` is written before it is complete."""
+    return path.with_name(f".{path.name}.partial")
 
 
 def ensure_replaceable(path: Path) -> None:

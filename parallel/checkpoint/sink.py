@@ -3,7 +3,7 @@
 A `Sink` is one checkpoint being written by one rank: its temporary directory, the files this rank
 wrote there (each rank hashes and fsyncs its own: directory.finish_checkpoint), and how state is
 written: at once, or (checkpoint.async_save) copied to host memory now and written later by the
-background thread (background.py). Nothing about a save in flight lives in a module global, so two
+background writer, a thread or a process (background.py). Nothing about a save in flight lives in a module global, so two
 saves in flight, or a save on another thread, each keep their own list and queue.
 """
 
@@ -36,6 +36,11 @@ class Sink:
         self.threads = threads  # DCP's writer threads for this rank's state files
         self.sections = sections
         self.durable = durable
+
+    def __getstate__(self) -> dict:
+        """What a writer process gets: no staging pool (the rank's) and no process group (the
+        writer runs on its own default group)."""
+        return {**self.__dict__, "pool": None, "group": None}
 
     def kept(self, state: dict) -> dict:
         """`state` with only this save's sections."""

@@ -152,13 +152,22 @@ class Checkpointing(Section):
     async_save: Annotated[
         bool,
         Field(description="`save` returns once this rank's state is copied to host memory (as large "
-              "as what the rank holds); a background thread writes, hashes and publishes it, and "
-              "`latest` moves only when every rank's files are durable. The next save, load and "
-              "close wait for it and raise its error. Costs one host copy of the rank's state "
-              "while writing; on GPUs that copy is page-locked memory kept from one save to the "
-              "next and freed at close (docs/checkpoint-format.md)."),
+              "as what the rank holds); a background writer (async_writer) writes, hashes and "
+              "publishes it, and `latest` moves only when every rank's files are durable. The "
+              "next save, load and close wait for it and raise its error. The host copy is kept "
+              "from one save to the next (page-locked on GPUs) and freed at close "
+              "(docs/checkpoint-format.md)."),
     ] = False
 
+    async_writer: Annotated[
+        Literal["process", "thread"],
+        Field(description="Where an async save is written. process: a process of each rank's own, "
+              "started at the first async save, which maps the rank's staging memory (nothing "
+              "copied twice) and shares nothing of the training process's interpreter; thread: "
+              "a thread of the training process (no extra process; its serialisation and hashing "
+              "hold the interpreter lock in slices the steps then wait for). torch's "
+              "AsyncCheckpointerType; measured costs in docs/checkpoint-format.md."),
+    ] = "process"
     write_threads: Annotated[
         int,
         Field(ge=1, le=64, description="Threads each rank writes its state files with (torch DCP's "

@@ -84,13 +84,21 @@ def test_cuda_compile_triton_and_deepcompile(tmp_path):
 @needs_deepspeed
 @pytest.mark.timeout(600)
 def test_cuda_async_save_holds_its_step(tmp_path):
-    """checkpoint.async_save staged from device memory: the resumed losses equal the uninterrupted
-    ones, and the blocking times are printed (bench reports them; not asserted)."""
+    """checkpoint.async_save staged from device memory into page-locked memory the writer process
+    maps (and with async_writer: thread): the resumed losses equal the uninterrupted ones, a writer
+    killed mid-write leaves `latest` where it was, and the blocking times are printed (bench
+    reports them; not asserted)."""
+    cases = {"fsdp2": spec(backend="fsdp"), "zero3": spec(backend="deepspeed", shard="full"),
+             "fsdp2-thread": spec(backend="fsdp", checkpoint={"async_writer": "thread"})}
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
     torchrun(gpus(), [str(ROOT / "tests" / "distributed" / "async_worker.py"), "--root",
-                      str(tmp_path / "ckpt"), "--out", str(tmp_path / "out.json")], 550, ENV)
+                      str(tmp_path / "ckpt"), "--out", str(tmp_path / "out.json"),
+                      "--cases", str(tmp_path / "cases.json")], 550, ENV)
     for name, r in json.loads((tmp_path / "out.json").read_text()).items():
         assert r["step"] == 3 and r["latest"] == "async-1", r
         assert r["resumed"] == r["losses"][3:], (name, r["resumed"], r["losses"])
+        if r["crash"] is not None:
+            assert r["crash"]["latest"] == "async-1" and "writer process" in r["crash"]["wait"], r
         print(f"{name}: sync save {min(r['sync_save_s']):.3f} s, async blocks "
               f"{min(r['async_blocking_s']):.3f} s, async total {min(r['async_total_s']):.3f} s")
 

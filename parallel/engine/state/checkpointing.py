@@ -17,16 +17,16 @@ from parallel import dist as pdist
 from parallel.checkpoint.background import BackgroundSaver
 from parallel.checkpoint.directory import (
     begin_checkpoint,
-    finish_checkpoint,
+    PendingSave,
+    ensure_replaceable,
     fsync_files,
     library_versions,
-    publish,
+    partial_path,
     remove_ours,
     resolve,
 )
 from parallel.checkpoint.manifest import Verification
 from parallel.checkpoint.hf import hf_config_json, peft_config_json
-from parallel.checkpoint.portable import write_queued
 from parallel.checkpoint.contents import Contents
 from parallel.checkpoint.safe import NUMPY_ARRAY
 from parallel.checkpoint.schemas import TrainerState
@@ -83,8 +83,17 @@ class Checkpointer:
         `packages`: distributions whose versions the manifest records beside torch's."""
         self.engine, self.write, self.read, self.progress = engine, write, read, progress
         self.packages = packages
-        self.saver = BackgroundSaver()  # one write in flight, on its own thread and process group
+        ckpt = engine.spec.checkpoint  # one write in flight, on its own process (or thread)
+        self.saver = BackgroundSaver(ckpt.async_writer, engine.spec.timeout_s)
         self.started_at = 0  # the step the job started from (a load's): hf_at_end
+        self._versions: dict | None = None
+
+    @property
+    def versions(self) -> dict:
+        """What wrote this run's checkpoints, read once (package metadata: 7 ms a save)."""
+        if self._versions is None:
+            self._versions = library_versions(self.packages)
+        return self._versions
 
     def save(self, path, async_save: bool | None = None) -> Path:
         with paused_gc():
@@ -149,33 +158,29 @@ class Checkpointer:
             raise ValueError(f"backend {e.name!r} cannot save in the background "
                              "(checkpoint.async_save); save synchronously")
         self.progress.at(e.step, "done, saving")
-        group = self.saver.ensure_group() if background else None
-        sink = Sink(begin_checkpoint(path, e.rank, group), staged=background,
-                    pool=self.saver.pinned if background else None, group=group,
-                    threads=spec.checkpoint.write_threads)
+        if background:  # the writer opens the directory; a path not ours is refused here, now
+            ensure_replaceable(path)
+            group, tmp = self.saver.ensure_group(), partial_path(path)
+        else:
+            group, tmp = None, begin_checkpoint(path, e.rank)
+        sink = Sink(tmp, staged=background, pool=self.saver.pinned if background else None,
+                    group=group, threads=spec.checkpoint.write_threads)
         small = self._small_files(e)  # taken now: the next step changes them
         meta = {"backend": e.name, "world_size": e.world_size, "step": e.step,
                 "user_state": e.user_state.kinds(),
                 "state_dict": spec.state_dict, "spec": spec.model_dump(mode="json"),
-                "versions": library_versions(self.packages)}
+                "versions": self.versions}
         keep, managed = spec.checkpoint.keep_last, spec.checkpoint.dir and Path(spec.checkpoint.dir)
-
-        def write_and_publish() -> None:
-            write_queued(sink)  # a staged save's state (nothing when it was written already)
-            for name, obj in small.items():
-                (sink.write_text if isinstance(obj, str) else sink.save_file)(name, obj)
-            finish_checkpoint(path, sink, e.rank, meta)
-            if e.is_main and pointer:
-                publish(path, keep, managed)
-
+        job = PendingSave(path, sink, small, meta, e.rank, e.is_main and pointer, keep, managed,
+                          opened=not background)
         try:
             self.write(sink)  # staged: copies this rank's state to host memory, no file yet
         finally:
             sink.copies_landed()
         if background:
-            self.saver.submit(write_and_publish)
+            self.saver.submit(job)
         else:
-            write_and_publish()
+            job.run()
             e.barrier()
         self.progress.at(e.step, "done")
         return path
@@ -203,7 +208,7 @@ class Checkpointer:
         if out.exists() or out.is_symlink():
             e.say(f"checkpoint.hf_at_end: {out} is there already (written at this step); kept")
             return out
-        tmp = out.with_name(f".{out.name}.partial")
+        tmp = partial_path(out)
         if e.is_main:
             remove_ours(tmp)  # a crash's leftover, of the name only polyshard writes
             tmp.parent.mkdir(parents=True, exist_ok=True)
@@ -278,5 +283,4 @@ class Checkpointer:
         return resume(ckpt.dir, ckpt.resume, self.load, self.engine.say)
 
     def close(self) -> None:
-        self.saver.wait()  # an async save in flight is published (or its error raised) first
-        self.saver.pinned.release()
+        self.saver.close()  # an async save in flight is published (or its error raised) first

@@ -1,0 +1,185 @@
+"""checkpoint.async_save's parts in one process (parallel/checkpoint/background.py, writer.py): the
+staging pool reused from save to save, DTensors staged as the pieces DCP writes of them, the hand-over
+to a writer process by reference into shared memory, its answers and errors, and a writer that dies
+with its rank. The 2-rank guarantees (exact resume, `latest`, a writer killed mid-write) are
+tests/distributed/test_async_save.py's."""
+
+import io
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from parallel.checkpoint.background import BackgroundSaver, HostPool, stage
+from parallel.checkpoint.chunks import FlatRange, RangeSavePlanner, Shards
+from parallel.checkpoint.directory import PendingSave, partial_path
+from parallel.checkpoint.manifest import read_manifest, verify_checkpoint
+from parallel.checkpoint.portable import metadata, read_model
+from parallel.checkpoint.sink import Sink
+from parallel.checkpoint.writer import _Pickler, _Unpickler
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def one_rank():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_the_pool_reuses_its_segments_while_the_state_keeps_its_shape(shared):
+    pool = HostPool(shared=shared)
+    state = [torch.arange(10.0), torch.ones(3, 5, dtype=torch.bfloat16), torch.tensor(7)]
+    first = pool.copies(state)
+    pool.finish()
+    ptr = pool.segments[0].data_ptr()
+    state[0].add_(1)
+    second = pool.copies(state)
+    pool.finish()
+    assert pool.segments[0].data_ptr() == ptr  # no allocation: the same bytes again
+    for src, got in zip(state, second):
+        assert torch.equal(src, got) and got.dtype == src.dtype
+        # exactly its own bytes: DCP writes it without cloning (chunks.exact_view)
+        assert got.untyped_storage().nbytes() == got.numel() * got.element_size()
+        assert got.data_ptr() % 64 == 0
+    assert torch.equal(first[0], second[0])  # the same memory: staged copies are per save
+    pool.copies([torch.zeros(4)])  # the state changed: a segment of its size
+    pool.finish()
+    assert len(pool.segments) == 1 and pool.segments[0].nbytes() == 64
+    assert (pool.fds[0] is not None) == shared and (0 in pool.fresh) == shared
+    pool.release()
+    assert pool.segments == [] and pool.fresh == set()
+
+
+def test_staged_dtensors_are_the_pieces_dcp_writes_of_them(one_rank):
+    from torch.distributed.checkpoint.planner_helpers import _create_write_items
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    d = distribute_tensor(torch.arange(12.0).view(3, 4), mesh, [Shard(0)])
+    ranged = FlatRange(torch.arange(5.0), 3, (4, 2))  # elements 3-7 of a 4x2 tensor
+    staged = stage({"model": {"w": d, "r": ranged, "n": 3, "groups": [{"lr": 0.1}]}}, HostPool())
+    w = staged["model"]["w"]
+    assert isinstance(w, Shards) and w.size() == d.size()
+    assert w.__create_write_items__("model.w", w) == _create_write_items("model.w", d)
+    d.to_local().add_(100)  # a later step: the staged copy keeps the step it was taken at
+    (item,) = w.__create_write_items__("model.w", w)
+    assert torch.equal(RangeSavePlanner.lookup_object(
+        type("P", (), {"state_dict": {"model.w": w}})(), item.index), torch.arange(12.0).view(3, 4))
+    r = staged["model"]["r"]
+    assert r.__create_write_items__("model.r", r) == ranged.__create_write_items__("model.r", ranged)
+    assert staged["model"]["n"] == 3 and staged["model"]["groups"] == [{"lr": 0.1}]
+
+
+def test_staged_tensors_cross_to_the_writer_by_reference():
+    pool = HostPool(shared=True)
+    staged = stage({"a": torch.arange(6.0), "b": FlatRange(torch.ones(4), 2, (2, 3)),
+                    "rng": torch.arange(3, dtype=torch.uint8)}, pool)
+    pool.finish()
+    buf = io.BytesIO()
+    _Pickler(buf, pool).dump(staged)
+    assert len(buf.getvalue()) < 2000  # references, not the bytes
+    # the writer's side: its own mapping of each segment's memory file
+    segments = {i: torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", True, s.nbytes())
+                for i, (fd, s) in enumerate(zip(pool.fds, pool.segments))}
+    got = _Unpickler(io.BytesIO(buf.getvalue()), segments).load()
+    assert torch.equal(got["a"], torch.arange(6.0)) and torch.equal(got["rng"], staged["rng"])
+    staged["a"].add_(5)  # the same memory, seen through the other mapping
+    assert torch.equal(got["a"], torch.arange(6.0) + 5)
+    assert got["a"].untyped_storage().nbytes() == 24  # DCP writes it in place
+    assert got["b"].__create_write_items__("b", got["b"]) == staged["b"].__create_write_items__(
+        "b", staged["b"])
+    pool.release()
+
+
+def _job(path: Path, sink: Sink, step: int) -> PendingSave:
+    return PendingSave(path, sink, {"trainer.pt": {"step": step}}, {"step": step, "world_size": 1},
+                       0, True, None, None, opened=False)
+
+
+@pytest.mark.parametrize("writer", ["process", "thread"])
+def test_a_background_writer_publishes_and_raises_what_failed(tmp_path, writer):
+    saver = BackgroundSaver(writer, timeout_s=60)
+    try:
+        for step in (1, 2):
+            sink = Sink(partial_path(tmp_path / f"s{step}"), staged=True, pool=saver.pinned)
+            from parallel.checkpoint.portable import save_state
+
+            save_state({"model": {"w": torch.full((5,), float(step))}}, sink, collective=False)
+            sink.copies_landed()
+            saver.submit(_job(tmp_path / f"s{step}", sink, step))
+            saver.wait()
+            verify_checkpoint(tmp_path / f"s{step}")
+            assert read_manifest(tmp_path / f"s{step}")["step"] == step
+            assert torch.equal(read_model(tmp_path / f"s{step}")["w"], torch.full((5,), float(step)))
+            assert (tmp_path / "latest").read_text().strip() == f"s{step}"
+        assert (saver.writer_pid is not None) == (writer == "process")
+        (tmp_path / "blocked").write_text("a file where the checkpoint's parent should be")
+        bad = tmp_path / "blocked" / "s3"
+        sink = Sink(partial_path(bad), staged=True, pool=saver.pinned)
+        sink.copies_landed()
+        saver.submit(_job(bad, sink, 3))
+        with pytest.raises(NotADirectoryError) as err:
+            saver.wait()
+        if writer == "process":  # raised in the rank as itself, the writer's traceback noted
+            assert "checkpoint writer process" in "".join(err.value.__notes__)
+        assert (tmp_path / "latest").read_text().strip() == "s2"
+    finally:
+        saver.close()
+    assert metadata(tmp_path / "s2").state_dict_metadata.keys() == {"model.w"}
+
+
+RANK = """
+import os, signal, sys, time
+from pathlib import Path
+from parallel.checkpoint.background import BackgroundSaver
+from parallel.checkpoint.directory import PendingSave
+from parallel.checkpoint.sink import Sink
+
+class Busy:  # unpickled in the writer: marks that it is inside the job, then keeps it busy
+    def __reduce__(self):
+        return exec, (f"open({sys.argv[1]!r}, 'w').close(); import time; time.sleep(60)",)
+
+out, busy = Path(sys.argv[2]), sys.argv[3] == "busy"
+saver = BackgroundSaver("process", 60)
+saver.submit(PendingSave(out, Sink(out.with_name(".ck.partial"), staged=True), {"x.pt": Busy()},
+                         {"step": 1, "world_size": 1}, 0, True, None, None, opened=False))
+print(saver.writer_pid, flush=True)
+while busy and not os.path.exists(sys.argv[1]):
+    time.sleep(0.05)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.parametrize("when", ["starting", "busy"])
+def test_the_writer_dies_with_its_rank(tmp_path, when):
+    """A rank SIGKILLed while its writer starts or is inside a save: the writer goes too (its parent
+    check at start; PR_SET_PDEATHSIG), never finishing a checkpoint behind a dead rank's back (the
+    busy writer would otherwise sleep 60 s, then write it)."""
+    mark = tmp_path / "inside"
+    rank = subprocess.Popen([sys.executable, "-c", RANK, str(mark), str(tmp_path / "ck"), when],
+                            cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    pid = int(rank.stdout.readline())
+    rank.wait(timeout=60)
+    assert rank.returncode == -signal.SIGKILL and mark.exists() == (when == "busy")
+    deadline = time.monotonic() + 20
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid), f"the writer (pid {pid}) outlived its rank"
+    assert not (tmp_path / "ck").exists()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
