@@ -22,8 +22,11 @@ BUDGET_S = 30  # seconds in make test (tests/conftest.py)
 CASES = [c for c in matrix.cases(world=2, micro_batch_size=2)
          if not registry.get(c.backend).capabilities.check("checkpoint.async_save", True)]
 # checkpoint.async_writer: thread beside the default process writer, in the first case's launch
-CASES.append(dataclasses.replace(CASES[0], name=f"{CASES[0].name}-thread", spec={
-    **CASES[0].spec, "checkpoint": {**CASES[0].spec.get("checkpoint", {}), "async_writer": "thread"}}))
+# (make test-full; make test runs it at one rank: tests/unit/test_async_writer.py)
+if matrix.FULL:
+    CASES.append(dataclasses.replace(CASES[0], name=f"{CASES[0].name}-thread", spec={
+        **CASES[0].spec, "checkpoint": {**CASES[0].spec.get("checkpoint", {}),
+                                        "async_writer": "thread"}}))
 
 
 def shared_jobs(tmp):

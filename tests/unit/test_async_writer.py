@@ -159,7 +159,7 @@ os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
-@pytest.mark.parametrize("when", ["starting", "busy"])
+@pytest.mark.parametrize("when", [pytest.param("starting", marks=pytest.mark.full), "busy"])
 def test_the_writer_dies_with_its_rank(tmp_path, when):
     """A rank SIGKILLed while its writer starts or is inside a save: the writer goes too (its parent
     check at start; PR_SET_PDEATHSIG), never finishing a checkpoint behind a dead rank's back (the
