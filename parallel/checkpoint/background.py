@@ -43,6 +43,7 @@ class HostPool:
         self.segments: list[torch.UntypedStorage] = []
         self.fds: list[int | None] = []  # each shared segment's memory file
         self.fresh: set[int] = set()  # segments (re)made since the writer last saw them
+        self.dropped: set[int] = set()  # segments freed since: the writer unmaps them
         self.registered: set[int] = set()  # shared segments page-locked with cudaHostRegister
         self.used = 0
         self.copied = False  # a device-to-host copy is in flight
@@ -89,6 +90,7 @@ class HostPool:
             self.registered.discard(i)
         if self.fds[i] is not None:
             os.close(self.fds[i])
+            self.dropped.add(i)
         self.segments[i], self.fds[i] = None, None
         self.fresh.discard(i)
 

@@ -66,6 +66,8 @@ class WriterProcess:
         import torch.distributed as dist
 
         world = dist.get_world_size() if dist.is_initialized() else 1
+        init = {"rank": rank, "world": world, "timeout_s": timeout_s,  # before anything starts
+                "store": _rendezvous(group) if world > 1 else None}
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         root = str(Path(__file__).resolve().parents[2])  # where `parallel` is importable from
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
@@ -75,8 +77,6 @@ class WriterProcess:
              str(os.getpid())], pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
         theirs.close()
         writer = cls(proc, ours, rank)
-        init = {"rank": rank, "world": world, "timeout_s": timeout_s,
-                "store": _rendezvous(group) if world > 1 else None}
         _send(ours, pickle.dumps(init))  # read once the writer has imported torch; we go on
         return writer
 
@@ -89,8 +89,9 @@ class WriterProcess:
         buf = io.BytesIO()
         _Pickler(buf, pool).dump(job)
         message = pickle.dumps({"segments": [(i, pool.segments[i].nbytes()) for i in fresh],
-                                "job": buf.getvalue()})
+                                "dropped": sorted(pool.dropped), "job": buf.getvalue()})
         pool.fresh.clear()
+        pool.dropped.clear()
         # sent from a thread: the first save's message waits in the socket while the writer is
         # still importing torch, and a large one would block the step until it is read
         self._sent = self._sender.submit(_send, self.sock, message, [pool.fds[i] for i in fresh])
@@ -270,6 +271,8 @@ def serve(sock: socket.socket) -> None:
                 return
             try:
                 message = pickle.loads(payload)
+                for i in message["dropped"]:  # freed by the rank: its pages go with our mapping
+                    segments.pop(i, None)
                 for (i, nbytes), fd in zip(message["segments"], fds):  # mapped once, kept
                     segments[i] = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", True,
                                                                  nbytes)

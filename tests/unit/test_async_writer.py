@@ -54,6 +54,7 @@ def test_the_pool_reuses_its_segments_while_the_state_keeps_its_shape(shared):
     pool.finish()
     assert len(pool.segments) == 1 and pool.segments[0].nbytes() == 64
     assert (pool.fds[0] is not None) == shared and (0 in pool.fresh) == shared
+    assert pool.dropped == ({0} if shared else set())  # the writer unmaps the old segment 0
     pool.release()
     assert pool.segments == [] and pool.fresh == set()
 
