@@ -1,27 +1,24 @@
 """`checkpoint.async_writer: process`: each rank's async saves are written by a process of its own.
 
 A thread in the training process shares its interpreter lock: DCP's planning, torch.save's
-serialisation and the hashing hold it in slices, and every step that runs beside the write waits
-for them (torch's `AsyncCheckpointerType.PROCESS` exists for this). The writer is
-`python -m parallel.checkpoint.writer FD`, started at the first async save and kept until `close`;
-it talks to its rank over a socket pair and joins the other ranks' writers in a gloo process group
-of its own, through the job's own store (a prefix of its own; nothing new listens).
+serialisation and the hashing hold it in slices the steps beside the write wait for (torch's
+`AsyncCheckpointerType.PROCESS` exists for this). The writer, `python -m parallel.checkpoint.writer
+FD PID`, is started at the first async save and kept until `close`; it talks to its rank over a
+socket pair and joins the other writers in a gloo group through the job's store (nothing listens).
 
-What crosses, per save: one `PendingSave` (directory.py) pickled with every staged tensor replaced
-by a reference into this rank's `HostPool` segments: memory files (memfd) the writer maps once, when
-they are made, so no tensor byte is copied or sent again. Pickle here is private traffic between a
-process and the child it started (no file is read; docs/security.md).
+Per save one `PendingSave` (directory.py) crosses, pickled with every staged tensor a reference into
+the rank's `HostPool` segments: memory files (memfd) the writer maps once, so no tensor byte is
+copied or sent again. The pickle is private traffic between a process and its own child.
 
-Why not torch's own process executor (`dcp.async_save(async_checkpointer_type=PROCESS)`)? It runs
-`dcp.save` alone (a checkpoint here is also the hashes, manifest, rename and `latest`, done by the
-same process group), keeps its process in a module global, has its coordinator open a new TCPStore
-listening on every interface on a free port, and starts its process with multiprocessing's spawn,
-which imports the user's `__main__` again in the child (a training script without a main guard
-would train there too). This writer reuses the job's store and imports only the checkpoint package.
+Not torch's process executor (`dcp.async_save(async_checkpointer_type=PROCESS)`): it runs `dcp.save`
+alone (a checkpoint here is also the hashes, manifest, rename and `latest`), keeps its process in a
+module global, opens a new TCPStore on every interface on a free port, and starts with
+multiprocessing's spawn, which imports the user's `__main__` again (a script without a main guard
+would train in it). This writer reuses the job's store and imports only the checkpoint package.
 
-Lifetime: the writer dies with its rank (PR_SET_PDEATHSIG: a crashed rank leaves a `.partial`
-directory and `latest` where it was, as a thread dies with its process), ignores the job's signals
-(preemption is its rank's to handle: the rank waits for the write, then exits), and leaves at EOF.
+The writer dies with its rank (PR_SET_PDEATHSIG: a crashed rank leaves a `.partial` directory and
+`latest` where it was, as a thread dies with its process), ignores the job's signals (preemption is
+the rank's: it waits for the write, then exits) and leaves at EOF.
 """
 
 from __future__ import annotations
