@@ -193,9 +193,11 @@ class BackgroundSaver:
         return None if self._process is None else self._process.proc.pid
 
     def ensure_group(self):
-        """Made on the first async save, by every rank in the same order (a collective): the
-        barrier that opens a save's directory runs on it, never on the training loop's group."""
-        if self.group is None and dist.is_initialized():
+        """The thread writer's gloo group, made on the first async save by every rank in the same
+        order (a collective): its saves' collectives run on it, never on the training loop's
+        group. None for the writer process, whose writers have a group of their own (a gloo full
+        mesh here would cost every rank N sockets for nothing)."""
+        if self.writer == "thread" and self.group is None and dist.is_initialized():
             self.group = dist.new_group(backend="gloo")
         return self.group
 
@@ -205,7 +207,7 @@ class BackgroundSaver:
             if self._process is None:
                 from parallel.checkpoint.writer import WriterProcess
 
-                self._process = WriterProcess.start(job.rank, self.timeout_s, self.group)
+                self._process = WriterProcess.start(job.rank, self.timeout_s)
             self._process.submit(job, self.pinned)
             return
         if self._threads is None:

@@ -58,13 +58,13 @@ class WriterProcess:
         # group lost a member, and the other ranks' writers fail their next collective
 
     @classmethod
-    def start(cls, rank: int, timeout_s: float, group=None) -> WriterProcess:
-        """Collective on the first async save: the writers' rendezvous is agreed over `group`."""
+    def start(cls, rank: int, timeout_s: float) -> WriterProcess:
+        """Collective on the first async save: the writers' rendezvous is agreed (one broadcast)."""
         import torch.distributed as dist
 
         world = dist.get_world_size() if dist.is_initialized() else 1
         init = {"rank": rank, "world": world, "timeout_s": timeout_s,  # before anything starts
-                "store": _rendezvous(group) if world > 1 else None}
+                "store": _rendezvous() if world > 1 else None}
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         root = str(Path(__file__).resolve().parents[2])  # where `parallel` is importable from
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
@@ -125,7 +125,7 @@ class WriterProcess:
             self.proc.wait()
 
 
-def _rendezvous(group) -> tuple[str, int, str]:
+def _rendezvous() -> tuple[str, int, str]:
     """(host, port, key prefix) the writers meet at: the job's TCPStore, under a prefix rank 0
     draws for this set of writers (a restarted job's writers never read an earlier set's keys)."""
     import uuid
@@ -140,7 +140,7 @@ def _rendezvous(group) -> tuple[str, int, str]:
                            f"job's TCPStore, and this job's store is a {type(store).__name__}; "
                            "set checkpoint.async_writer: thread")
     token = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(token, src=0, group=group)
+    dist.broadcast_object_list(token, src=0)  # once a job, on its default group
     return store.host, store.port, f"polyshard/writers/{token[0]}/"
 
 
