@@ -3,8 +3,9 @@
 A `Sink` is one checkpoint being written by one rank: its temporary directory, the files this rank
 wrote there (each rank hashes and fsyncs its own: directory.finish_checkpoint), and how state is
 written: at once, or (checkpoint.async_save) copied to host memory now and written later by the
-background writer, a thread or a process (background.py). Nothing about a save in flight lives in a module global, so two
-saves in flight, or a save on another thread, each keep their own list and queue.
+background writer, a thread or a process (background.py). Nothing about a save in flight lives in
+a module global, so two saves in flight, or a save on another thread, each keep their own list and
+queue.
 """
 
 from __future__ import annotations

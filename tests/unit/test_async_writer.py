@@ -19,7 +19,7 @@ from parallel.checkpoint.background import BackgroundSaver, HostPool, stage
 from parallel.checkpoint.chunks import FlatRange, RangeSavePlanner, Shards
 from parallel.checkpoint.directory import PendingSave, partial_path
 from parallel.checkpoint.manifest import read_manifest, verify_checkpoint
-from parallel.checkpoint.portable import metadata, read_model
+from parallel.checkpoint.portable import metadata, read_model, save_state
 from parallel.checkpoint.sink import Sink
 from parallel.checkpoint.writer import _Pickler, _Unpickler
 
@@ -112,8 +112,6 @@ def test_a_background_writer_publishes_and_raises_what_failed(tmp_path, writer):
     try:
         for step in (1, 2):
             sink = Sink(partial_path(tmp_path / f"s{step}"), staged=True, pool=saver.pinned)
-            from parallel.checkpoint.portable import save_state
-
             save_state({"model": {"w": torch.full((5,), float(step))}}, sink, collective=False)
             sink.copies_landed()
             saver.submit(_job(tmp_path / f"s{step}", sink, step))
