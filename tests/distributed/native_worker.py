@@ -4,6 +4,7 @@ v1 loop saving per-rank shard files with shard metadata. 3 AdamW steps on the sh
 from the reference initial weights; `polyshard ckpt import` then has to carry on from them."""
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
@@ -11,6 +12,8 @@ import torch.distributed as dist
 from parity_worker import global_batches, optimizer_arg
 
 from parallel.toy import build_llama, llama_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: xla_shards.py
 
 STEPS, ROWS = 3, 4
 
@@ -103,15 +106,25 @@ def deepspeed_universal_resume(root: Path):
             "loss": losses, "global_steps": engine.global_steps}))
 
 
-def xla_fsdp_v1(out: Path):
+def xla_fsdp_v1(out: Path, size: str = "tiny", flavor: str = "", ranks: int = 1):
+    """`flavor`: "" (each parameter sharded flat), "flat" (flatten_parameters, each decoder layer an
+    XLA FSDP of its own inside the model's) or "dim0" (shard_param_on_dim_0). `ranks`: the files
+    written as XLA FSDP would have written them at that many ranks (tests/xla_shards.py: this host's
+    PJRT CPU client runs XLA FSDP v1 at world size 1 only)."""
     import torch_xla
     import torch_xla.core.xla_model as xm
     import torch_xla.runtime as xr
     from torch_xla.distributed.fsdp import XlaFullyShardedDataParallel as XFSDP
+    from xla_shards import reshard
 
-    model, batches = model_and_batches()
+    model, batches = model_and_batches(size)
     device = torch_xla.device()
-    model = XFSDP(model.to(device))
+    kw = {"flat": {"flatten_parameters": True}, "dim0": {"shard_param_on_dim_0": True}}.get(flavor, {})
+    model = model.to(device)
+    if flavor == "flat":
+        for i, layer in enumerate(model.model.layers):
+            model.model.layers[i] = XFSDP(layer, **kw)
+    model = XFSDP(model, **kw)
     cls, kw = optimizer_arg("adamw")
     opt = cls(model.parameters(), **kw)
     for ids in batches[:STEPS]:
@@ -124,17 +137,22 @@ def xla_fsdp_v1(out: Path):
     state = {"model": model.state_dict(), "shard_metadata": model.get_shard_metadata(),
              "optimizer": opt.state_dict()}
     rank, world = xr.global_ordinal(), xr.world_size()
-    xm.save(state, out / f"ckpt_rank-{rank:08d}-of-{world:08d}.pth",
-            master_only=False)
+    if ranks == world:
+        xm.save(state, out / f"ckpt_rank-{rank:08d}-of-{world:08d}.pth", master_only=False)
+        return
+    on_host = torch.utils._pytree.tree_map(lambda t: t.cpu() if torch.is_tensor(t) else t, state)
+    for r, part in enumerate(reshard([on_host], ranks)):
+        torch.save(part, out / f"ckpt_rank-{r:08d}-of-{ranks:08d}.pth")
 
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--which", required=True, help="comma-separated: fsdp2_dcp,deepspeed_zero2,deepspeed_zero3,xla, "
-                   "deepspeed_zero2_frozen,deepspeed_zero3_frozen")
+    p.add_argument("--which", required=True, help="comma-separated: fsdp2_dcp,deepspeed_zero2,"
+                   "deepspeed_zero3,xla,xla_flat,xla_dim0,deepspeed_zero2_frozen,deepspeed_zero3_frozen")
     p.add_argument("--root", required=True)
     p.add_argument("--size", default="tiny", choices=SIZES,
-                   help="the model of fsdp2_dcp and deepspeed_zero3")
+                   help="the model of fsdp2_dcp, deepspeed_zero3 and xla*")
+    p.add_argument("--xla-ranks", type=int, default=1, help="xla*: files as saved at that many ranks")
     args = p.parse_args()
     if "xla" not in args.which:
         dist.init_process_group("gloo")
@@ -143,7 +161,9 @@ def main():
             deepspeed_universal_resume(Path(args.root))
             continue
         {"fsdp2_dcp": lambda out: fsdp2_dcp(out, args.size), "deepspeed_zero2": deepspeed_zero2,
-         "xla": xla_fsdp_v1,
+         "xla": lambda out: xla_fsdp_v1(out, args.size, ranks=args.xla_ranks),
+         "xla_flat": lambda out: xla_fsdp_v1(out, args.size, "flat", args.xla_ranks),
+         "xla_dim0": lambda out: xla_fsdp_v1(out, args.size, "dim0", args.xla_ranks),
          "deepspeed_zero3": lambda out: deepspeed_zero2(out, 3, args.size),
          "deepspeed_zero2_frozen": lambda out: deepspeed_zero2(out, 2, frozen=True),
          "deepspeed_zero3_frozen": lambda out: deepspeed_zero2(out, 3, frozen=True)}[name](

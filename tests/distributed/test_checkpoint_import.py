@@ -2,9 +2,10 @@
 
 Plain loops with no polyshard in them (tests/distributed/native_worker.py) write a torch DCP directory
 (FSDP2), a DeepSpeed ZeRO-2 checkpoint and XLA FSDP v1 shard files after 3 AdamW steps (and DeepSpeed's
-`ds_to_universal` turns the ZeRO-2 one into a universal checkpoint); `polyshard ckpt import` converts
-each, and FSDP1 and ZeRO-3 (2 ranks) resume from them: steps 4-5 must equal the
-uninterrupted single-process run, so Adam moments and step counts came along; an imported run
+`ds_to_universal` turns the ZeRO-2 one into a universal checkpoint; the XLA run, with
+flatten_parameters and each block wrapped, is cut as its 2 ranks would have saved it);
+`polyshard ckpt import` converts each, and FSDP1 and ZeRO-3 (2 ranks) resume from them: steps 4-5
+must equal the uninterrupted single-process run, so Adam moments and step counts came along; an imported run
 exported with `ckpt export --to deepspeed-universal` resumes in plain DeepSpeed. The DeepSpeed import is
 exported with `polyshard ckpt export --to hf`; transformers' from_pretrained loads it and gives step 4's
 loss. A truncated and a byte-flipped copy are refused by `ckpt verify` and by `load`, naming the file."""
@@ -25,7 +26,8 @@ DIST = ROOT / "tests" / "distributed"
 TWO = {"topology": {"procs_per_node": 2}, "micro_batch_size": 2}
 TARGETS = {"fsdp1": {"backend": "fsdp", "fsdp": {"version": 1}, **TWO},
            "zero3": {"backend": "deepspeed", "shard": "full", **TWO}}
-NATIVE = {"dcp": "fsdp2_dcp", "deepspeed": "deepspeed_zero2", "xla": "xla",
+# kind -> folder; xla_flat: flatten_parameters, nested, cut as 2 ranks save it (reshard_in_place)
+NATIVE = {"dcp": "fsdp2_dcp", "deepspeed": "deepspeed_zero2", "xla": "xla_flat",
           "deepspeed-universal": "deepspeed_universal"}
 FROZEN = ("deepspeed_zero2_frozen", "deepspeed_zero3_frozen")  # embedding, block 0's attention
 
@@ -42,6 +44,19 @@ def to_universal(native) -> None:
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
 
 
+def reshard_in_place(folder, world: int) -> None:
+    """XLA FSDP v1 files saved at 1 rank, replaced by the files XLA FSDP writes at `world` ranks
+    (tests/xla_shards.py; this host's PJRT CPU client runs XLA FSDP v1 at world size 1 only): the
+    import streams them one rank's file at a time."""
+    from xla_shards import reshard
+
+    (one,) = folder.iterdir()
+    saved = torch.load(one, weights_only=False)
+    one.unlink()
+    for r, part in enumerate(reshard([saved], world)):
+        torch.save(part, folder / f"ckpt_rank-{r:08d}-of-{world:08d}.pth")
+
+
 def polyshard(*args):
     return subprocess.run([sys.executable, "-m", "parallel.cli", *map(str, args)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
@@ -53,8 +68,9 @@ def imported(tmp_path_factory):
     native, root = tmp / "native", tmp / "ckpt"
     torchrun(2, [str(DIST / "native_worker.py"), "--which", "fsdp2_dcp,deepspeed_zero2,"
                  + ",".join(FROZEN), "--root", str(native)], timeout=300)
-    torchrun(1, [str(DIST / "native_worker.py"), "--which", "xla", "--root", str(native)],
+    torchrun(1, [str(DIST / "native_worker.py"), "--which", "xla_flat", "--root", str(native)],
              timeout=300, env={"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1", "USE_TORCH_XLA": "1"})
+    reshard_in_place(native / "xla_flat", 2)
     to_universal(native)
     for kind, folder in NATIVE.items():
         step = [] if kind.startswith("deepspeed") else ["--step", 3]  # DeepSpeed records its steps

@@ -1,7 +1,9 @@
-"""`polyshard ckpt import deepspeed` and `ckpt import dcp` stream: a checkpoint of the 56M Llama
-saved at 4 ranks by plain DeepSpeed ZeRO-3 (backends/deepspeed/stream_import.py: one rank's
-optimizer file in memory at a time) or by a plain FSDP2 loop as torch DCP (importers.read_dcp: parts
-of at most the largest source file, each read by its own DCP load) is imported with peak RSS <= 1.25x
+"""`polyshard ckpt import deepspeed`, `dcp` and `xla` stream: a checkpoint of the 56M Llama saved at
+4 ranks by plain DeepSpeed ZeRO-3 (backends/deepspeed/stream_import.py: one rank's optimizer file
+in memory at a time), by a plain FSDP2 loop as torch DCP (importers.read_dcp: parts of at most the
+largest source file, each read by its own DCP load) or by a plain XLA FSDP v1 loop (its files cut
+as 4 ranks save them, tests/xla_shards.py; backends/xla/native_checkpoint.py: one rank's file
+mapped at a time) is imported with peak RSS <= 1.25x
 the largest source file + 1 GiB, at least half the source's bytes below the whole-model path measured
 beside it; the portable state equals the whole-model path's bit for bit, and both load at 2 ranks on
 FSDP2 into the same bytes with the same next loss."""
@@ -20,12 +22,15 @@ WORKER = str(DIST / "streamed_import_worker.py")
 BUDGET_S = 5  # seconds in make test (tests/conftest.py): the whole file is make test-full's
 IMPORT = {  # kind -> one import of argv[1] into argv[2], streamed when argv[3] == "1"
     "deepspeed": "from backends.deepspeed.native_checkpoint import read_deepspeed as read; step = None",
-    "dcp": "from parallel.checkpoint.importers import read_dcp as read; step = 3"}
+    "dcp": "from parallel.checkpoint.importers import read_dcp as read; step = 3",
+    "xla": "from backends.xla.native_checkpoint import read_xla as read; step = 3"}
 RUN = ("; import sys; from parallel.checkpoint.importers import import_checkpoint; "
        "import_checkpoint(lambda s, trust: read(s, trust, stream=sys.argv[3] == '1'), sys.argv[4], "
        "sys.argv[1], sys.argv[2], step=step)")
 # kind -> (native_worker's writer at 4 ranks, the source's files whose largest sets the bound)
-SOURCES = {"deepspeed": ("deepspeed_zero3", "*_optim_states.pt"), "dcp": ("fsdp2_dcp", "*.distcp")}
+SOURCES = {"deepspeed": ("deepspeed_zero3", "*_optim_states.pt"), "dcp": ("fsdp2_dcp", "*.distcp"),
+           "xla": ("xla", "*rank-*.pth")}
+XLA = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1", "USE_TORCH_XLA": "1"}  # one process: world 1
 MEASURE = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) if r.returncode == 0 "
            "else sys.exit(r.returncode)")
@@ -45,8 +50,10 @@ def import_rss(kind, src, out, stream: bool) -> int:
 def imported(tmp_path_factory, request):
     tmp = tmp_path_factory.mktemp(request.param)
     writer, files = SOURCES[request.param]
-    torchrun(4, [str(DIST / "native_worker.py"), "--which", writer, "--size", "56m",
-                 "--root", str(tmp)], timeout=600)
+    xla = request.param == "xla"
+    torchrun(1 if xla else 4, [str(DIST / "native_worker.py"), "--which", writer, "--size", "56m",
+                               "--xla-ranks", "4", "--root", str(tmp)], timeout=600,
+             env=XLA if xla else None)
     src = tmp / writer
     sizes = [f.stat().st_size for f in src.rglob(files)]
     rss = {kind: import_rss(request.param, src, tmp / kind, kind == "streamed")

@@ -96,3 +96,74 @@ def test_a_dcp_checkpoint_imported_in_parts_equals_the_whole_import(tmp_path):
             assert all(torch.equal(left[n], right[n]) for n in left), key
         else:
             assert torch.equal(left, right), key
+
+
+def xla_world1() -> tuple[dict, dict]:
+    """One rank's XLA FSDP v1 file as torch_xla lays it out, and the tensors it holds: a parameter
+    sharded flat (padded to 4 elements), one sharded by rows (shard_param_on_dim_0), a nested XLA
+    FSDP whose three parameters are one flat parameter (flatten_parameters), a buffer kept in fp32
+    whose own dtype is fp64; AdamW moments shaped like the shards."""
+    torch.manual_seed(0)
+    emb, head, scale = torch.randn(7, 5), torch.randn(7, 3), torch.randn(3).double()  # fp32 values
+    inner = {"a.weight": torch.randn(5, 3), "a.bias": torch.randn(5), "b.weight": torch.randn(2, 7)}
+    root, block = "_fsdp_wrapped_module._fpw_module.", "_fsdp_wrapped_module._fpw_module.block"
+    flat = torch.cat([t.reshape(-1) for t in inner.values()])
+    model = {"_fsdp_shard_emb": torch.nn.functional.pad(emb.reshape(-1), [0, 1]),
+             f"{block}._fsdp_shard_flat": torch.nn.functional.pad(flat, [0, 2]),
+             "_fsdp_shard_head": head, f"{root}scale": scale.float()}
+    shard = lambda name, size: {"_orig_name": f"{root}{name}", "_orig_size": size}  # noqa: E731
+    meta = {"world_size": 1, "rank": 0, "buffer_info": {f"{root}scale": {"_orig_dtype": torch.float64}},
+            "shard_info": {"": {"_fsdp_shard_emb": shard("emb.weight", [7, 5]),
+                                "_fsdp_shard_head": shard("head.weight", [7, 3])},
+                           block: {"_fsdp_shard_flat": {"_orig_name": "_fsdp_wrapped_module.flat_param_0",
+                                                        "_orig_size": [34]}}},
+            "flatten_info": {f"{block}._fsdp_wrapped_module.flat_param_0": (
+                list(inner), [tuple(t.shape) for t in inner.values()], [t.numel() for t in inner.values()])}}
+    sharded = [k for k in model if "_fsdp_shard" in k]
+    optim = {"state": {i: {"step": torch.tensor(3.0), "exp_avg": torch.randn_like(model[k]),
+                           "exp_avg_sq": torch.rand_like(model[k])} for i, k in enumerate(sharded)},
+             "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
+                               "params": [0, 1, 2]}]}
+    tensors = {"emb.weight": emb, "head.weight": head, "scale": scale,
+               **{f"block.{n}": t for n, t in inner.items()}}
+    return {"model": model, "shard_metadata": meta, "optimizer": optim}, tensors
+
+
+def test_xla_shard_files_imported_rank_by_rank_equal_torch_xlas_consolidation(tmp_path):
+    """XLA FSDP v1 files at 3 ranks (tests/xla_shards.py cuts them as torch_xla does), imported
+    streamed (one rank's file mapped at a time) and whole (torch_xla's consolidate_sharded_state_dicts):
+    the same entries bit for bit, the weights the originals, pieces that straddle ranks included;
+    files that do not belong together are refused, naming the file."""
+    import pytest
+    from xla_shards import reshard
+
+    from backends.xla.native_checkpoint import read_xla
+    from parallel.checkpoint.importers import CheckpointImportError, _load_keys, import_checkpoint
+    from parallel.checkpoint.portable import STATE_DIR, SafeReader
+
+    saved, tensors = xla_world1()
+    src = tmp_path / "src"
+    src.mkdir()
+    for r, part in enumerate(reshard([saved], 3, multiple=4)):
+        torch.save(part, src / f"ckpt_rank-{r:08d}-of-00000003.pth")
+    out = {kind: import_checkpoint(lambda s, trust: read_xla(s, trust, stream=kind == "streamed"),
+                                   "xla", src, tmp_path / kind, step=3) for kind in ("streamed", "whole")}
+    a, b = (_load_keys(SafeReader(str(out[k] / STATE_DIR)), None) for k in ("streamed", "whole"))
+    assert a["model"].keys() == b["model"].keys() == tensors.keys()
+    assert all(torch.equal(a["model"][n], t) and torch.equal(b["model"][n], t) for n, t in tensors.items())
+    assert a["model"]["scale"].dtype == torch.float64
+    # the same groups; streamed, the names in parameters() order (consolidation puts flat ones last)
+    assert [{**g, "params": sorted(g["params"])} for g in a["optim"]["param_groups"]] == \
+        [{**g, "params": sorted(g["params"])} for g in b["optim"]["param_groups"]]
+    assert a["optim"]["param_groups"][0]["params"] == ["emb.weight", "block.a.weight", "block.a.bias",
+                                                       "block.b.weight", "head.weight"]
+    assert a["optim"]["state"].keys() == b["optim"]["state"].keys() == tensors.keys() - {"scale"}
+    for name, entry in a["optim"]["state"].items():
+        assert entry.keys() == {"step", "exp_avg", "exp_avg_sq"}
+        assert all(torch.equal(entry[k], b["optim"]["state"][name][k]) for k in entry), name
+    (src / "ckpt_rank-00000001-of-00000003.pth").rename(tmp_path / "rank1.pth")
+    with pytest.raises(CheckpointImportError, match="not ranks 0..1"):
+        read_xla(src)
+    (src / "ckpt_rank-00000002-of-00000003.pth").rename(src / "ckpt_rank-00000001-of-00000003.pth")
+    with pytest.raises(CheckpointImportError, match="world size 3, but the directory holds 2"):
+        read_xla(src)
