@@ -210,7 +210,19 @@ def _block(state_dict: dict, index: MetadataIndex):
 
 class RangeSavePlanner(DefaultSavePlanner):
     """DCP's default save planner, which also finds the blocks of a FlatRange and the pieces of
-    staged Shards (DCP looks up shards only on torch.Tensor objects)."""
+    staged Shards (DCP looks up shards only on torch.Tensor objects).
+
+    `cache`: DCP's plan caching under that key (#44): when every rank's plan equals its previous
+    save's, ranks send empty plans and the coordinator reuses its deduplicated global plan and
+    index, work that grows with the world size. torch keeps the cache in SavePlanner's class
+    attributes keyed by the planner's class name; a key per kind of save keeps a model-only save
+    from replacing the checkpoint's plan. The data is resolved at write time, so values may change
+    between saves; a changed layout is planned again."""
+
+    def __init__(self, cache: str | None = None):
+        super().__init__(enable_plan_caching=cache is not None)
+        if cache is not None:
+            self._cached_plans_key = f"polyshard:{cache}"
 
     def lookup_object(self, index: MetadataIndex):
         found = _block(self.state_dict, index)

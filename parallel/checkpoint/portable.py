@@ -111,10 +111,12 @@ def save_state(state: dict, into: Sink | Path, planner=None, collective: bool = 
         sink.queue(state, planner, collective)
         return
     state = as_written(state)
+    alone = not (collective and dist.is_initialized())
+    # plans cached per kind of save and number of writers (chunks.RangeSavePlanner)
+    key = f"{','.join(sink.sections or ['all'])}:{1 if alone else dist.get_world_size(sink.group)}"
     with _quiet_dcp():
-        dcp.save(state, storage_writer=RecordingWriter(sink),
-                 planner=planner or RangeSavePlanner(), process_group=sink.group,
-                 no_dist=not (collective and dist.is_initialized()))
+        dcp.save(state, storage_writer=RecordingWriter(sink), planner=planner or RangeSavePlanner(key),
+                 process_group=sink.group, no_dist=alone)
 
 
 def as_written(state: dict) -> dict:

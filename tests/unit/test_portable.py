@@ -112,3 +112,28 @@ def test_latest_points_at_the_newest_and_keep_last_prunes_by_step(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-2", "step-3"]
     assert resolve(tmp_path) == tmp_path / "step-3"
     assert json.loads((resolve(tmp_path) / "manifest.json").read_text())["step"] == 3
+
+
+def test_cached_plans_write_this_saves_values_and_a_changed_layout_is_planned_again(tmp_path):
+    """DCP's plan caching (#44): a second save of the same layout reuses the cached plan and index
+    (checked in torch's cache, and by timing in docs/checkpoint-format.md), with the second save's
+    values; a state with another layout under the same key is planned again, not written by the
+    cached plan."""
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    from parallel.checkpoint.sink import Sink
+
+    sections = ("model",)  # a key of its own: other tests' saves do not touch it
+    key = "polyshard:model:1"
+    SavePlanner._cached_global_plan.pop(key, None)
+    first = {"model": {"a": torch.arange(6.0).view(2, 3), "b": torch.ones(4)}}
+    second = {"model": {"a": -first["model"]["a"], "b": torch.zeros(4)}}
+    other = {"model": {"a": torch.arange(9.0).view(3, 3), "c": torch.full((2,), 7.0)}}
+    plans = []
+    for i, state in enumerate((first, second, other)):
+        save_state(state, Sink(tmp_path / str(i), sections=sections), collective=False)
+        plans.append(SavePlanner._cached_global_plan[key])
+        weights = read_model(tmp_path / str(i))
+        assert weights.keys() == state["model"].keys()
+        assert all(torch.equal(weights[k], v) for k, v in state["model"].items()), i
+    assert plans[1] is plans[0] and plans[2] is not plans[0]  # reused, then planned again
