@@ -129,21 +129,29 @@ def _layout(sd: dict, meta: dict, path: Path) -> list[tuple[str, list]]:
             continue  # a buffer, kept whole (rank 0's)
         prefix, suffix = ".".join(parts[:at]), ".".join(parts[at:])
         try:
-            info = meta["shard_info"][prefix][suffix]
-            full = f"{prefix}.{info['_orig_name']}" if prefix else info["_orig_name"]
-            size = [int(d) for d in info["_orig_size"]]
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointImportError(f"{path}: shard_metadata has no shard_info for {key}") from None
-        if "_fsdp_wrapped_module.flat_param_" in full:  # flatten_parameters: several, concatenated
-            names, shapes, numels = meta["flatten_info"][full]
-            inner = ".".join(full.split(".")[:-1])
-            offsets = [0, *torch.tensor(list(numels)).cumsum(0).tolist()[:-1]]
-            params = [(_full_name(f"{inner}.{n}" if inner else n), tuple(s), int(o), int(c))
-                      for n, s, o, c in zip(names, shapes, offsets, numels)]
-        else:
-            params = [(_full_name(full), tuple(size), 0, math.prod(size))]
-        layout.append((key, params))
+            layout.append((key, _params(meta, prefix, suffix)))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            raise CheckpointImportError(f"{path}: shard_metadata does not describe {key} (its shard_info, "
+                                        "or its flat parameter's flatten_info)") from None
     return layout
+
+
+def _params(meta: dict, prefix: str, suffix: str) -> list:
+    """(name, shape, offset, numel) of the parameters in one sharded key (ValueError: inconsistent)."""
+    info = meta["shard_info"][prefix][suffix]
+    full = f"{prefix}.{info['_orig_name']}" if prefix else str(info["_orig_name"])
+    if "_fsdp_wrapped_module.flat_param_" not in full:
+        size = tuple(int(d) for d in info["_orig_size"])
+        return [(_full_name(full), size, 0, math.prod(size))]
+    names, shapes, numels = meta["flatten_info"][full]  # flatten_parameters: several, concatenated
+    inner, offset, params = ".".join(full.split(".")[:-1]), 0, []
+    for name, shape, numel in zip(names, shapes, numels, strict=True):
+        shape = tuple(int(d) for d in shape)
+        if int(numel) != math.prod(shape) or min(shape, default=0) < 0:
+            raise ValueError(name)
+        params.append((_full_name(f"{inner}.{name}" if inner else str(name)), shape, offset, int(numel)))
+        offset += int(numel)
+    return params
 
 
 def _places(params: list, length: int, rank: int):

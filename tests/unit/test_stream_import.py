@@ -167,3 +167,10 @@ def test_xla_shard_files_imported_rank_by_rank_equal_torch_xlas_consolidation(tm
     (src / "ckpt_rank-00000002-of-00000003.pth").rename(src / "ckpt_rank-00000001-of-00000003.pth")
     with pytest.raises(CheckpointImportError, match="world size 3, but the directory holds 2"):
         read_xla(src)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (flat,) = saved["shard_metadata"]["flatten_info"].values()
+    flat[2][0] += 1  # a flat parameter's numel that is not its shape's
+    torch.save(saved, bad / "ckpt_rank-00000000-of-00000001.pth")
+    with pytest.raises(CheckpointImportError, match="does not describe .*_fsdp_shard_flat"):
+        read_xla(bad)
