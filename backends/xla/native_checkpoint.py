@@ -64,12 +64,13 @@ def read_xla(src: Path, trust: bool = False, stream: bool = True):
                 raise CheckpointImportError(f"{files[i]}: {key} is not a tensor of shape {shapes[key]} "
                                             "as in rank 0's file; the rank files do not belong together")
             entry = optim["state"].get(pos, {}) if optim is not None else {}
-            keys = [k for k, v in entry.items() if torch.is_tensor(v) and v.shape == shard.shape]
-            for name, shape, lo, start, n in _places(params, shard.numel(), i):
-                model[name] = FlatRange(shard.reshape(-1)[lo:lo + n], start, shape)
-                if keys:
-                    moments[name] = {k: FlatRange(entry[k].reshape(-1)[lo:lo + n], start, shape)
-                                     for k in keys}
+            flats = {k: v.reshape(-1) for k, v in entry.items()  # moments: shaped like the shard
+                     if torch.is_tensor(v) and v.shape == shard.shape}
+            flat = shard.reshape(-1)
+            for name, shape, lo, start, n in _places(params, flat.numel(), i):
+                model[name] = FlatRange(flat[lo:lo + n], start, shape)
+                if flats:
+                    moments[name] = {k: FlatRange(v[lo:lo + n], start, shape) for k, v in flats.items()}
         if i:
             return {"model": model, "optim": {"state": moments}} if optim is not None else {"model": model}
         info = meta.get("buffer_info", {})

@@ -119,12 +119,12 @@ def xla_fsdp_v1(out: Path, size: str = "tiny", flavor: str = "", ranks: int = 1)
 
     model, batches = model_and_batches(size)
     device = torch_xla.device()
-    kw = {"flat": {"flatten_parameters": True}, "dim0": {"shard_param_on_dim_0": True}}.get(flavor, {})
+    wrap = {"flat": {"flatten_parameters": True}, "dim0": {"shard_param_on_dim_0": True}}.get(flavor, {})
     model = model.to(device)
     if flavor == "flat":
         for i, layer in enumerate(model.model.layers):
-            model.model.layers[i] = XFSDP(layer, **kw)
-    model = XFSDP(model, **kw)
+            model.model.layers[i] = XFSDP(layer, **wrap)
+    model = XFSDP(model, **wrap)
     cls, kw = optimizer_arg("adamw")
     opt = cls(model.parameters(), **kw)
     for ids in batches[:STEPS]:
