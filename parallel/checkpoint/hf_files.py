@@ -12,7 +12,7 @@ from types import MappingProxyType
 
 import torch
 
-from parallel.checkpoint.directory import fsync_files, remove_ours
+from parallel.checkpoint.directory import remove_ours
 from parallel.checkpoint.portable import open_state, read_tensors, tensor_shapes
 from parallel.checkpoint.streamed import in_parts
 from parallel.files import write_atomic
@@ -38,13 +38,22 @@ def write_hf(weights: Weights, cfg: dict, dtype_name: str, out: Path,
     config; `durable`: each file fsynced (checkpoint.hf_at_end publishes the directory after).
     `max_shard_bytes` None: the weights split over the n parts (every process writes about one
     file's share), at most save_pretrained's 5 GB a file."""
+    dtype = weight_dtype(dtype_name)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_shards(out, weights, dtype, max_shard_bytes, part, durable)
+    if not part[0]:
+        write_configs(cfg, dtype, out)
+
+
+def weight_dtype(dtype_name: str) -> torch.dtype:
     if dtype_name not in DTYPES:
         raise ExportError(f"--dtype {dtype_name!r}: one of {', '.join(DTYPES)}")
-    out.mkdir(parents=True, exist_ok=True)
-    _write_shards(out, weights, DTYPES[dtype_name], max_shard_bytes, part, durable)
-    if part[0]:
-        return
-    cfg["dtype"] = cfg["torch_dtype"] = HF_DTYPE[DTYPES[dtype_name]]  # 4.57 reads dtype; older torch_
+    return DTYPES[dtype_name]
+
+
+def write_configs(cfg: dict, dtype: torch.dtype, out: Path) -> None:
+    """config.json with the weights' dtype, and the generation config of a model that generates."""
+    cfg["dtype"] = cfg["torch_dtype"] = HF_DTYPE[dtype]  # 4.57 reads dtype; older torch_dtype
     write_atomic(out / "config.json", json.dumps(cfg, indent=2).encode())
     _generation_config(cfg, out)
 
@@ -95,35 +104,99 @@ def _plan(weights: Weights, size: int, max_bytes: int | None, parts: int) -> lis
     return in_parts(list(weights), lambda entry: size * _numel(entry[1]), max_bytes)
 
 
+def shard_files(weights: Weights, size: int, max_bytes: int | None, parts: int
+                ) -> list[tuple[str, list]]:
+    """(file name, its weights) in file order, as _plan cuts them."""
+    shards = _plan(weights, size, max_bytes, parts)
+    n = len(shards)
+    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+                                                   for i in range(n)]
+    return list(zip(names, shards))
+
+
+def write_index(out: Path, files: list[tuple[str, list]], size: int) -> None:
+    """model.safetensors.index.json, for weights in more than one file."""
+    if len(files) > 1:
+        weights = [entry for _, shard in files for entry in shard]
+        index = {"metadata": {"total_size": sum(size * _numel(s) for _, s, _ in weights)},
+                 "weight_map": {name: file for file, shard in files for name, _, _ in shard}}
+        write_atomic(out / "model.safetensors.index.json", json.dumps(index, indent=2).encode())
+
+
 def _write_shards(out: Path, weights: Weights, dtype: torch.dtype, max_bytes: int | None,
                   part: tuple[int, int] = (0, 1), durable: bool = False) -> None:
     """Shards planned from the shapes, then written one at a time (memory: one shard); `part` (i, n)
     writes shards i, i + n, ... and part 0 the index."""
-    from safetensors.torch import save_file
-
     size = torch.empty((), dtype=dtype).element_size()
-    shards = _plan(weights, size, max_bytes, part[1])
-    n = len(shards)
-    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-                                                   for i in range(n)]
-    weight_map = {name: file_name for file_name, shard in zip(names, shards) for name, _, _ in shard}
+    files = shard_files(weights, size, max_bytes, part[1])
     mine, parts = part
-    for i, (file_name, shard) in enumerate(zip(names, shards)):
-        if i % parts != mine:
-            continue
-        tensors = {name: t.to(dtype).contiguous() for name, t in _read_shard(shard).items()}
-        # written beside and renamed over its name: a planted link is replaced, never written through
-        tmp = out / f".{file_name}.partial"
-        remove_ours(tmp)
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
-        del tensors
+    for i, (file_name, shard) in enumerate(files):
+        if i % parts == mine:
+            tensors = {name: t.to(dtype) for name, t in sorted(_read_shard(shard).items())}
+            write_safetensors(out / file_name, tensors, durable)
+            del tensors
+    if mine == 0:
+        write_index(out, files, size)
+
+
+SAFETENSORS_DTYPE = MappingProxyType({torch.float32: "F32", torch.bfloat16: "BF16",
+                                      torch.float16: "F16"})
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], durable: bool = False) -> None:
+    """A safetensors file of `tensors`, laid out in the dict's order."""
+    file = SafetensorsFile(path, [(name, tuple(t.shape), t.dtype) for name, t in tensors.items()])
+    try:
+        for t in tensors.values():
+            file.write(t)
+    except BaseException:
+        file.abandon()
+        raise
+    file.close(durable)
+
+
+class SafetensorsFile:
+    """A safetensors file written front to back: the header from `layout` (name, shape, dtype; its
+    order is the file's), then each tensor's bytes, in that order, from the tensor's own memory.
+    safetensors' save_file first copies every tensor into a Python bytes object (the whole file
+    once more in memory, and its time); its reader (safe_open, from_pretrained) is this writer's
+    oracle in the tests. Written beside `path` and renamed over it at `close`: a planted link is
+    replaced, never written through."""
+
+    def __init__(self, path: Path, layout: list[tuple[str, tuple, torch.dtype]]):
+        header, start = {"__metadata__": {"format": "pt"}}, 0
+        for name, shape, dtype in layout:
+            nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+            header[name] = {"dtype": SAFETENSORS_DTYPE[dtype], "shape": list(shape),
+                            "data_offsets": [start, start + nbytes]}
+            start += nbytes
+        head = json.dumps(header, separators=(",", ":")).encode()
+        head += b" " * (-len(head) % 8)  # the data 8-byte aligned, as safetensors pads it
+        self.path, self.tmp = path, path.parent / f".{path.name}.partial"
+        remove_ours(self.tmp)
+        self.file = open(self.tmp, "xb")  # exclusive: never through a link planted since
+        self.file.write(len(head).to_bytes(8, "little") + head)
+
+    def write(self, t: torch.Tensor) -> None:
+        self.file.write(memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+                                   .numpy()))
+
+    def sync(self) -> None:
+        """What is written so far, to the disk (the rest of the file is still being made)."""
+        self.file.flush()
+        os.fdatasync(self.file.fileno())
+
+    def close(self, durable: bool) -> None:
+        """`durable`: fsynced before the rename."""
+        self.file.flush()
         if durable:
-            fsync_files([tmp])
-        os.replace(tmp, out / file_name)
-    if n > 1 and mine == 0:
-        index = {"metadata": {"total_size": sum(size * _numel(s) for _, s, _ in weights)},
-                 "weight_map": weight_map}
-        write_atomic(out / "model.safetensors.index.json", json.dumps(index, indent=2).encode())
+            os.fsync(self.file.fileno())
+        self.file.close()
+        os.replace(self.tmp, self.path)
+
+    def abandon(self) -> None:
+        self.file.close()
+        remove_ours(self.tmp)
 
 
 def _generation_config(cfg: dict, out: Path) -> None:

@@ -68,8 +68,6 @@ def dcp_load(template: dict, reader: SafeReader, planner=None, no_dist: bool = T
 
 def raise_refusal(err: CheckpointException) -> None:
     """The first file refusal (FileError) inside a DCP failure, raised as itself."""
-    from parallel.files import FileError
-
     for failure in err.failures.values():
         inner = failure[0] if isinstance(failure, tuple) else failure
         if isinstance(inner, FileError):
@@ -112,10 +110,13 @@ def save_state(state: dict, into: Sink | Path, planner=None, collective: bool = 
         return
     state = as_written(state)
     alone = not (collective and dist.is_initialized())
-    # plans cached per kind of save and number of writers (chunks.RangeSavePlanner)
-    key = f"{','.join(sink.sections or ['all'])}:{1 if alone else dist.get_world_size(sink.group)}"
+    # plans cached per kind of save, number of writers and storage writer (chunks.RangeSavePlanner;
+    # a cached final plan carries its storage writer's own data: file names, or none for a capture)
+    writers = 1 if alone else dist.get_world_size(sink.group)
+    key = f"{','.join(sink.sections or ['all'])}:{writers}:{'capture' if sink.capture else 'files'}"
     with _quiet_dcp():
-        dcp.save(state, storage_writer=RecordingWriter(sink), planner=planner or RangeSavePlanner(key),
+        dcp.save(state, storage_writer=sink.capture or RecordingWriter(sink),
+                 planner=planner or RangeSavePlanner(key),
                  process_group=sink.group, no_dist=alone)
 
 
@@ -129,8 +130,7 @@ def as_written(state: dict) -> dict:
 
 
 def write_queued(sink: Sink) -> None:
-    """Write a staged save's queued host copies (the background thread, after `save` returned;
-    nothing when the save was not staged)."""
+    """Write a staged save's queued host copies (after `save` returned; none when not staged)."""
     for state, planner, collective in sink.take_queued():
         save_state(state, sink, planner, collective)
 

@@ -17,14 +17,17 @@ import torch
 
 class Sink:
     def __init__(self, tmp: str | Path, staged: bool = False, pool=None, group=None,
-                 threads: int = 1, sections: tuple[str, ...] | None = None, durable: bool = True):
+                 threads: int = 1, sections: tuple[str, ...] | None = None, durable: bool = True,
+                 capture=None):
         """`staged`: state writes are copied to host memory (CUDA tensors into `pool`'s pinned
         buffers) and queued until portable.write_queued. `group`: the process group DCP's collective
         writes run over (the background saver's own, so they never meet the training loop's).
         `threads`: checkpoint.write_threads. `sections`: the portable state's top-level keys this
         save keeps ("model" alone for save_pretrained's staging: no optimizer state written);
         None keeps all. `durable`: state files are fsynced (a checkpoint); False for a staging
-        copy read back at once and removed (its pages need never reach the disk)."""
+        copy read back at once and removed (its pages need never reach the disk). `capture`: a
+        hf_gather.Capture that DCP hands each write item to instead of a file (save_pretrained:
+        the pieces go to the ranks writing the safetensors, nothing is written here)."""
         self.tmp = Path(tmp)
         self.staged = staged
         self.pool = pool
@@ -37,6 +40,7 @@ class Sink:
         self.threads = threads  # DCP's writer threads for this rank's state files
         self.sections = sections
         self.durable = durable
+        self.capture = capture
 
     def __getstate__(self) -> dict:
         """What a writer process gets: no staging pool (the rank's) and no process group (the

@@ -124,7 +124,7 @@ def test_cached_plans_write_this_saves_values_and_a_changed_layout_is_planned_ag
     from parallel.checkpoint.sink import Sink
 
     sections = ("model",)  # a key of its own: other tests' saves do not touch it
-    key = "polyshard:model:1"
+    key = "polyshard:model:1:files"
     SavePlanner._cached_global_plan.pop(key, None)
     first = {"model": {"a": torch.arange(6.0).view(2, 3), "b": torch.ones(4)}}
     second = {"model": {"a": -first["model"]["a"], "b": torch.zeros(4)}}

@@ -1,3 +1,3 @@
 """What a checkpoint holds beyond the backend's model and optimizer: checkpointing.py (save, load,
-periodic saves, save_pretrained), resuming.py (what resume() decides and says) and user_state.py (the
-user's own registered objects)."""
+periodic saves, save_pretrained; pretrained.py: its two ways to the Hugging Face files), resuming.py
+(what resume() decides and says) and user_state.py (the user's own registered objects)."""

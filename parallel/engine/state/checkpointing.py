@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
-import shutil
 from pathlib import Path
 from collections.abc import Callable
 from typing import Protocol
@@ -31,6 +29,7 @@ from parallel.checkpoint.contents import Contents
 from parallel.checkpoint.safe import NUMPY_ARRAY
 from parallel.checkpoint.schemas import TrainerState
 from parallel.checkpoint.sink import Sink
+from parallel.engine.state import pretrained
 from parallel.engine.state.resuming import resume
 
 
@@ -101,49 +100,25 @@ class Checkpointer:
 
     def save_pretrained(self, directory, tokenizer=None, max_shard_bytes: int | None = None,
                         durable: bool = False) -> Path:
-        """Hugging Face format. Every rank writes its shards of the model alone (no optimizer
-        state, no fsync: a staging copy whose pages need never reach the disk) beside `directory`,
-        then its share of the safetensors files from them (write_hf's `part`: no rank holds the
-        model); a PEFT run's main rank writes the adapter from a whole staged checkpoint. The
-        staging directory, polyshard's own, is removed. `durable`: the weight files are fsynced."""
+        """Hugging Face format, every rank writing its share of the safetensors files (no rank
+        holds the model): each rank's pieces sent straight to the rank writing their file
+        (hf_gather.py); where the process group cannot carry them (torch_xla's), and for a PEFT
+        run's adapter, through a staging checkpoint beside `directory` (pretrained.py).
+        `durable`: the weight files are fsynced."""
+        from parallel.checkpoint.hf_gather import exchange_device
+
         e, out = self.engine, Path(directory)
-        staging = out.parent / f".{out.name}.polyshard-state"
         with paused_gc():
             self.saver.wait()
-            peft = peft_config_json(e.model) is not None
-            if peft:
-                self._save(staging, async_save=False, pointer=False)  # no `latest` beside it
-                state = staging
+            device = exchange_device(e.world_size)
+            if peft_config_json(e.model) is None and device is not None:
+                pretrained.gathered(e, self.write, out, max_shard_bytes, durable, device)
             else:
-                e.check_finite(wait=True)
-                state = begin_checkpoint(staging, e.rank)
-                self.write(Sink(state, sections=("model",), durable=False))
-                e.barrier()  # every rank's state files are in place before any is read
-            try:
-                self._write_pretrained(state, out, peft, max_shard_bytes, durable)
-                if tokenizer is not None and e.is_main:
-                    tokenizer.save_pretrained(str(out))  # the caller's own object
-                e.barrier()
-            finally:
-                if e.is_main:
-                    shutil.rmtree(state, ignore_errors=True)
+                pretrained.staged(e, self.write, self._save, out, max_shard_bytes, durable)
+            if tokenizer is not None and e.is_main:
+                tokenizer.save_pretrained(str(out))  # the caller's own object
+            e.barrier()
         return out
-
-    def _write_pretrained(self, state: Path, out: Path, peft: bool, max_shard_bytes: int | None,
-                          durable: bool) -> None:
-        from parallel.checkpoint.hf import export_peft, plain_weights, write_hf
-
-        e = self.engine
-        if not peft:  # the model's shards alone: its config and dtype are the engine's
-            cfg = hf_config_json(e.model)
-            if cfg is None:
-                raise ValueError("save_pretrained / checkpoint.hf_at_end: the model has no "
-                                 "Hugging Face config (not a transformers model); use save()")
-            cfg = json.loads(cfg)
-            write_hf(plain_weights(state, cfg), cfg, e.spec.precision, out, max_shard_bytes,
-                     (e.rank, e.world_size), durable)
-        elif e.is_main:
-            export_peft(state, out)
 
     def _save(self, path: Path, async_save: bool | None, pointer: bool = True) -> Path:
         """Write model, optimizer, scheduler, step, RNG and data position under `path`, atomically,
