@@ -36,8 +36,8 @@ def _tag_dir(src: Path, pointer: str) -> Path:
     """The checkpoint a `latest` file names (a plain name inside src), else src itself."""
     if not (src / pointer).is_file():
         return src
-    return src / child_name(read_text(src / pointer, f"DeepSpeed's {pointer} pointer", 4096).strip(),
-                            f"its {pointer} file", src)
+    text = read_text(src / pointer, f"DeepSpeed's {pointer} pointer", 4096, follow=False)
+    return src / child_name(text.strip(), f"its {pointer} file", src)
 
 
 def read_deepspeed(src: Path, trust: bool = False, stream: bool = True):

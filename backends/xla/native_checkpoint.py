@@ -24,6 +24,7 @@ import torch
 from parallel.checkpoint.chunks import FlatRange
 from parallel.checkpoint.importers import CheckpointImportError, named_groups
 from parallel.checkpoint.portable import clean_name
+from parallel.files import regular_file
 from parallel.checkpoint.optim_state import shared_step
 from parallel.checkpoint.safe import torch_load
 from parallel.checkpoint.streamed import Streamed
@@ -95,7 +96,8 @@ def rank_files(src: Path) -> list[Path]:
     found = {}
     for f in src.iterdir() if src.is_dir() else ():
         m = RANK_FILE.search(f.name)
-        if m and f.is_file():
+        if m and (f.is_symlink() or f.is_file()):  # a link is refused here, before any read
+            regular_file(f, WHAT, 1 << 62, follow=False)
             found.setdefault(int(m.group(1)), []).append(f)
     if not found:
         raise CheckpointImportError(f"{src}: no files named like *rank-R-of-N* (XLA FSDP shard files)")

@@ -49,10 +49,13 @@ def torch_load(path: Path | io.BytesIO, what: str, allow: tuple = (), trust: boo
     """torch.load of a file from elsewhere: torch's weights_only unpickler (tensors, containers,
     numbers, strings), plus the classes in `allow`. `trust`: full pickle, for a file whose origin you
     trust (it can run any code). `mmap`: tensors mapped from the file, read when touched (a zip
-    file only: torch.save's format since 1.6; an older file is read whole)."""
+    file only: torch.save's format since 1.6; an older file is read whole). A path that is a
+    symbolic link is refused: a file inside a checkpoint directory never reads what lies outside
+    it (a Hugging Face hub snapshot links its files into a blob cache: `hf download --local-dir`,
+    or `cp -rL`, gives the files themselves)."""
     name = getattr(path, "name", None) or str(path)
     if isinstance(path, (str, Path)):
-        regular_file(Path(path), what, limit or (1 << 62), follow=True)
+        regular_file(Path(path), what, limit or (1 << 62), follow=False)
         mmap = mmap and zipfile.is_zipfile(path)
     else:
         mmap = False

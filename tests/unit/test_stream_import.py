@@ -133,13 +133,14 @@ def test_xla_shard_files_imported_rank_by_rank_equal_torch_xlas_consolidation(tm
     """XLA FSDP v1 files at 3 ranks (tests/xla_shards.py cuts them as torch_xla does), imported
     streamed (one rank's file mapped at a time) and whole (torch_xla's consolidate_sharded_state_dicts):
     the same entries bit for bit, the weights the originals, pieces that straddle ranks included;
-    files that do not belong together are refused, naming the file."""
+    files that do not belong together, and a linked one, are refused, naming the file."""
     import pytest
     from xla_shards import reshard
 
     from backends.xla.native_checkpoint import read_xla
     from parallel.checkpoint.importers import CheckpointImportError, _load_keys, import_checkpoint
     from parallel.checkpoint.portable import STATE_DIR, SafeReader
+    from parallel.files import FileError
 
     saved, tensors = xla_world1()
     src = tmp_path / "src"
@@ -167,6 +168,12 @@ def test_xla_shard_files_imported_rank_by_rank_equal_torch_xlas_consolidation(tm
     (src / "ckpt_rank-00000002-of-00000003.pth").rename(src / "ckpt_rank-00000001-of-00000003.pth")
     with pytest.raises(CheckpointImportError, match="world size 3, but the directory holds 2"):
         read_xla(src)
+    # a rank's file that is a link (here to the real one, moved out): never followed, exit 2
+    (src / "ckpt_rank-00000001-of-00000003.pth").rename(src / "ckpt_rank-00000002-of-00000003.pth")
+    (src / "ckpt_rank-00000001-of-00000003.pth").symlink_to(tmp_path / "rank1.pth")
+    for stream in (True, False):
+        with pytest.raises(FileError, match="rank-00000001-of-00000003.pth: a symbolic link"):
+            read_xla(src, stream=stream)
     bad = tmp_path / "bad"
     bad.mkdir()
     (flat,) = saved["shard_metadata"]["flatten_info"].values()
