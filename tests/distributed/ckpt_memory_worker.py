@@ -82,11 +82,14 @@ def measure(spec_dict: dict, root: Path) -> dict:
     with Peak() as load:
         engine.load(root)
     trim()
+    with Peak() as hf:  # save_pretrained's gathered files: a rank's file, its pieces in flight
+        engine.save_pretrained(root.parent / f"{root.name}-hf")
+    trim()
     with Peak() as step:  # what a training step itself needs beyond the state (DeepSpeed's gathers)
         after = engine.train_step({"input_ids": mine, "labels": mine}).loss
     figures = [None] * engine.world_size
     dist.all_gather_object(figures, {"rank": engine.rank, "save": save.extra, "load": load.extra,
-                                     "step": step.extra})
+                                     "hf": hf.extra, "step": step.extra})
     out = {"params": params, "ranks": figures, "losses": [before, after],
            "world": engine.world_size}
     engine.close()  # the next job joins a fresh process group; this one's memory is freed
