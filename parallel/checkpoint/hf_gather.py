@@ -157,7 +157,7 @@ def _slices(files: list, size: int) -> tuple[dict[str, tuple[int, int, int]], in
 class GatheredFile:
     """One safetensors file this rank writes, slice by slice: the header first (the layout is
     known from the shapes), each slice's bytes once every piece of it has landed, written and
-    synced by a thread of its own while the next slice is exchanged (at most two slices held)."""
+    synced by a thread of its own while the next slice is exchanged (two slices held)."""
 
     def __init__(self, out: Path, name: str, shard: list, where: dict, dtype: torch.dtype,
                  durable: bool):
@@ -177,7 +177,7 @@ class GatheredFile:
 
     def queue(self, part: Part) -> None:
         part.check()
-        if len(self.pending) == 2:  # the oldest slice written before a third is held
+        if self.pending:  # the slice before written first: two held, one written, one filled
             self.pending.pop(0).result()
         self.pending.append(self.thread.submit(self._write, part))
 

@@ -14,8 +14,12 @@ import torch
 import torch.distributed as dist
 
 from parallel import create_engine, load_spec
+from parallel.checkpoint import hf_gather
 from parallel.toy import build_llama, llama_config
 
+# save_pretrained's slices, as hf_gather's 64 MiB stand to a model 16x larger: a rank's file here
+# (47 MB at 2 ranks) travels in many slices
+SLICE_BYTES = 4 << 20
 SIZE = {"hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 8,
         "num_attention_heads": 4, "num_key_value_heads": 2}
 
@@ -82,7 +86,8 @@ def measure(spec_dict: dict, root: Path) -> dict:
     with Peak() as load:
         engine.load(root)
     trim()
-    with Peak() as hf:  # save_pretrained's gathered files: a rank's file, its pieces in flight
+    hf_gather.SLICE_BYTES = SLICE_BYTES
+    with Peak() as hf:  # save_pretrained's gathered files: two slices, one slice's pieces in flight
         engine.save_pretrained(root.parent / f"{root.name}-hf")
     trim()
     with Peak() as step:  # what a training step itself needs beyond the state (DeepSpeed's gathers)
