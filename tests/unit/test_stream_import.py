@@ -181,3 +181,21 @@ def test_xla_shard_files_imported_rank_by_rank_equal_torch_xlas_consolidation(tm
     torch.save(saved, bad / "ckpt_rank-00000000-of-00000001.pth")
     with pytest.raises(CheckpointImportError, match="does not describe .*_fsdp_shard_flat"):
         read_xla(bad)
+
+
+def test_deepspeeds_latest_pointer_is_never_read_through_a_link(tmp_path):
+    """`latest` names the tag directory; a link in its place (to a file naming another tag) is
+    exit 2 naming it, a plain one is followed to its tag."""
+    import pytest
+
+    from backends.deepspeed.native_checkpoint import _tag_dir
+    from parallel.files import FileError
+
+    (tmp_path / "global_step3").mkdir()
+    (tmp_path / "elsewhere").write_text("global_step3")
+    (tmp_path / "latest").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(FileError, match="latest: a symbolic link"):
+        _tag_dir(tmp_path, "latest")
+    (tmp_path / "latest").unlink()
+    (tmp_path / "latest").write_text("global_step3\n")
+    assert _tag_dir(tmp_path, "latest") == tmp_path / "global_step3"
