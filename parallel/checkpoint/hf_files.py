@@ -127,7 +127,7 @@ def _write_shards(out: Path, weights: Weights, dtype: torch.dtype, max_bytes: in
                   part: tuple[int, int] = (0, 1), durable: bool = False) -> None:
     """Shards planned from the shapes, then written one at a time (memory: one shard); `part` (i, n)
     writes shards i, i + n, ... and part 0 the index."""
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     files = shard_files(weights, size, max_bytes, part[1])
     mine, parts = part
     for i, (file_name, shard) in enumerate(files):
@@ -166,7 +166,7 @@ class SafetensorsFile:
     def __init__(self, path: Path, layout: list[tuple[str, tuple, torch.dtype]]):
         header, start = {"__metadata__": {"format": "pt"}}, 0
         for name, shape, dtype in layout:
-            nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+            nbytes = _numel(shape) * dtype.itemsize
             header[name] = {"dtype": SAFETENSORS_DTYPE[dtype], "shape": list(shape),
                             "data_offsets": [start, start + nbytes]}
             start += nbytes

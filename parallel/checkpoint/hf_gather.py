@@ -99,7 +99,7 @@ def write_gathered(capture: Capture, cfg: dict, dtype: torch.dtype, out: Path,
     tied = cfg.get("tie_word_embeddings") and "model.lm_head.weight" in shapes[0]
     entries = [(k[len("model."):], shape, None) for k, shape in shapes[0].items()
                if k.startswith("model.") and not (tied and k == "model.lm_head.weight")]
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     files = shard_files(entries, size, max_bytes, world)
     where, rounds = _slices(files, size)
     pieces: dict[tuple[int, int], list] = {}  # (file, slice) -> this rank's pieces of it
