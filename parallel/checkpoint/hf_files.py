@@ -12,7 +12,7 @@ from types import MappingProxyType
 
 import torch
 
-from parallel.checkpoint.directory import remove_ours
+from parallel.checkpoint.directory import partial_path, remove_ours
 from parallel.checkpoint.portable import open_state, read_tensors, tensor_shapes
 from parallel.checkpoint.streamed import in_parts
 from parallel.files import write_atomic
@@ -172,7 +172,7 @@ class SafetensorsFile:
             start += nbytes
         head = json.dumps(header, separators=(",", ":")).encode()
         head += b" " * (-len(head) % 8)  # the data 8-byte aligned, as safetensors pads it
-        self.path, self.tmp = path, path.parent / f".{path.name}.partial"
+        self.path, self.tmp = path, partial_path(path)
         remove_ours(self.tmp)
         self.file = open(self.tmp, "xb")  # exclusive: never through a link planted since
         self.file.write(len(head).to_bytes(8, "little") + head)
