@@ -3,6 +3,7 @@
 descriptor.py: everything the rest of polyshard knows about this backend; options.py: its section of
 the spec (`fsdp:`); translate.py: the spec as FSDP's arguments (plain data); engine.py: the engines,
 composed from parallelize.py's apply_* steps; layout.py: the shard units at the model's edges;
+flat_state.py: FSDP1's sharded checkpoints, its flat shards' ranges written and read in place;
 plan.py: memory and communication model; exports.py / accelerate.py: accelerate and HF Trainer files
 out and in.
 """

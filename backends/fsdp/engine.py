@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from backends.fsdp import flat_state
 from backends.fsdp.parallelize import (
     apply_forward_prefetch,
     apply_fsdp1,
@@ -211,7 +212,16 @@ class FSDP1Engine(_TorchFSDP):
         # use_orig_params: false leaves one flat parameter per unit, which holds several originals
         return model, self._optimizer_over(optimizer, model, flat_members(model))
 
+    # Sharded checkpoints: each rank writes and reads its flat shards' ranges in place
+    # (flat_state.py), not through torch's get_state_dict / set_state_dict (measured there).
+    def _save_model_optim(self, sink: Sink) -> None:
+        if self.spec.state_dict != "sharded":
+            return super()._save_model_optim(sink)
+        flat_state.save(sink, self.model, self.optimizer, self.params.tied, self.is_main)
+
     def _load_model_optim(self, path: Path, manifest: dict) -> None:
+        if self.spec.state_dict == "sharded":
+            return flat_state.load(path, self.model, self.optimizer, self.params.tied)
         super()._load_model_optim(path, manifest)
         repoint_offloaded(self.model)
 

@@ -87,18 +87,21 @@ def single_step(per_name: dict[str, dict], names) -> torch.Tensor | None:
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the optimizer's state by one step with zero gradients and lr 0, which changes no
-    parameter for SGD, Adam and AdamW (decoupled decay is scaled by lr). DCP and DeepSpeed's
-    fragment links fill existing state only; a fresh optimizer has none until its first step."""
+    """Create the optimizer's state for every parameter without any, by one step with zero
+    gradients on those alone and lr 0, which changes no parameter for SGD, Adam and AdamW (decoupled
+    decay is scaled by lr) and steps no other (torch's optimizers skip a parameter without a
+    gradient). DCP and DeepSpeed's fragment links fill existing state only; a fresh optimizer has
+    none until its first step, nor has a parameter that never had a gradient (an unused expert)."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    if not params or optimizer.state.get(params[0]):
+    fresh = {id(p) for p in params if not optimizer.state.get(p)}
+    if not fresh:
         return
     lrs = [g["lr"] for g in optimizer.param_groups]
     grads = [p.grad for p in params]
     for group in optimizer.param_groups:
         group["lr"] = 0.0
     for p in params:
-        p.grad = torch.zeros_like(p)
+        p.grad = torch.zeros_like(p) if id(p) in fresh else None
     optimizer.step()
     for group, lr in zip(optimizer.param_groups, lrs):
         group["lr"] = lr

@@ -1,6 +1,7 @@
 """A rank's extra host memory while saving and loading is a small fraction of the model + optimizer
 state (issues #16, #27): ZeRO-1/2/3 write and read, in place, only the ranges of each parameter their
-partition holds (backends/deepspeed/fragments.py), handed to DCP as tensors it writes without a copy
+partition holds (backends/deepspeed/fragments.py), and FSDP1 those of its flat shards
+(backends/fsdp/flat_state.py), handed to DCP as tensors it writes without a copy
 (parallel/checkpoint/chunks.py exact_view). Measured by sampling each rank's resident anonymous
 memory every millisecond around `save` and `load` of a ~24M-parameter Llama with AdamW (model +
 optimizer state: 12 bytes per parameter, 282 MB). `save_pretrained` (#44, hf_gather.py) holds a few
@@ -18,11 +19,14 @@ pytestmark = pytest.mark.distributed
 BUDGET_S = 60  # seconds in make test (tests/conftest.py)
 
 WORKER = ROOT / "tests" / "distributed" / "ckpt_memory_worker.py"
-# make test: ZeRO-3; make test-full (matrix.FULL) ZeRO-1/2 too (flat partitions, one save and load
-# path for both, and gloo's gather on load below)
-STAGES = {"zero1": "optimizer", "zero2": "grad_op", "zero3": "full"}
+# make test: ZeRO-3 and FSDP1; make test-full (matrix.FULL) ZeRO-1/2 too (flat partitions, one save
+# and load path for both, and gloo's gather on load below)
+CELLS = {"zero1": {"backend": "deepspeed", "shard": "optimizer"},
+         "zero2": {"backend": "deepspeed", "shard": "grad_op"},
+         "zero3": {"backend": "deepspeed", "shard": "full"},
+         "fsdp1": {"backend": "fsdp", "fsdp": {"version": 1}, "shard": "full"}}
 if not FULL:
-    STAGES = {"zero3": "full"}
+    CELLS = {k: CELLS[k] for k in ("zero3", "fsdp1")}
 BOUND = 0.15  # of the whole model + optimizer state; gathering whole tensors needs >= 1
 # ZeRO-1/2 load ends with DeepSpeed's all-gather of the fp32 masters into the (replicated) model
 # weights, the one every optimizer step runs: gloo's all_gather_into_tensor allocates a temporary the
@@ -38,9 +42,9 @@ HF_BOUND = 8 * SLICE_BYTES + 20e6  # 53.5 MB
 
 
 def measure(tmp, world: int) -> dict:
-    """Every stage at `world` ranks in one launch, one engine after another."""
-    specs = {name: {"backend": "deepspeed", "shard": shard, "micro_batch_size": 1,
-                    "topology": {"procs_per_node": world}} for name, shard in STAGES.items()}
+    """Every cell at `world` ranks in one launch, one engine after another."""
+    specs = {name: {**cell, "micro_batch_size": 1, "topology": {"procs_per_node": world}}
+             for name, cell in CELLS.items()}
     out = tmp / f"memory-{world}.json"
     torchrun(world, [str(WORKER), "--specs", json.dumps(specs), "--dir", str(tmp / f"w{world}"),
                      "--out", str(out)], timeout=900)
@@ -49,11 +53,11 @@ def measure(tmp, world: int) -> dict:
 
 @needs_both
 @pytest.mark.timeout(1500)
-def test_zero_checkpoints_hold_a_fraction_of_the_state_that_falls_with_n(tmp_path):
+def test_zero_and_fsdp1_checkpoints_hold_a_fraction_of_the_state_that_falls_with_n(tmp_path):
     rows, fractions, hf = [], {}, {}
     worlds = (2, 4) if FULL else (2,)  # make test-full: at 4 ranks too (a rank's share halves)
     measured = {world: measure(tmp_path, world) for world in worlds}
-    for name in STAGES:
+    for name in CELLS:
         for world in worlds:
             got = measured[world][name]
             whole = 12 * got["params"]
