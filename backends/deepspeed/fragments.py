@@ -127,6 +127,8 @@ def load_sharded(ds, path: Path, split=None) -> None:
         live[group] += group_names
     # before anything is read in place: the same groups, or an error naming the parameters that moved
     merged = optim_state.merge_groups(base.param_groups, optim_state.read_groups(path, reader), live)
+    if hasattr(zero, "checkpoint_event_prologue"):  # ZeRO-3: release what forward left gathered
+        zero.checkpoint_event_prologue()
     ps.load_state(template, path, reader=reader)
     ds.module.load_state_dict({k: model[k] for k in buffers}, strict=False)
     for _, flat, group_names in members:
@@ -144,5 +146,10 @@ def _masters_to_model(zero) -> None:
     if hasattr(zero, "sub_group_to_group_id"):  # ZeRO-3: each rank's slices, no communication
         for i in range(len(zero.fp16_groups)):
             zero._reassign_or_swap_out_partitioned_parameters(i)
+        # then what DeepSpeed's own load ends with: persistent parameters (below
+        # param_persistence_threshold) are held whole on every rank and never gathered again by
+        # forward: gathered from the slices just read. Without it a load into an engine that had
+        # trained ran its next steps on the old small parameters (norms): 2.9e-3 off by step 5.
+        zero.checkpoint_event_epilogue()
     else:  # ZeRO-1/2, bf16: copy this rank's partition in, all-gather the flat groups
         zero.update_lp_params()

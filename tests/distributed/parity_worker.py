@@ -2,8 +2,9 @@
 
 phase "train": for each case, a single-process reference (plain PyTorch, the whole global batch) and the
 engine run (each rank its slice), 5 steps, saving after step `save_at`.
-phase "resume": a fresh engine over a differently-initialised model loads that checkpoint and runs the
-remaining steps (under the case's "resume_spec" where it has one: another layout or backend). Rank 0 writes every number to --out; the pytest side asserts.
+phase "resume": a fresh engine over a differently-initialised model trains one step, evaluates, then
+loads that checkpoint and runs the remaining steps (under the case's "resume_spec" where it has one:
+another layout or backend). Rank 0 writes every number to --out; the pytest side asserts.
 """
 
 import argparse
@@ -85,6 +86,12 @@ def run_case(case, phase, ckpt_root):
     ckpt = f"{ckpt_root}/{case['name']}"
     start = 0
     if phase == "resume":
+        # The load lands on an engine that has trained and evaluated, not a fresh one: it must
+        # replace all of that (optimizer state and step counts, and FSDP1's root unit, which an
+        # evaluation leaves gathered: the next forward ran on the old weights, 1.2e-2 off).
+        mine = rank_slice(batches[0], engine.dp_rank, rows)
+        engine.train_step(mine)
+        engine.evaluate([mine])
         engine.load(ckpt)
         start = engine.step
     losses, norms = [], []
