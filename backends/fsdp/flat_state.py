@@ -164,7 +164,9 @@ def load(path: Path, model, optimizer, tied: list[list[str]]) -> None:
     template["optim"]["param_groups"] = optim_state.groups_template(path, reader)
     ps.load_state(template, path, reader=reader)
     state = template["optim"]["state"]
-    for p, group_names in _by_parameter(optimizer, names):
+    by_param = _optimizer_members(model, optimizer, units(model))
+    for p in (p for g in optimizer.param_groups for p in g["params"]):
+        group_names = [m.name for m in by_param[id(p)][1]]  # a FlatParameter holds several
         for key, old in optimizer.state.get(p, {}).items():
             if torch.is_tensor(old) and old.dim() > 0:
                 continue
@@ -178,17 +180,6 @@ def load(path: Path, model, optimizer, tied: list[list[str]]) -> None:
     for group, new in zip(optimizer.param_groups, merged):
         group.update(new)
     drop_stale_unsharded(model)
-
-
-def _by_parameter(optimizer, names: list[list[str]]) -> list[tuple[torch.Tensor, list[str]]]:
-    """(optimizer parameter, the member names it holds), in the groups' order."""
-    out = []
-    for group, group_names in zip(optimizer.param_groups, names):
-        it = iter(group_names)
-        for p in group["params"]:
-            count = len(getattr(p, "_fqns", None) or [None])  # a FlatParameter holds several
-            out.append((p, [next(it) for _ in range(count)]))
-    return out
 
 
 def drop_stale_unsharded(model) -> None:
