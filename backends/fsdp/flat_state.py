@@ -85,7 +85,7 @@ def _tied(model_state: dict, tied: list[list[str]]) -> dict:
     return model_state
 
 
-def _optimizer_members(model, optimizer, found) -> dict[int, tuple[torch.Tensor, list[Member]]]:
+def _optimizer_members(optimizer, found) -> dict[int, tuple[torch.Tensor, list[Member]]]:
     """id(optimizer parameter) -> (its flat parameter, the members it holds): the FlatParameter
     itself (use_orig_params false), or each original parameter, a view of its part of the shard."""
     by_param = {}
@@ -93,10 +93,9 @@ def _optimizer_members(model, optimizer, found) -> dict[int, tuple[torch.Tensor,
         by_param[id(flat)] = (flat, members)
         for p, member in zip(getattr(flat, "_params", None) or (), members):
             by_param[id(p)] = (flat, [member])
-    missing = [i for g in optimizer.param_groups for i, p in enumerate(g["params"])
-               if id(p) not in by_param]
+    missing = sum(id(p) not in by_param for g in optimizer.param_groups for p in g["params"])
     if missing:
-        raise ps.PortableStateError(f"fsdp1: {len(missing)} optimizer parameter(s) are neither a "
+        raise ps.PortableStateError(f"fsdp1: {missing} optimizer parameter(s) are neither a "
                                     "unit's FlatParameter nor one of its original parameters; "
                                     "build the optimizer over the prepared model's parameters")
     return by_param
@@ -130,7 +129,7 @@ def portable_state(model, optimizer, tied: list[list[str]], is_main: bool,
     found = units(model)
     weights = {m.name: FlatRange(_local(flat)[m.offset:m.offset + m.numel], m.start, m.shape)
                for flat, members in found for m in members}
-    by_param = _optimizer_members(model, optimizer, found)
+    by_param = _optimizer_members(optimizer, found)
     state, groups = {}, []
     for group in optimizer.param_groups:
         names = []
@@ -164,7 +163,7 @@ def load(path: Path, model, optimizer, tied: list[list[str]]) -> None:
     template["optim"]["param_groups"] = optim_state.groups_template(path, reader)
     ps.load_state(template, path, reader=reader)
     state = template["optim"]["state"]
-    by_param = _optimizer_members(model, optimizer, units(model))
+    by_param = _optimizer_members(optimizer, units(model))
     for p in (p for g in optimizer.param_groups for p in g["params"]):
         group_names = [m.name for m in by_param[id(p)][1]]  # a FlatParameter holds several
         for key, old in optimizer.state.get(p, {}).items():
