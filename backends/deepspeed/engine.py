@@ -11,6 +11,7 @@ import torch
 
 from backends.deepspeed.autotp_split import Split
 from backends.deepspeed.fragments import load_sharded, sharded_state
+from backends.deepspeed.library import import_deepspeed
 from backends.deepspeed.parallelize import (
     apply_autotp_plan,
     apply_zero,
@@ -269,4 +270,5 @@ class DeepSpeedEngine(Engine):
 
 
 def make_engine(spec: Spec, **context) -> Engine:
+    import_deepspeed()  # before anything else imports it: without mlflow (library.py)
     return DeepSpeedEngine(spec, **context)

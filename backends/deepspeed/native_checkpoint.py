@@ -16,11 +16,13 @@ from parallel.checkpoint.importers import CheckpointImportError, named_groups
 from parallel.checkpoint.portable import clean_name
 from parallel.checkpoint.optim_state import shared_step
 from parallel.checkpoint.safe import child_name, read_text, torch_load
+from backends.deepspeed.library import import_deepspeed
 
 
 def deepspeed_classes() -> tuple:
     """The non-tensor classes DeepSpeed's checkpoint files hold: the loss scaler (fp16 or not), the
     ZeRO stage enum, and ZeRO-1/2's fragment addresses."""
+    import_deepspeed()  # the first import, without mlflow (library.py)
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
@@ -46,6 +48,7 @@ def read_deepspeed(src: Path, trust: bool = False, stream: bool = True):
     own zero_to_fp32 merge, applied to the fp32 partitions (and the frozen parameters) and then to
     each optimizer entry partitioned the same way (exp_avg, momentum_buffer...), the whole state in
     memory."""
+    import_deepspeed()
     from deepspeed.utils import zero_to_fp32 as z
 
     from backends.deepspeed.stream_import import streamed_zero

@@ -82,6 +82,9 @@ def announce_builds(names, say) -> None:
 
 def build(names=tuple(OPS)) -> None:
     """Build (or load from the cache) each op, saying how long it took."""
+    from backends.deepspeed.library import import_deepspeed
+
+    import_deepspeed()
     from deepspeed.accelerator import get_accelerator
 
     check_locks()

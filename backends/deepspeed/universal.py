@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from backends.deepspeed.library import import_deepspeed
 from parallel.checkpoint.directory import resolve
 from parallel.checkpoint.manifest import verify_checkpoint
 from parallel.checkpoint.importers import CheckpointImportError
@@ -74,9 +75,7 @@ def _write_states(path: Path, manifest: dict, tag_dir: Path, groups: list[dict],
     counters)."""
     version = manifest.get("versions", {}).get("deepspeed")
     if version is None:
-        import deepspeed
-
-        version = deepspeed.__version__
+        version = import_deepspeed().__version__
     clip = (manifest.get("spec") or {}).get("grad_clip") or 0.0
     index = iter(range(len(trained)))
     torch.save({"param_groups": [{**{k: v for k, v in g.items() if k != "params"},
