@@ -12,7 +12,6 @@ badbatch: at step 2 rank 1's batch lacks `labels`, is empty, or has float input_
 
 import argparse
 import json
-import tempfile
 import traceback
 from pathlib import Path
 
@@ -45,7 +44,7 @@ def mine(engine, ids, poison=False):
     return {"input_ids": part, "labels": part, "scale": scale}
 
 
-def nonfinite(spec_dict):
+def nonfinite(spec_dict, root: Path):
     batches = global_batches(5, 1, ROWS * 2)
     out = {}
     skip = engine_for({**spec_dict, "on_nonfinite": "skip"})
@@ -58,8 +57,8 @@ def nonfinite(spec_dict):
     out["raise"] = poisoned(engine_for({**spec_dict, "on_nonfinite": "raise"}), batches)
     out["deferred"] = poisoned(engine_for(spec_dict), batches)
     saving = engine_for(spec_dict)
-    out["deferred_save"] = poisoned(saving, batches[:3], then=lambda: saving.save(
-        Path(tempfile.mkdtemp(prefix="polyshard-nan-save-")) / "ckpt"))
+    # the save is refused (the poisoned step): nothing may be written under the job's folder
+    out["deferred_save"] = poisoned(saving, batches[:3], then=lambda: saving.save(root / "ckpt"))
     return out
 
 
@@ -76,7 +75,7 @@ def poisoned(engine, batches, then=None) -> str:
         return f"{type(err).__name__} at step {engine.step + 1}: {err}"
 
 
-def badbatch(spec_dict):
+def badbatch(spec_dict, root: Path):  # noqa: ARG001 - one signature
     out = {}
     batches = global_batches(3, 1, ROWS * 2)
     for fault in ("missing_labels", "empty", "float_ids"):
@@ -116,7 +115,8 @@ def main():
     for name, spec_dict in json.load(open(args.cases)).items():
         for scenario in (nonfinite, badbatch):
             try:
-                results[f"{name}/{scenario.__name__}"] = scenario(spec_dict)
+                results[f"{name}/{scenario.__name__}"] = scenario(
+                    spec_dict, Path(args.out).parent / f"{Path(args.out).stem}-{name}-save")
             except Exception:  # noqa: BLE001 - record and go on
                 results[f"{name}/{scenario.__name__}"] = {"error": traceback.format_exc()}
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0

@@ -72,6 +72,9 @@ def test_nonfinite_loss_and_bad_batches_on_every_backend(shared):
         assert "this rank's own loss was" in deferred
         assert nonfinite["deferred_save"].startswith("NonFiniteLossError at step 4: step 3:"), \
             nonfinite["deferred_save"]
+        saved = [p for g in matrix.by_launch(CASES)
+                 for p in tmp.glob(f"faults-{g[0].name}-out-{backend}-save/**/*")]
+        assert not saved, saved  # the refused save wrote nothing, not even its folder's files
         found = int(deferred.split()[3].rstrip(":"))
         rows += [{"fault": "NaN loss, on_nonfinite: skip", "backend": backend,
                   "outcome": "step skipped; steps 4-5 equal a run without it"},
