@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import os
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -48,10 +49,13 @@ class HostPool:
         self.used = 0
         self.copied = False  # a device-to-host copy is in flight
         self.geometry: dict = {}  # DTensor pieces' chunks by layout (chunks.Shards.sources)
+        self.later: list[tuple] = []  # (host view, source): copies `complete` makes
+        self.landed: list = []  # CUDA events of the copies issued
 
-    def copies(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    def copies(self, tensors: list[torch.Tensor], now=lambda t: True) -> list[torch.Tensor]:
         """Host copies of `tensors` in the save's next segment, each an exact view (its storage
-        is its own bytes, so DCP writes it without cloning: chunks.exact_view)."""
+        is its own bytes, so DCP writes it without cloning: chunks.exact_view). Those `now` does
+        not name are only placed: `finish` and `complete` copy them, while training goes on."""
         sizes = [-(-t.numel() * t.element_size() // ALIGN) * ALIGN for t in tensors]
         i, self.used = self.used, self.used + 1
         if i == len(self.segments):
@@ -63,8 +67,11 @@ class HostPool:
         for t, size in zip(tensors, sizes):
             view = torch.empty(0, dtype=t.dtype).set_(segment[at:at + t.numel() * t.element_size()],
                                                       0, t.shape)
-            view.copy_(t.detach(), non_blocking=t.is_cuda)
-            self.copied |= t.is_cuda
+            if now(t):
+                view.copy_(t.detach(), non_blocking=t.is_cuda)
+                self.copied |= t.is_cuda
+            else:
+                self.later.append((view, t.detach()))
             out.append(view)
             at += size
         return out
@@ -95,14 +102,37 @@ class HostPool:
         self.fresh.discard(i)
 
     def finish(self) -> None:
-        """Every copy issued has landed (the writer reads the segments); segments this save did
-        not use (the state changed) are freed."""
+        """The save's copies are placed: segments it did not use (the state changed) are freed,
+        and on CUDA every copy is issued without waiting for it. The copies made now go on the
+        training stream, ordered before the next step's kernels (buffers: the next forward may
+        change them); the later ones on a stream of their own, after what the training stream
+        has queued, so they overlap the next forward and backward. `complete` waits for them."""
         if self.copied:
-            torch.cuda.current_stream().synchronize()
+            self.landed.append(torch.cuda.current_stream().record_event())
+        cuda = [(view, t) for view, t in self.later if t.is_cuda]
+        if cuda:
+            side = torch.cuda.Stream(device=cuda[0][1].device)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for view, t in cuda:
+                    view.copy_(t, non_blocking=True)
+            self.landed.append(side.record_event())
+        self.later = [(view, t) for view, t in self.later if not t.is_cuda]
         for i in range(self.used, len(self.segments)):
             self._free(i)
         del self.segments[self.used:], self.fds[self.used:]
         self.used, self.copied = 0, False
+
+    def complete(self) -> None:
+        """Every copy of the save has landed (the writer may read the segments): the host
+        tensors' copies are made here, on the saver's thread (torch's copy releases the
+        interpreter lock), and the CUDA ones waited for."""
+        with torch.no_grad():
+            for view, t in self.later:
+                view.copy_(t)
+        for event in self.landed:
+            event.synchronize()
+        self.later, self.landed = [], []
 
     def release(self) -> None:
         for i in range(len(self.segments)):
@@ -122,17 +152,21 @@ def _unregister(ptr: int) -> None:
     torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
-def stage(obj, pool: HostPool | None = None):
+def stage(obj, pool: HostPool | None = None, now: set[int] | None = None):
     """A copy of a state in host memory that no later training step can change: each rank's own
     shards and ranges only, so the copy is as large as what the rank holds. DTensors and sharded
     tensors become `Shards` (their pieces as DCP writes them, with no device mesh behind them), so
-    the copy can be written by another thread or process."""
+    the copy can be written by another thread or process. `now`: the data pointers of what the
+    next step's forward may change (the module's buffers), copied at once; the rest (parameters,
+    optimizer state: only an optimizer step changes them) is copied by `pool.complete`, which the
+    engine waits for before its next optimizer step (Checkpointer.staged). None: all at once."""
     pool = pool or HostPool()  # none: memory of this copy's own
     sources: list[torch.Tensor] = []
     pieces: dict[int, list] = {}  # id of a sharded tensor -> its pieces (looked up once)
     with torch.no_grad():
         _collect(obj, sources, pieces, pool.geometry)
-        copies = pool.copies(sources)
+        copies = pool.copies(sources, (lambda t: True) if now is None else
+                             (lambda t: t.data_ptr() in now))
     return _rebuild(obj, iter(copies), pieces)
 
 
@@ -186,6 +220,10 @@ class BackgroundSaver:
         self._threads: ThreadPoolExecutor | None = None
         self._process = None  # writer.WriterProcess, started at the first async save
         self._pending: Future | None = None
+        self._stager = ThreadPoolExecutor(1, thread_name_prefix="polyshard-stage")
+        self._landed: Future | None = None  # the save's copies (HostPool.complete)
+        self.staging_wait_s = 0.0  # how long `staged` blocked, in all
+        self.failed: BaseException | None = None  # a save's copies raised: no async save after
 
     @property
     def writer_pid(self) -> int | None:
@@ -202,20 +240,40 @@ class BackgroundSaver:
         return self.group
 
     def submit(self, job) -> None:
-        """`job`: a directory.PendingSave whose state is staged in `self.pinned`."""
+        """`job`: a directory.PendingSave whose state is placed in `self.pinned` (its copies
+        finished there on this saver's thread, then written)."""
+        if self.failed is not None:  # its segments may never have reached the writer
+            raise RuntimeError(f"an earlier async save could not copy its state ({self.failed}); "
+                               "save synchronously (async_save=False) or restart the job")
+        landed = self._landed = self._stager.submit(self.pinned.complete)
         if self.writer == "process":
             if self._process is None:
                 from parallel.checkpoint.writer import WriterProcess
 
                 self._process = WriterProcess.start(job.rank, self.timeout_s)
-            self._process.submit(job, self.pinned)
+            self._process.submit(job, self.pinned, landed)
             return
         if self._threads is None:
             self._threads = ThreadPoolExecutor(1, thread_name_prefix="polyshard-save")
-        self._pending = self._threads.submit(job.run)
+        self._pending = self._threads.submit(lambda: (landed.result(), job.run()))
+
+    def staged(self) -> None:
+        """Block until the save's copies have landed (the state may change after); raise what
+        copying raised."""
+        landed, self._landed = self._landed, None
+        if landed is not None:
+            start = time.perf_counter()
+            try:
+                landed.result()
+            except BaseException as err:
+                self.failed = err
+                raise
+            finally:
+                self.staging_wait_s += time.perf_counter() - start
 
     def wait(self) -> None:
         """Block until the write in flight is published; raise what it raised."""
+        self.staged()
         if self._process is not None:
             self._process.wait()
         pending, self._pending = self._pending, None

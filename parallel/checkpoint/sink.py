@@ -41,11 +41,12 @@ class Sink:
         self.sections = sections
         self.durable = durable
         self.capture = capture
+        self.now: set[int] | None = None  # staged: data pointers copied at once (background.stage)
 
     def __getstate__(self) -> dict:
         """What a writer process gets: no staging pool (the rank's) and no process group (the
         writer runs on its own default group)."""
-        return {**self.__dict__, "pool": None, "group": None}
+        return {**self.__dict__, "pool": None, "group": None, "now": None}
 
     def kept(self, state: dict) -> dict:
         """`state` with only this save's sections."""
@@ -80,12 +81,16 @@ class Sink:
         can change, written by portable.write_queued."""
         from parallel.checkpoint.background import stage
 
-        self.queued.append((stage(state, self.pool), planner, collective))
+        self.queued.append((stage(state, self.pool, self.now), planner, collective))
 
-    def copies_landed(self) -> None:
-        """Every device-to-host copy `queue` issued has finished (the writer reads the buffers)."""
+    def placed(self, wait: bool = False) -> None:
+        """Every copy `queue` placed is made or issued: buffers' at once, the rest completed by
+        the pool on the saver's thread (HostPool.complete); `wait`: completed here (a save that
+        failed half-way leaves nothing for the next one to copy)."""
         if self.pool is not None:
             self.pool.finish()
+            if wait:
+                self.pool.complete()
 
     def take_queued(self) -> list[tuple]:
         """The queued states, handed to the writer once (portable.write_queued): the sink is no

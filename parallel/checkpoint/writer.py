@@ -6,9 +6,9 @@ serialisation and the hashing hold it in slices the steps beside the write wait 
 FD PID`, is started at the first async save and kept until `close`; it talks to its rank over a
 socket pair and joins the other writers in a gloo group through the job's store (nothing listens).
 
-Per save one `PendingSave` (directory.py) crosses, pickled with every staged tensor a reference into
-the rank's `HostPool` segments: memory files (memfd) the writer maps once, so no tensor byte is
-copied or sent again. The pickle is private traffic between a process and its own child.
+Per save one `PendingSave` (directory.py) crosses, pickled at the save with every staged tensor a
+reference into the rank's `HostPool` segments (memory files the writer maps once: no byte copied or
+sent again), and sent once the copies have landed. Private traffic between a process and its child.
 
 Not torch's process executor (`dcp.async_save(async_checkpointer_type=PROCESS)`): it runs `dcp.save`
 alone (a checkpoint here is also the hashes, manifest, rename and `latest`), keeps its process in a
@@ -17,8 +17,7 @@ multiprocessing's spawn, which imports the user's `__main__` again (a script wit
 would train in it). This writer reuses the job's store and imports only the checkpoint package.
 
 The writer dies with its rank (PR_SET_PDEATHSIG: a crashed rank leaves a `.partial` directory and
-`latest` where it was, as a thread dies with its process), ignores the job's signals (preemption is
-the rank's: it waits for the write, then exits) and leaves at EOF.
+`latest` where it was), ignores the job's signals (preemption is the rank's) and leaves at EOF.
 """
 
 from __future__ import annotations
@@ -54,8 +53,7 @@ class WriterProcess:
         self.proc, self.sock, self.rank = proc, sock, rank
         self._sender = ThreadPoolExecutor(1, thread_name_prefix="polyshard-writer-send")
         self._sent: Future | None = None
-        self.died: WriterDied | None = None  # later saves are refused with it: the writers'
-        # group lost a member, and the other ranks' writers fail their next collective
+        self.died: WriterDied | None = None  # later saves refused with it (the group lost one)
 
     @classmethod
     def start(cls, rank: int, timeout_s: float) -> WriterProcess:
@@ -77,8 +75,8 @@ class WriterProcess:
         _send(ours, pickle.dumps(init))  # read once the writer has imported torch; we go on
         return writer
 
-    def submit(self, job, pool) -> None:
-        """Hand `job` over (its state already staged in `pool`); returns at once."""
+    def submit(self, job, pool, landed: Future | None = None) -> None:
+        """Hand `job` over (its state in `pool`, sent once `landed`: the copies); returns at once."""
         if self.died is not None:
             raise WriterDied(f"{self.died} (at an earlier save); async saves cannot go on in this "
                              "job: save synchronously (async_save=False) or restart it")
@@ -89,9 +87,9 @@ class WriterProcess:
                                 "dropped": sorted(pool.dropped), "job": buf.getvalue()})
         pool.fresh.clear()
         pool.dropped.clear()
-        # sent from a thread: the first save's message waits in the socket while the writer is
-        # still importing torch, and a large one would block the step until it is read
-        self._sent = self._sender.submit(_send, self.sock, message, [pool.fds[i] for i in fresh])
+        # sent from a thread: it waits for the copies, the writer's start and a large message
+        self._sent = self._sender.submit(_send, self.sock, message, [pool.fds[i] for i in fresh],
+                                         landed)
 
     def wait(self) -> None:
         """The save in flight is published; its error raised here."""
@@ -185,7 +183,9 @@ class _Unpickler(pickle.Unpickler):
         return torch.empty(0, dtype=dtype).set_(storage, storage_offset, shape, stride)
 
 
-def _send(sock: socket.socket, payload: bytes, fds=()) -> None:
+def _send(sock: socket.socket, payload: bytes, fds=(), landed: Future | None = None) -> None:
+    if landed is not None:
+        landed.result()  # the segments hold the save's state: the writer may read them
     if len(fds) > MAX_FDS:
         raise RuntimeError(f"an async save queued {len(fds)} new staging segments at once "
                            f"(at most {MAX_FDS})")

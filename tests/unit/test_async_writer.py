@@ -101,6 +101,54 @@ def test_staged_tensors_cross_to_the_writer_by_reference():
     pool.release()
 
 
+def test_buffers_are_copied_at_once_the_rest_when_the_pool_completes():
+    """What the next forward may change (buffers: BatchNorm's statistics) is copied by the save;
+    parameters and optimizer state later, on the saver's thread, before the next optimizer step."""
+    pool = HostPool()
+    param, buffer = torch.arange(4.0), torch.zeros(3)
+    staged = stage({"p": param, "b": buffer}, pool, now={buffer.data_ptr()})
+    pool.finish()
+    assert len(pool.later) == 1  # the parameter's copy: not made yet
+    buffer.add_(1)  # the next forward
+    assert torch.equal(staged["b"], torch.zeros(3))
+    pool.complete()
+    assert torch.equal(staged["p"], param) and pool.later == []
+
+
+def test_the_step_after_an_async_save_waits_for_its_copies_before_updating(tmp_path):
+    """save returns before the parameters' and optimizer state's copies are made (they overlap
+    the next forward and backward); the next optimizer step waits for them. Here the saver's
+    thread is held busy for 0.5 s first, so without that wait the update would reach the
+    checkpoint: the resumed run would not repeat the steps after the save."""
+    from parallel import create_engine, load_spec
+    from parallel.toy import build_llama, llama_config
+
+    def engine(seed):
+        torch.manual_seed(seed)
+        e = create_engine(load_spec({"backend": "fsdp", "micro_batch_size": 2}))
+        e.prepare(build_llama(llama_config("tiny")), (torch.optim.AdamW, {"lr": 1e-2}))
+        return e
+
+    def batch(seed):
+        ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(seed))
+        return {"input_ids": ids, "labels": ids}
+
+    first, second = engine(0), engine(5)
+    try:
+        first.train_step(batch(0))
+        saver = first.checkpoints.saver
+        saver._stager.submit(time.sleep, 0.5)  # the copies land 0.5 s late
+        first.save(tmp_path / "ckpt", async_save=True)
+        after = [first.train_step(batch(i)).loss for i in (1, 2)]  # at once
+        assert saver.staging_wait_s > 0.3  # the first update waited for the copies
+        first.wait_for_save()
+        second.load(tmp_path / "ckpt")
+        assert [second.train_step(batch(i)).loss for i in (1, 2)] == after
+    finally:
+        first.close()
+        second.close()
+
+
 def _job(path: Path, sink: Sink, step: int) -> PendingSave:
     return PendingSave(path, sink, {"trainer.pt": {"step": step}}, {"step": step, "world_size": 1},
                        0, True, None, None, opened=False)
@@ -113,7 +161,7 @@ def test_a_background_writer_publishes_and_raises_what_failed(tmp_path, writer):
         for step in (1, 2):
             sink = Sink(partial_path(tmp_path / f"s{step}"), staged=True, pool=saver.pinned)
             save_state({"model": {"w": torch.full((5,), float(step))}}, sink, collective=False)
-            sink.copies_landed()
+            sink.placed()
             saver.submit(_job(tmp_path / f"s{step}", sink, step))
             saver.wait()
             verify_checkpoint(tmp_path / f"s{step}")
@@ -124,7 +172,7 @@ def test_a_background_writer_publishes_and_raises_what_failed(tmp_path, writer):
         (tmp_path / "blocked").write_text("a file where the checkpoint's parent should be")
         bad = tmp_path / "blocked" / "s3"
         sink = Sink(partial_path(bad), staged=True, pool=saver.pinned)
-        sink.copies_landed()
+        sink.placed()
         saver.submit(_job(bad, sink, 3))
         with pytest.raises(NotADirectoryError) as err:
             saver.wait()

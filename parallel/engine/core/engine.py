@@ -83,6 +83,7 @@ class Engine(EngineSetup):
         self.progress.phase = "forward/backward"
         local = self._forward_backward(micro_batches, counts, total)
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this update uses (schedule moves after)
+        self.checkpoints.staged()  # an async save's copies of what the update changes have landed
         self.progress.phase = "optimizer step"
         if self.nonfinite is None:  # raise | skip: decided before the update
             # The mean over ranks is non-finite exactly when some rank's loss is: the reduction a

@@ -140,6 +140,9 @@ class Checkpointer:
             group, tmp = None, begin_checkpoint(path, e.rank)
         sink = Sink(tmp, staged=background, pool=self.saver.pinned if background else None,
                     group=group, threads=spec.checkpoint.write_threads)
+        # the next forward may change buffers (BatchNorm's statistics): copied now; parameters
+        # and optimizer state change only at an optimizer step, which waits for their copies
+        sink.now = {b.data_ptr() for b in e.model.buffers()}
         small = self._small_files(e)  # taken now: the next step changes them
         meta = {"backend": e.name, "world_size": e.world_size, "step": e.step,
                 "user_state": e.user_state.kinds(),
@@ -149,9 +152,11 @@ class Checkpointer:
         job = PendingSave(path, sink, small, meta, e.rank, e.is_main and pointer, keep, managed,
                           opened=not background)
         try:
-            self.write(sink)  # staged: copies this rank's state to host memory, no file yet
-        finally:
-            sink.copies_landed()
+            self.write(sink)  # staged: places this rank's state in host memory, no file yet
+        except BaseException:
+            sink.placed(wait=True)
+            raise
+        sink.placed()
         if background:
             self.saver.submit(job)
         else:
@@ -200,6 +205,12 @@ class Checkpointer:
     def wait(self) -> None:
         """Block until an async save in flight is published (its error, if any, is raised here)."""
         self.saver.wait()
+
+    def staged(self) -> None:
+        """Block until an async save's copies have landed: before anything changes parameters or
+        optimizer state (the engine's optimizer step). Overlapping the forward and backward
+        between, as torchtitan's maybe_wait_for_staging before its optimizer step."""
+        self.saver.staged()
 
     def load(self, path, trust: bool = False) -> dict:
         with paused_gc():

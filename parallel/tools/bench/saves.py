@@ -121,12 +121,15 @@ def async_step_cost(engine, batches: list, root: Path) -> dict:
     the save blocked. {} where the backend cannot save in the background."""
     if not engine.background_save or not batches:
         return {}
-    timed = _timer(engine)
+    timed, saver = _timer(engine), engine.checkpoints.saver
     plain, during, blocked = [], [], []
     for i in range(4):  # round 0 warms the background saver's group and buffers
         plain.append(sum(timed(lambda b=b: engine.train_step(b)) for b in batches) / len(batches))
         blocked.append(timed(lambda: engine.save(root / f"inflight-{i}", async_save=True)))
+        waited = saver.staging_wait_s
         during.append(sum(timed(lambda b=b: engine.train_step(b)) for b in batches) / len(batches))
+        # blocked: save's return, and what the next update waited for its copies (Checkpointer.staged)
+        blocked[-1] += saver.staging_wait_s - waited
         engine.wait_for_save()
         dist.barrier()
         if engine.is_main:
