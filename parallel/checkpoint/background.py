@@ -51,6 +51,7 @@ class HostPool:
         self.geometry: dict = {}  # DTensor pieces' chunks by layout (chunks.Shards.sources)
         self.later: list[tuple] = []  # (host view, source): copies `complete` makes
         self.landed: list = []  # CUDA events of the copies issued
+        self.held: list[torch.Tensor] = []  # their sources, alive until the events complete
 
     def copies(self, tensors: list[torch.Tensor], now=lambda t: True) -> list[torch.Tensor]:
         """Host copies of `tensors` in the save's next segment, each an exact view (its storage
@@ -117,6 +118,9 @@ class HostPool:
                 for view, t in cuda:
                     view.copy_(t, non_blocking=True)
             self.landed.append(side.record_event())
+        # CUDA sources stay referenced until `complete`: a temporary one (a contiguous copy)
+        # freed now could be reallocated by the next forward while the side stream reads it
+        self.held = [t for _, t in cuda]
         self.later = [(view, t) for view, t in self.later if not t.is_cuda]
         for i in range(self.used, len(self.segments)):
             self._free(i)
@@ -132,7 +136,7 @@ class HostPool:
                 view.copy_(t)
         for event in self.landed:
             event.synchronize()
-        self.later, self.landed = [], []
+        self.later, self.landed, self.held = [], [], []
 
     def release(self) -> None:
         for i in range(len(self.segments)):
