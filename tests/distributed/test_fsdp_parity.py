@@ -27,7 +27,8 @@ def spec(version, shard, **extra):
 
 
 def strategy_cases(version):
-    # FSDP1 rejects a 1-rank hybrid shard group (see backends/fsdp/translate.py); tested in tests/unit/test_fsdp_translate.py.
+    # FSDP1 rejects a 1-rank hybrid shard group (backends/fsdp/translate.py;
+    # tests/unit/test_fsdp_translate.py)
     shards = [s for s in SHARDS if version == 2 or SHARDS[s].get("topology", {}).get(
         "shard_group_size") != 1]
     # strategy x optimizer is a product (matrix.py's tiers): make test runs every strategy, with
