@@ -9,5 +9,6 @@ import_tp.py, accelerate.py, exports.py: DeepSpeed's own rules and its files in 
 native_checkpoint.py: DeepSpeed checkpoints in (stream_import.py: a ZeRO checkpoint one rank's file at a
 time); universal.py: DeepSpeed universal checkpoints out;
 ops.py: its just-in-time ops (built ahead, first builds said, a killed build's lock refused);
-library.py: deepspeed imported without mlflow, which only its autotuner uses.
+library.py: deepspeed imported without what only features polyshard never runs import (mlflow,
+inductor's compiler).
 """

@@ -35,7 +35,7 @@ def import_deepspeed() -> ModuleType:
     try:
         import deepspeed
     finally:
-        if hide and sys.modules.get("mlflow", ModuleType("x")) is None:
+        if hide and "mlflow" in sys.modules and sys.modules["mlflow"] is None:
             del sys.modules["mlflow"]
     if "torch._inductor.compile_fx" not in sys.modules:  # else decorating costs nothing more
         _import_compiling_later(MUON)

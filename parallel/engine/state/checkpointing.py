@@ -142,7 +142,7 @@ class Checkpointer:
                     group=group, threads=spec.checkpoint.write_threads)
         # the next forward may change buffers (BatchNorm's statistics): copied now; parameters
         # and optimizer state change only at an optimizer step, which waits for their copies
-        sink.now = {b.data_ptr() for b in e.model.buffers()}
+        sink.now = {b.data_ptr() for b in e.model.buffers()} if background else None
         small = self._small_files(e)  # taken now: the next step changes them
         meta = {"backend": e.name, "world_size": e.world_size, "step": e.step,
                 "user_state": e.user_state.kinds(),
