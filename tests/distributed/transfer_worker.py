@@ -94,7 +94,7 @@ def main():
         spec = load_spec(backends[names[0]])
         batches = global_batches(STEPS, 1, GLOBAL_ROWS)
         for opt in args.optimizers.split(","):
-            results[f"reference-{opt}"] = {"loss": reference(spec, {"optimizer": opt}, batches)[0]}
+            results[f"reference-{opt}"] = {"loss": reference(spec, {"optimizer": opt}, batches, {})[0]}
         Path(args.out).write_text(json.dumps(results, indent=1))
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
