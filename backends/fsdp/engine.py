@@ -24,7 +24,7 @@ from backends.fsdp.parallelize import (
     sync_from_rank0,
 )
 from backends.fsdp.translate import translate
-from parallel.checkpoint.dcp_state import read_model_optim, write_model_optim
+from parallel.checkpoint.dcp_state import LiveState, read_model_optim, write_model_optim
 from parallel.checkpoint.sink import Sink
 from parallel.engine.core.engine import Engine
 from parallel.engine.core.step import OptimizerArg, clip_grad_norm, require_fp32
@@ -49,6 +49,7 @@ class _TorchFSDP(ModuleStateTensors, Engine):
         super().__init__(spec, **context)
         self.plan = translate(spec)  # fail on a contradicting native key before any work
         self.units: list[tuple[str, nn.Module]] = []
+        self.live = LiveState()  # the sharded state get_state_dict gave, while it is still live
         self.scaler = None
         if spec.precision == "fp16":
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -105,9 +106,10 @@ class _TorchFSDP(ModuleStateTensors, Engine):
 
     def _save_model_optim(self, sink: Sink) -> None:
         write_model_optim(sink, self.model, self.optimizer, self.spec.state_dict == "sharded",
-                          self.rank, on_cpu=self.device.type == "cpu")
+                          self.rank, on_cpu=self.device.type == "cpu", live=self.live)
 
     def _load_model_optim(self, path: Path, manifest: dict) -> None:
+        self.live.clear()  # it holds the state tensors the load replaces
         read_model_optim(path, self.model, self.optimizer)
 
     def native_checkpoint(self):

@@ -1,11 +1,14 @@
-"""Portable state (parallel/checkpoint/portable.py) for modules torch's `get_state_dict` understands: plain modules,
-FSDP1 and FSDP2. It strips wrapper prefixes (`_fsdp_wrapped_module`, `_checkpoint_wrapped_module`) and
-keys optimizer state by parameter name, which is exactly the portable layout."""
+"""Portable state (parallel/checkpoint/portable.py) for modules torch's `get_state_dict` understands:
+plain modules, FSDP1 and FSDP2. It strips wrapper prefixes (`_fsdp_wrapped_module`,
+`_checkpoint_wrapped_module`) and keys optimizer state by parameter name, which is exactly the
+portable layout. `LiveState` hands its sharded state out again while it still is the live state."""
 
 from __future__ import annotations
 
+from itertools import chain
 from pathlib import Path
 
+import torch
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -18,9 +21,9 @@ from parallel.checkpoint.sink import Sink
 
 
 def write_model_optim(sink: Sink, model, optimizer, sharded: bool, rank: int,
-                      on_cpu: bool = False) -> None:
+                      on_cpu: bool = False, live: LiveState | None = None) -> None:
     if sharded:  # every rank writes its own shards (DTensor / ShardedTensor chunks)
-        msd, osd = get_state_dict(model, optimizer)
+        msd, osd = (live or LiveState()).get(model, optimizer)
         save_state({"model": msd, "optim": osd}, sink)
         return
     # Full: the state is gathered and rank 0 writes whole tensors. On accelerators it is gathered
@@ -44,3 +47,62 @@ def read_model_optim(path: Path, model, optimizer) -> None:
                           [g["params"] for g in osd["param_groups"]])
     set_state_dict(model, optimizer, model_state_dict=template["model"],
                    optim_state_dict={"state": template["optim"]["state"], "param_groups": groups})
+
+
+class LiveState:
+    """get_state_dict's sharded (model, optimizer) state, reused by the next saves while it is still
+    the live state: its model values are detached views of the parameters and buffers, and its
+    optimizer state is the optimizer's own per-parameter dicts, so a step updates both in place.
+    torch recomputes it at every call: 18-33 ms of an async save's 31-57 ms at one 56M-Llama rank
+    (225 names resolved, 150 DTensors detached again), the step's largest share of the blocking.
+
+    Reused only while the same parameter and buffer tensors sit over the same storage and the groups
+    hold the same parameters (`_identity`), every model value is a tensor over live storage (no
+    extra_state objects) and the optimizer has torch's own `state_dict` without hooks. Each reuse
+    reads the optimizer's state dicts and hyper-parameters (a scheduler's lr) anew. The owner clears
+    it before a load, which may replace the parameters it holds views of."""
+
+    def __init__(self):
+        self._key: tuple | None = None
+        self._msd: dict = {}
+        self._fqn: dict[int, str] = {}  # id(parameter) -> its name
+        self._groups: list[list[str]] = []
+
+    def clear(self) -> None:
+        self._key, self._msd, self._fqn, self._groups = None, {}, {}, []
+
+    def get(self, model, optimizer) -> tuple[dict, dict]:
+        if self._key is not None and self._key == _identity(model, optimizer):
+            state = {self._fqn[id(p)]: s for p, s in optimizer.state.items()}  # the optimizer's order
+            groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(names)}
+                      for g, names in zip(optimizer.param_groups, self._groups)]
+            return dict(self._msd), {"state": state, "param_groups": groups}
+        self.clear()
+        msd, osd = get_state_dict(model, optimizer)  # also creates missing optimizer state
+        if _reusable(msd, model, optimizer):
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            names = [n for g in osd["param_groups"] for n in g["params"]]
+            self._fqn = {id(p): n for p, n in zip(params, names)}
+            self._groups = [list(g["params"]) for g in osd["param_groups"]]
+            self._msd, self._key = dict(msd), _identity(model, optimizer)
+        return msd, osd
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return getattr(t, "_local_tensor", t)  # a DTensor's shard on this rank
+
+
+def _identity(model, optimizer) -> tuple:
+    """What the reused model state and names stand for: the parameter and buffer tensors and their
+    storage, and the groups' parameters (the optimizer's state dicts are read anew at each reuse)."""
+    tensors = chain(model.parameters(), model.buffers())
+    return (tuple((id(t), _local(t).data_ptr()) for t in tensors),
+            tuple(tuple(map(id, g["params"])) for g in optimizer.param_groups))
+
+
+def _reusable(msd: dict, model, optimizer) -> bool:
+    live = {_local(t).data_ptr() for t in chain(model.parameters(), model.buffers())}
+    return (all(isinstance(v, torch.Tensor) and _local(v).data_ptr() in live for v in msd.values())
+            and type(optimizer).state_dict is torch.optim.Optimizer.state_dict
+            and not getattr(optimizer, "_optimizer_state_dict_pre_hooks", None)
+            and not getattr(optimizer, "_optimizer_state_dict_post_hooks", None))
