@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from backends.deepspeed.autotp_split import Split
-from backends.deepspeed.fragments import load_sharded, sharded_state
+from backends.deepspeed.fragments import LiveShards, load_sharded, sharded_state
 from backends.deepspeed.library import import_deepspeed
 from backends.deepspeed.parallelize import (
     apply_autotp_plan,
@@ -56,6 +56,7 @@ class DeepSpeedEngine(Engine):
         self.ds = None
         self._hf_zero3 = None  # HfDeepSpeedConfig, held while the engine lives (ZeRO-3)
         self.split: Split | None = None  # what AutoTP split (topology.tp > 1)
+        self.live = LiveShards()  # sharded saves' views, kept while they are live
 
     def _prepare(self, model, optimizer: OptimizerArg):
         start_deepspeed(self.ctx.local_rank, self.spec.deepspeed.deepcompile, self.device, self.say)
@@ -181,7 +182,7 @@ class DeepSpeedEngine(Engine):
         sharded, split = self.spec.state_dict == "sharded", self.split
         if is_zero(self.optimizer) and sharded:
             # each rank writes the ranges its partition holds, in place: O(model / N) per rank
-            ps.save_state(sharded_state(self.ds, split), sink)
+            ps.save_state(sharded_state(self.ds, split, self.live), sink)
         elif is_zero(self.optimizer):  # full: rank 0 writes everything, gathered one at a time
             ps.save_state(zero_state(self.ds, lambda i: self.is_main, split=split), sink)
         elif master_names(self.ds) or split is not None:  # ZeRO-0: whole on every dp rank
@@ -193,6 +194,7 @@ class DeepSpeedEngine(Engine):
                               on_cpu=self.device.type == "cpu")
 
     def _load_model_optim(self, path: Path, manifest: dict) -> None:
+        self.live.clear()
         if is_zero(self.optimizer):  # whatever wrote it: each rank reads its ranges in place
             load_sharded(self.ds, path, self.split)
         elif master_names(self.ds):

@@ -117,12 +117,13 @@ def hf_times(engine, root: Path) -> dict:
 def async_step_cost(engine, batches: list, root: Path) -> dict:
     """What an async save costs the steps that run while it writes: the mean time of the timed
     batches' steps right after `save(async_save=True)` returned (the write in flight; waited for
-    after the last) against the same steps with no save, alternated over three rounds; and what
-    the save blocked. {} where the backend cannot save in the background."""
+    after the last) against the same steps with no save, alternated over three rounds; what the
+    save blocked; and how long the write still ran after those steps (whether it kept pace).
+    {} where the backend cannot save in the background."""
     if not engine.background_save or not batches:
         return {}
     timed, saver = _timer(engine), engine.checkpoints.saver
-    plain, during, blocked = [], [], []
+    plain, during, blocked, left = [], [], [], []
     for i in range(4):  # round 0 warms the background saver's group and buffers
         plain.append(sum(timed(lambda b=b: engine.train_step(b)) for b in batches) / len(batches))
         blocked.append(timed(lambda: engine.save(root / f"inflight-{i}", async_save=True)))
@@ -130,10 +131,11 @@ def async_step_cost(engine, batches: list, root: Path) -> dict:
         during.append(sum(timed(lambda b=b: engine.train_step(b)) for b in batches) / len(batches))
         # blocked: save's return, and what the next update waited for its copies (Checkpointer.staged)
         blocked[-1] += saver.staging_wait_s - waited
-        engine.wait_for_save()
+        left.append(timed(engine.wait_for_save))  # the write had not kept pace by this much
         dist.barrier()
         if engine.is_main:
             shutil.rmtree(root / f"inflight-{i}", ignore_errors=True)
     plain_s, during_s = statistics.median(plain[1:]), statistics.median(during[1:])
     return {"inflight_step_s": during_s, "plain_step_s": plain_s,
-            "inflight_slowdown": during_s / plain_s - 1, "async_block_s": statistics.median(blocked[1:])}
+            "inflight_slowdown": during_s / plain_s - 1, "async_block_s": statistics.median(blocked[1:]),
+            "inflight_write_left_s": statistics.median(left[1:])}
