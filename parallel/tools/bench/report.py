@@ -262,7 +262,8 @@ CSV_KEYS = ["median_s", "p90_s", "tokens_per_s", "target_tokens_per_s", "loss_fi
 
 # --save's GB/s against the disk's, the Hugging Face save, and the steps run while an async save writes
 SAVE_EXTRA = ("save_gbps", "load_gbps", "disk_write_gbps", "disk_read_gbps", "save_of_disk",
-              "load_of_disk", "hf_s", "hf_vs_dcp", "hf_gbps", "inflight_slowdown")
+              "load_of_disk", "hf_s", "hf_vs_dcp", "hf_gbps", "inflight_slowdown", "async_block_s",
+              "inflight_write_left_s")
 
 
 def write_csv(results: dict, path: Path) -> None:
