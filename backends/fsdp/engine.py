@@ -193,6 +193,10 @@ class _RequiresGradSync:
 
 
 class FSDP1Engine(_TorchFSDP):
+    def __init__(self, spec: Spec, **context):
+        super().__init__(spec, **context)
+        self.flat_live = flat_state.LiveFlat()  # sharded saves' views, kept while they are live
+
     @property
     def per_parameter_grads(self) -> bool:  # use_orig_params: the optimizer steps the originals
         return self.spec.fsdp.use_orig_params
@@ -219,9 +223,11 @@ class FSDP1Engine(_TorchFSDP):
     def _save_model_optim(self, sink: Sink) -> None:
         if self.spec.state_dict != "sharded":
             return super()._save_model_optim(sink)
-        flat_state.save(sink, self.model, self.optimizer, self.params.tied, self.is_main)
+        flat_state.save(sink, self.model, self.optimizer, self.params.tied, self.is_main,
+                        self.flat_live)
 
     def _load_model_optim(self, path: Path, manifest: dict) -> None:
+        self.flat_live.clear()
         if self.spec.state_dict == "sharded":
             return flat_state.load(path, self.model, self.optimizer, self.params.tied)
         super()._load_model_optim(path, manifest)

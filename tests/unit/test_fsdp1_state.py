@@ -1,7 +1,8 @@
 """FSDP1's sharded checkpoint written from its flat shards in place (backends/fsdp/flat_state.py), at
 one rank: the same stored tensors and groups as torch's get_state_dict path wrote, read back into an
 engine that had trained and evaluated (its root unit left gathered) with the next loss unchanged, and
-optimizer state that is neither per-element nor scalar refused by name. Two ranks, where the ranges
+optimizer state that is neither per-element nor scalar refused by name; the views one save
+built are kept for the next while they are live (LiveFlat). Two ranks, where the ranges
 are real parts of each parameter: tests/distributed (parity, transfer matrix, checkpoint memory)."""
 
 import pytest
@@ -67,5 +68,52 @@ def test_optimizer_state_of_another_shape_is_refused_by_name():
         engine.optimizer.state[flat]["row_sums"] = torch.zeros(3)  # factored, as Adafactor keeps
         with pytest.raises(ps.PortableStateError, match="row_sums.*per-element and scalar"):
             flat_state.portable_state(engine.model, engine.optimizer, [], is_main=True)
+    finally:
+        engine.close()
+
+
+def _data(v):
+    return getattr(v, "data", v)
+
+
+def assert_fresh(got: dict, engine):
+    """`got` is what a fresh portable_state computes now, to the storage its ranges view."""
+    now = flat_state.portable_state(engine.model, engine.optimizer, engine.params.tied, True)
+    assert list(got["model"]) == list(now["model"])
+    for k, v in now["model"].items():
+        assert _data(got["model"][k]).data_ptr() == _data(v).data_ptr(), k
+        assert torch.equal(_data(got["model"][k]), _data(v)), k
+    assert list(got["optim"]["state"]) == list(now["optim"]["state"])
+    for name, entries in now["optim"]["state"].items():
+        assert list(got["optim"]["state"][name]) == list(entries), name  # the same order
+        for k, v in entries.items():
+            assert torch.equal(_data(got["optim"]["state"][name][k]), _data(v)), (name, k)
+    assert got["optim"]["param_groups"] == now["optim"]["param_groups"]
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_kept_views_are_what_portable_state_computes_now(use_orig_params):
+    """LiveFlat: the views of one save kept for the next while they are live. After steps and an
+    lr change they are a fresh portable_state (step counts too); a reallocated state tensor is
+    seen."""
+    engine = engine_for(use_orig_params, seed=0)
+    try:
+        engine.train_step(batch(0))
+        live = flat_state.LiveFlat()
+        first = live.get(engine.model, engine.optimizer, engine.params.tied, True)
+        engine.train_step(batch(1))
+        for group in engine.optimizer.param_groups:
+            group["lr"] = 0.25  # a scheduler between saves
+        again = live.get(engine.model, engine.optimizer, engine.params.tied, True)
+        name = next(iter(first["optim"]["state"]))
+        assert again["model"][name] is first["model"][name]  # kept, not built again
+        assert again["optim"]["param_groups"][0]["lr"] == 0.25
+        assert_fresh(again, engine)
+
+        param = next(iter(engine.optimizer.state))
+        engine.optimizer.state[param]["exp_avg"] = engine.optimizer.state[param]["exp_avg"].clone()
+        after = live.get(engine.model, engine.optimizer, engine.params.tied, True)
+        assert after["model"][name] is not first["model"][name]
+        assert_fresh(after, engine)
     finally:
         engine.close()
