@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from parallel.checkpoint import optim_state
 from parallel.checkpoint import portable as ps
-from parallel.checkpoint.chunks import FlatRange
+from parallel.checkpoint.chunks import FlatRange, Kept
 from parallel.engine.model.params import aliases, tied_groups
 
 from .state import _flat_keys, _frozen, _init_zero_state, _with_aliases, partitions, relink
@@ -79,17 +79,12 @@ class LiveShards:
     a load."""
 
     def __init__(self):
-        self._key: tuple | None = None
-        self._layout: tuple = ()
-
-    def clear(self) -> None:
-        self._key, self._layout = None, ()
+        self.kept = Kept()
+        self.clear = self.kept.clear
 
     def get(self, ds, split=None) -> dict:
-        key = _identity(ds)
-        if key != self._key:
-            self._key, self._layout = key, _layout(ds, split)
-        model, state, names, steps, alias = self._layout
+        model, state, names, steps, alias = self.kept.get(_identity(ds),
+                                                          lambda: (_layout(ds, split), True))
         base = ds.optimizer.optimizer
         model, state = dict(model), {n: dict(entries) for n, entries in state.items()}
         for name, flat in steps:  # one scalar per parameter, by the rank holding its first element

@@ -23,7 +23,7 @@ import torch
 
 from parallel.checkpoint import optim_state
 from parallel.checkpoint import portable as ps
-from parallel.checkpoint.chunks import FlatRange
+from parallel.checkpoint.chunks import FlatRange, Kept
 from parallel.engine.model.params import clean_name
 
 
@@ -138,17 +138,12 @@ class LiveFlat:
     clears it before a load."""
 
     def __init__(self):
-        self._key: tuple | None = None
-        self._layout: tuple = ()
-
-    def clear(self) -> None:
-        self._key, self._layout = None, ()
+        self.kept = Kept()
+        self.clear = self.kept.clear
 
     def get(self, model, optimizer, tied: list[list[str]], is_main: bool) -> dict:
-        key = _identity(model, optimizer)
-        if key != self._key:
-            self._key, self._layout = key, _layout(model, optimizer)
-        weights, state, names, scalars = self._layout
+        weights, state, names, scalars = self.kept.get(_identity(model, optimizer),
+                                                       lambda: (_layout(model, optimizer), True))
         state = {n: dict(entries) for n, entries in state.items()}
         for name, p, k in scalars:  # in place: the entries keep the optimizer's order
             state[name][k] = torch.as_tensor(optimizer.state[p][k], dtype=torch.float32).clone()

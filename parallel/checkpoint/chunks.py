@@ -245,3 +245,26 @@ class RangeLoadPlanner(DefaultLoadPlanner):
     def lookup_tensor(self, index: MetadataIndex):
         found = _block(self.state_dict, index)
         return super().lookup_tensor(index) if found is None else found
+
+
+class Kept:
+    """What a save built from a rank's live state (views, names), kept for the next saves while
+    `key` (the tensors it views: ids and storage) is unchanged: a step updates them in place. The
+    one mechanism of LiveState (FSDP2), LiveShards (ZeRO) and LiveFlat (FSDP1); each owner clears
+    it before a load."""
+
+    def __init__(self):
+        self.key: tuple | None = None
+        self.value = None
+
+    def clear(self) -> None:
+        self.key, self.value = None, None
+
+    def get(self, key: tuple, build):
+        """The kept value while `key` is unchanged, else build()'s value, kept when it says so:
+        build() returns (value, keep)."""
+        if self.key is not None and key == self.key:
+            return self.value
+        value, keep = build()
+        self.key, self.value = (key, value) if keep else (None, None)
+        return value

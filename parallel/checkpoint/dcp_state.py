@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from parallel.checkpoint.chunks import Kept
 from parallel.checkpoint.optim_state import groups_template, merge_groups
 from parallel.checkpoint.portable import load_state, open_state, save_state
 from parallel.checkpoint.sink import Sink
@@ -63,29 +64,30 @@ class LiveState:
     it before a load, which may replace the parameters it holds views of."""
 
     def __init__(self):
-        self._key: tuple | None = None
-        self._msd: dict = {}
-        self._fqn: dict[int, str] = {}  # id(parameter) -> its name
-        self._groups: list[list[str]] = []
-
-    def clear(self) -> None:
-        self._key, self._msd, self._fqn, self._groups = None, {}, {}, []
+        self.kept = Kept()
+        self.clear = self.kept.clear
 
     def get(self, model, optimizer) -> tuple[dict, dict]:
-        if self._key is not None and self._key == _identity(model, optimizer):
-            state = {self._fqn[id(p)]: s for p, s in optimizer.state.items()}  # the optimizer's order
-            groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(names)}
-                      for g, names in zip(optimizer.param_groups, self._groups)]
-            return dict(self._msd), {"state": state, "param_groups": groups}
-        self.clear()
-        msd, osd = get_state_dict(model, optimizer)  # also creates missing optimizer state
-        if _reusable(msd, model, optimizer):
-            params = [p for g in optimizer.param_groups for p in g["params"]]
-            names = [n for g in osd["param_groups"] for n in g["params"]]
-            self._fqn = {id(p): n for p, n in zip(params, names)}
-            self._groups = [list(g["params"]) for g in osd["param_groups"]]
-            self._msd, self._key = dict(msd), _identity(model, optimizer)
-        return msd, osd
+        msd, osd, fqn, names = self.kept.get(_identity(model, optimizer),
+                                             lambda: _layout(model, optimizer))
+        if fqn is None:  # not reusable: torch's own, computed at this save
+            return msd, osd
+        state = {fqn[id(p)]: s for p, s in optimizer.state.items()}  # the optimizer's order
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(n)}
+                  for g, n in zip(optimizer.param_groups, names)]
+        return dict(msd), {"state": state, "param_groups": groups}
+
+
+def _layout(model, optimizer) -> tuple[tuple, bool]:
+    """((model state, torch's optimizer state, id(parameter) -> name, each group's names), keep):
+    the names None where the state may not be reused."""
+    msd, osd = get_state_dict(model, optimizer)  # also creates missing optimizer state
+    if not _reusable(msd, model, optimizer):
+        return (msd, osd, None, None), False
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    names = [n for g in osd["param_groups"] for n in g["params"]]
+    return (dict(msd), osd, {id(p): n for p, n in zip(params, names)},
+            [list(g["params"]) for g in osd["param_groups"]]), True
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
