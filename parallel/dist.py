@@ -27,6 +27,9 @@ class DistContext:
     world_size: int
     local_rank: int
     device: torch.device
+    # this job made the default process group (init_distributed found none): its engine's close
+    # destroys it. A group the user (or accelerate, or another engine) made is theirs: left alive.
+    created: bool = False
 
     @property
     def is_main(self) -> bool:
@@ -111,7 +114,8 @@ def init_distributed(timeout_s: float) -> DistContext:
         backend = "cpu:gloo,cuda:nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-    if not dist.is_initialized():
+    created = not dist.is_initialized()
+    if created:
         # Joining waits for every rank to start (imports, a restart's re-launch: tens of seconds);
         # only then do collectives get the spec's timeout_s (measured: timeout_s 5 made restarted
         # workers fail in gloo's connectFullMesh).
@@ -125,7 +129,7 @@ def init_distributed(timeout_s: float) -> DistContext:
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=join, store=store)
         dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))
     apply_group_timeout(timeout_s)
-    return DistContext(rank, world, local_rank, device)
+    return DistContext(rank, world, local_rank, device, created)
 
 
 def apply_group_timeout(timeout_s: float) -> None:

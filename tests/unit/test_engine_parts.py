@@ -172,3 +172,32 @@ def test_the_global_batch_check_counts_data_parallel_processes():
     with pytest.raises(SpecError) as err:
         EngineSetup._check_global_batch(stand_in)
     assert "feeds 8 samples per step (4 per process x 2 data-parallel process(es))" in str(err.value)
+
+
+# ---- the process group: destroyed at close only by the engine that made it ----
+def test_close_destroys_only_a_process_group_the_engine_made(one_rank):
+    def engine(backend):
+        e = create_engine(load_spec({"backend": backend, "micro_batch_size": 2}))
+        torch.manual_seed(0)
+        e.prepare(build_llama(llama_config("tiny")), (torch.optim.AdamW, {"lr": 1e-2}))
+        ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
+        e.train_step({"input_ids": ids, "labels": ids})
+        return e
+
+    # the user's own group (accelerate's, a script's): the engine joins it and leaves it alive
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    users = dist.group.WORLD
+    e = engine("fsdp")
+    assert not e.ctx.created
+    e.close()
+    assert dist.is_initialized() and dist.group.WORLD is users
+    dist.destroy_process_group()
+    # two engines in one process, the first making the group: the second's close (ZeRO-3
+    # releases its prefetched partitions over it) finds it alive, and the first's ends it
+    pytest.importorskip("deepspeed")
+    first, second = engine("deepspeed"), engine("deepspeed")
+    assert first.ctx.created and not second.ctx.created
+    second.close()
+    assert dist.is_initialized()
+    first.close()
+    assert not dist.is_initialized()

@@ -74,10 +74,9 @@ def test_kept_views_are_what_sharded_state_computes_now(variant):
 
 
 def test_saves_after_a_load_hold_the_loaded_state(tmp_path):
-    # ZeRO-2: three engines share this process's group, and the first close ends it, which a
-    # ZeRO-3 engine's close still needs (its prefetched partitions); ZeRO-3 resumes after a load
-    # across processes in tests/distributed (parity, transfer)
-    over = ZERO["zero2"]
+    # ZeRO-3 (its load also rebuilds the persistent parameters): three engines share this
+    # process's group, the first made it and its close ends it, so it closes last
+    over = ZERO["zero3"]
     a, b, c = engine_for(over), engine_for(over, seed=5), engine_for(over, seed=9)
     try:
         a.train_step(batch(0))
@@ -90,5 +89,5 @@ def test_saves_after_a_load_hold_the_loaded_state(tmp_path):
         expected = a.train_step(batch(1)).loss
         assert b.train_step(batch(1)).loss == expected and c.train_step(batch(1)).loss == expected
     finally:
-        for e in (a, b, c):
+        for e in (c, b, a):
             e.close()

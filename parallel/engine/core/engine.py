@@ -195,5 +195,8 @@ class Engine(EngineSetup):
         self.tracker.close()
         if dist.is_initialized():
             dist.barrier()
-            self._destroy_process_group()
+            # only a group this engine made: the user's own (or another engine's, still training,
+            # measured: a ZeRO-3 engine's close then raised "DeepSpeed backend not set") lives on
+            if self.ctx.created:
+                self._destroy_process_group()
         pdist.restore_launch_env(self._launch_env)
