@@ -16,25 +16,12 @@ i's prefix (`__i_`), as they would from rank i; the one `.metadata` indexes them
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 from parallel.checkpoint.chunks import RangeSavePlanner
+from parallel.heap import young_heap
 from parallel.checkpoint.portable import RecordingWriter, _quiet_dcp, as_written
 from parallel.checkpoint.sink import Sink
-
-
-@contextmanager
-def young_heap() -> Iterator[None]:
-    """Inside, gc.collect() scans only the objects made inside: everything alive before (torch's,
-    transformers' and DeepSpeed's modules, millions of objects) is frozen meanwhile. A full
-    collection took 0.29 s there, and a streamed write collects after every part: 43 collections
-    were 12 of a universal import's 18 s (cProfile). Unfrozen at the end: nothing outlives it."""
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 def in_parts(items: list, nbytes: Callable[[object], int], budget: int) -> list[list]:

@@ -4,14 +4,13 @@ saver; every file of a save goes through that save's `Sink` (parallel/checkpoint
 
 from __future__ import annotations
 
-import contextlib
-import gc
 from pathlib import Path
 from collections.abc import Callable
 from typing import Protocol
 
 
 from parallel import dist as pdist
+from parallel.heap import paused_gc
 from parallel.checkpoint.background import BackgroundSaver
 from parallel.checkpoint.directory import (
     begin_checkpoint,
@@ -31,22 +30,6 @@ from parallel.checkpoint.schemas import TrainerState
 from parallel.checkpoint.sink import Sink
 from parallel.engine.state import pretrained
 from parallel.engine.state.resuming import resume
-
-
-@contextlib.contextmanager
-def paused_gc():
-    """Python's cyclic collector off for the length of a save or load: DCP's plans and the state's
-    containers allocate enough objects to trigger full collections in the middle (measured: a
-    56M-parameter FSDP2 load took 0.15 s or, when a collection fell inside it, 0.32 s; torchtitan
-    runs with the collector off and collects between steps). Anything cyclic is collected at the next
-    automatic collection."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 class Checkpointed(Protocol):

@@ -34,7 +34,7 @@ def save_times(engine, root: Path) -> dict:
         if engine.is_main:
             shutil.rmtree(path, ignore_errors=True)
 
-    from parallel.engine.state.checkpointing import paused_gc
+    from parallel.heap import paused_gc
     from parallel.tools.bench.disk import evict, tree_bytes
 
     rounds: dict[str, list[float]] = {}
