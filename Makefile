@@ -46,12 +46,13 @@ demo: $(STAMP) $(OPS)
 	$(BIN)/polyshard launch configs/demo.yaml examples/train_lm.py --resume runs/demo/ckpt --save runs/demo/final
 	$(BIN)/polyshard bench configs/demo.yaml --backends fsdp,deepspeed,xla_fsdp --steps 5 --out runs/demo/bench
 
-# The suite CI runs, within 25 minutes on a 2-core machine: every file within its stated budget
-# (tests/conftest.py fails the run naming a file over it). test-full adds the full matrices (tests
+# The suite CI runs, within 25 minutes on a 2-core machine: tests/distributed, with tests/unit beside
+# it at a lower priority (tests/suite.py), every file within its stated budget (tests/conftest.py
+# fails the run naming a file far over it). test-full adds the full matrices (tests
 # marked `full`, and POLYSHARD_TIER=full: every registry variant in every cross-backend test,
 # tests/distributed/matrix.py); run it before an issue is marked resolved.
 test: $(STAMP) $(OPS_SHM) lint-docker
-	POLYSHARD_BUDGETS=1 $(BIN)/python -m pytest -q -ra --durations=12 -m "not full" tests
+	POLYSHARD_BUDGETS=1 $(BIN)/python tests/suite.py -q -ra --durations=12 -m "not full"
 
 test-full: $(STAMP) $(OPS) lint-docker
 	POLYSHARD_FUZZ=full POLYSHARD_TIER=full $(BIN)/python -m pytest -q -ra --durations=20 tests

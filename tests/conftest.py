@@ -26,6 +26,11 @@ from budgets import SHARED, SHARED_BUDGET_S, SHARED_SECONDS  # noqa: E402
 # (tests marked `full`) without budgets.
 UNIT_BUDGET_S = 60.0
 ENFORCED = os.environ.get("POLYSHARD_BUDGETS") == "1"
+# A file fails the run only past this multiple of its budget: this host's speed swings by a third
+# from hour to hour (docs/testing.md: like trees 21.7-32.7 min), and a file at 1.003x its budget
+# failed a run whose every test passed (2026-11-27). A file that took on a new matrix is past it.
+FAIL_AT = 1.5
+LANE = os.environ.get("POLYSHARD_SUITE_LANE") == "1"  # one of tests/suite.py's two lanes
 
 
 BUDGETS = pytest.StashKey[dict]()
@@ -49,7 +54,8 @@ def pytest_collection_modifyitems(session, config, items):
 
 
 def pytest_sessionstart(session):
-    reliability.reset()
+    if not LANE:  # tests/suite.py gave both lanes a fresh store of their own
+        reliability.reset()
 
 
 def file_seconds(config) -> dict[str, float]:
@@ -76,18 +82,18 @@ def over_budget(config) -> dict[str, tuple[float, float]]:
             if p in budgets and s > budgets[p]}
 
 
-def pytest_sessionfinish(session, exitstatus):
-    """What the fault and fuzz tests recorded in this run, as a report: runs/reliability.md
-    (untracked). The tracked docs/reliability.md is rewritten only on request:
-    POLYSHARD_UPDATE_DOCS=1 make test (and only when the fault tests ran). Under POLYSHARD_BUDGETS=1
-    a file over its budget fails the run."""
-    if ENFORCED and over_budget(session.config) and session.exitstatus == 0:
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
-    root = Path(__file__).resolve().parents[1]
-    target = root / ("docs" if os.environ.get("POLYSHARD_UPDATE_DOCS") == "1" else "runs")
-    target.mkdir(exist_ok=True)
-    reliability.write_doc(target / "reliability.md")
+def failing(config) -> dict[str, tuple[float, float]]:
+    return {p: (s, b) for p, (s, b) in over_budget(config).items() if s > FAIL_AT * b}
 
+
+def pytest_sessionfinish(session, exitstatus):
+    """What the fault and fuzz tests recorded in this run, as a report (tests/reliability.py; under
+    tests/suite.py, once both lanes are done). Under POLYSHARD_BUDGETS=1 a file far over its budget
+    fails the run."""
+    if ENFORCED and failing(session.config) and session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if not LANE:
+        reliability.write_doc(reliability.report_path(Path(__file__).resolve().parents[1]))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -103,10 +109,10 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         flag = "  OVER BUDGET" if budget is not None and seconds > budget else ""
         terminalreporter.write_line(f"{seconds:8.1f}  ({budget or 0:6.0f})  {path}{flag}")
     terminalreporter.write_line(f"{sum(times.values()):8.1f}  total")
-    over = over_budget(config)
+    over = failing(config)
     if over and ENFORCED:
         terminalreporter.write_line(
-            "FAILED: over budget: " + "; ".join(f"{p} {s:.0f} s > {b:.0f} s"
-                                               for p, (s, b) in sorted(over.items())) +
+            f"FAILED: over {FAIL_AT}x budget: " + "; ".join(
+                f"{p} {s:.0f} s > {b:.0f} s" for p, (s, b) in sorted(over.items())) +
             " (make the file's launches share one, or move a full matrix to make test-full)",
             red=True)

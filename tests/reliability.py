@@ -18,8 +18,17 @@ def record(name: str, figures: dict) -> None:
     (STORE / f"{name}.json").write_text(json.dumps(figures, indent=1, default=str))
 
 
-def write_doc(path: Path) -> None:
-    records = {f.stem: json.loads(f.read_text()) for f in sorted(STORE.glob("*.json"))}
+def report_path(root: Path) -> Path:
+    """runs/reliability.md (untracked); the tracked docs/reliability.md only on request:
+    POLYSHARD_UPDATE_DOCS=1 make test."""
+    target = root / ("docs" if os.environ.get("POLYSHARD_UPDATE_DOCS") == "1" else "runs")
+    target.mkdir(exist_ok=True)
+    return target / "reliability.md"
+
+
+def write_doc(path: Path, store: Path = STORE) -> None:
+    """The report, when the fault tests ran (their records are in `store`)."""
+    records = {f.stem: json.loads(f.read_text()) for f in sorted(store.glob("*.json"))}
     if not any(k.startswith("fault") for k in records):
         return
     lines = ["# Reliability: faults injected and what survived", "",

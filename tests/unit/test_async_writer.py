@@ -118,7 +118,7 @@ def test_buffers_are_copied_at_once_the_rest_when_the_pool_completes():
 def test_the_step_after_an_async_save_waits_for_its_copies_before_updating(tmp_path):
     """save returns before the parameters' and optimizer state's copies are made (they overlap
     the next forward and backward); the next optimizer step waits for them. Here the saver's
-    thread is held busy for 0.5 s first, so without that wait the update would reach the
+    thread is held busy for 1.5 s first, so without that wait the update would reach the
     checkpoint: the resumed run would not repeat the steps after the save."""
     from parallel import create_engine, load_spec
     from parallel.toy import build_llama, llama_config
@@ -137,7 +137,9 @@ def test_the_step_after_an_async_save_waits_for_its_copies_before_updating(tmp_p
     try:
         first.train_step(batch(0))
         saver = first.checkpoints.saver
-        saver._stager.submit(time.sleep, 0.5)  # the copies land 0.5 s late
+        # the copies land 1.5 s late: the next forward and backward, well under a second even
+        # on a busy host (make test's unit lane shares it), are done before them
+        saver._stager.submit(time.sleep, 1.5)
         first.save(tmp_path / "ckpt", async_save=True)
         after = [first.train_step(batch(i)).loss for i in (1, 2)]  # at once
         assert saver.staging_wait_s > 0.3  # the first update waited for the copies

@@ -252,7 +252,9 @@ def test_a_crash_between_the_renames_keeps_one_complete_copy(tmp_path, monkeypat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
 
 
-def _validate_in_time(capsys, *argv, limit=5.0):
+def _validate_in_time(capsys, *argv, limit=20.0):
+    # a bomb runs for minutes or exhausts memory; 20 s leaves room for a busy host (make test's
+    # unit lane shares it with the multi-process tests: one of these took over 5 s there)
     start = time.perf_counter()
     code, err = cli(capsys, "validate", *argv)
     assert time.perf_counter() - start < limit, "took too long"
@@ -293,7 +295,7 @@ def test_model_configs_are_local_bounded_and_run_no_code(tmp_path, capsys):
     config.write_text(json.dumps({**base, "num_hidden_layers": 100_000_000}))
     start = time.perf_counter()
     code, err = cli(capsys, "plan", spec, "--model", config, "--world", 8)
-    assert code == 2 and "num_hidden_layers" in err and time.perf_counter() - start < 10, err
+    assert code == 2 and "num_hidden_layers" in err and time.perf_counter() - start < 30, err
     config.write_text(json.dumps({**base, "num_hidden_layers": 2,
                                   "auto_map": {"AutoConfig": "evil.Config"}}))
     code, err = cli(capsys, "plan", spec, "--model", config, "--world", 8)
