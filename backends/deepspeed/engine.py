@@ -245,6 +245,14 @@ class DeepSpeedEngine(Engine):
         deepspeed.comm.destroy_process_group()
         pdist.forget_meshes()  # the engine's mesh, as the base hook forgets it
 
+    def _forget_groups(self) -> None:
+        # the references deepspeed.comm's teardown releases, without destroying the group: a
+        # ZeRO engine after an AutoTP one in the same process read its model-parallel size from
+        # them and failed (measured: "'NoneType' object has no attribute 'get_model_parallel_rank'")
+        from deepspeed.utils import groups
+
+        groups._release_process_group_references(group=None)
+
     def native_checkpoint(self):
         """(save, load) as DeepSpeed's docs do it: engine.save_checkpoint / load_checkpoint."""
         return (lambda path: self.ds.save_checkpoint(str(path)),

@@ -196,7 +196,10 @@ class Engine(EngineSetup):
         if dist.is_initialized():
             dist.barrier()
             # only a group this engine made: the user's own (or another engine's, still training,
-            # measured: a ZeRO-3 engine's close then raised "DeepSpeed backend not set") lives on
+            # measured: a ZeRO-3 engine's close then raised "DeepSpeed backend not set") lives on,
+            # and the backend's library lets go of the groups it derived for this job
             if self.ctx.created:
                 self._destroy_process_group()
+            else:
+                self._forget_groups()
         pdist.restore_launch_env(self._launch_env)

@@ -159,6 +159,11 @@ class BackendHooks(ABC):
         torch.distributed.destroy_process_group()
         pdist.forget_meshes()
 
+    def _forget_groups(self) -> None:
+        """At close, when the process group outlives the job (the engine did not make it): what the
+        backend's library keeps of this job's groups in module state, let go so that the next
+        engine in this process makes its own. torch's meshes stay valid with the group."""
+
     def native_checkpoint(self):
         """(save(path), load(path)) of this backend's own checkpointing, as its docs write it, for
         `polyshard bench --save` to compare with; None where there is none to compare."""
