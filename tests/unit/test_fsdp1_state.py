@@ -7,6 +7,7 @@ are real parts of each parameter: tests/distributed (parity, transfer matrix, ch
 
 import pytest
 import torch
+from kept_views import assert_same_views
 
 from backends.fsdp import flat_state
 from parallel import create_engine, load_spec
@@ -72,23 +73,10 @@ def test_optimizer_state_of_another_shape_is_refused_by_name():
         engine.close()
 
 
-def _data(v):
-    return getattr(v, "data", v)
-
-
 def assert_fresh(got: dict, engine):
     """`got` is what a fresh portable_state computes now, to the storage its ranges view."""
     now = flat_state.portable_state(engine.model, engine.optimizer, engine.params.tied, True)
-    assert list(got["model"]) == list(now["model"])
-    for k, v in now["model"].items():
-        assert _data(got["model"][k]).data_ptr() == _data(v).data_ptr(), k
-        assert torch.equal(_data(got["model"][k]), _data(v)), k
-    assert list(got["optim"]["state"]) == list(now["optim"]["state"])
-    for name, entries in now["optim"]["state"].items():
-        assert list(got["optim"]["state"][name]) == list(entries), name  # the same order
-        for k, v in entries.items():
-            assert torch.equal(_data(got["optim"]["state"][name][k]), _data(v)), (name, k)
-    assert got["optim"]["param_groups"] == now["optim"]["param_groups"]
+    assert_same_views(got, now)
 
 
 @pytest.mark.parametrize("use_orig_params", [False, True])
