@@ -7,3 +7,30 @@ import pytest
 SHARED_SECONDS = pytest.StashKey[tuple]()
 SHARED = "tests/distributed/(shared launches)"  # their line in the table, with a budget of its own
 SHARED_BUDGET_S = 1100.0
+
+
+class within:
+    """`with within(cpu_s):` a bounded piece of in-process work (a crafted file refused): the
+    process's CPU seconds must stay under `cpu_s`, its wall seconds under `wall_s` (default
+    10 x cpu_s). CPU seconds measure the work itself; wall seconds on a shared host measure the
+    host too (CI's unit lane runs at nice 5 beside the multi-process tests: a 13 s validate took
+    46 s of wall time there). The wall bound is what catches a read that blocks (a FIFO)."""
+
+    def __init__(self, cpu_s: float, wall_s: float | None = None):
+        self.cpu_s, self.wall_s = cpu_s, wall_s or 10 * cpu_s
+
+    def __enter__(self):
+        import time
+
+        self.cpu, self.wall = time.process_time(), time.monotonic()
+        return self
+
+    def __exit__(self, kind, value, traceback):
+        import time
+
+        if kind is not None:
+            return False
+        cpu, wall = time.process_time() - self.cpu, time.monotonic() - self.wall
+        assert cpu < self.cpu_s, f"{cpu:.1f} CPU seconds, more than the {self.cpu_s} allowed"
+        assert wall < self.wall_s, f"{wall:.1f} s of wall time, more than the {self.wall_s} allowed"
+        return False

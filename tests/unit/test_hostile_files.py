@@ -13,11 +13,11 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from budgets import within
 
 from parallel.checkpoint.directory import publish, resolve
 from parallel.checkpoint.safe import UnsafeFileError
@@ -122,10 +122,9 @@ def test_engine_load_reads_only_listed_plain_files(saved, ckpt, tmp_path, plant)
         (ckpt / "trainer.pt").unlink()
         os.mkfifo(ckpt / "trainer.pt")
     relist(ckpt)
-    started = time.monotonic()
-    with pytest.raises(Exception) as err:
-        engine.load(ckpt)
-    assert time.monotonic() - started < 30  # a FIFO never blocks the read
+    with within(10, wall_s=60):  # a FIFO never blocks the read
+        with pytest.raises(Exception) as err:
+            engine.load(ckpt)
     text = str(err.value)
     assert any(word in text for word in ("symbolic link", "not listed", "not a regular file",
                                          "passes through")), text
@@ -301,10 +300,9 @@ def _peft(ckpt: Path, adapter: dict) -> None:
 ])
 def test_a_peft_config_is_read_as_data(ckpt, tmp_path, capsys, adapter, field):
     _peft(ckpt, adapter)
-    started = time.monotonic()
-    code, err = cli(capsys, "ckpt", "export", "--to", "peft", ckpt, tmp_path / "out")
+    with within(10):  # a backtracking pattern is refused, not run
+        code, err = cli(capsys, "ckpt", "export", "--to", "peft", ckpt, tmp_path / "out")
     assert code == 2 and "peft_config.json" in err and field in err, err
-    assert time.monotonic() - started < 20  # a backtracking pattern is refused, not run
     assert not (tmp_path / "out").exists()
 
 
@@ -320,10 +318,9 @@ def test_an_hf_config_in_a_checkpoint_is_bounded(ckpt, tmp_path, capsys, changes
     _edit_json(ckpt / "hf_config.json", **changes)
     relist(ckpt)
     _peft(ckpt, {})
-    started = time.monotonic()
-    code, err = cli(capsys, "ckpt", "export", "--to", "peft", ckpt, tmp_path / "out")
+    with within(10):
+        code, err = cli(capsys, "ckpt", "export", "--to", "peft", ckpt, tmp_path / "out")
     assert code == 2 and said in err, err
-    assert time.monotonic() - started < 20
 
 
 # -- sizes, numbers, stores ------------------------------------------------------------------------
@@ -337,12 +334,11 @@ def test_model_sizes_are_bounded_by_their_product(tmp_path, capsys, config):
     file = tmp_path / "config.json"
     file.write_text(json.dumps({"model_type": "llama", "vocab_size": 1000, "hidden_size": 64,
                                 "intermediate_size": 128, "num_attention_heads": 4, **config}))
-    started = time.monotonic()
-    for argv in (("plan", ROOT / "configs/demo.yaml", "--model", file, "--world", 8),
-                 ("dryrun", ROOT / "configs/demo.yaml", "--model", file, "--world", 8)):
-        code, err = cli(capsys, *argv)
-        assert code == 2 and "--model" in err, err
-    assert time.monotonic() - started < 20
+    with within(10):
+        for argv in (("plan", ROOT / "configs/demo.yaml", "--model", file, "--world", 8),
+                     ("dryrun", ROOT / "configs/demo.yaml", "--model", file, "--world", 8)):
+            code, err = cli(capsys, *argv)
+            assert code == 2 and "--model" in err, err
 
 
 def test_dryrun_weighs_a_rank_against_the_memory_the_kernel_can_give():
@@ -414,10 +410,9 @@ def test_a_tp_plan_from_a_file_is_bounded(tmp_path, capsys):
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"topology": {"procs_per_node": 2, "tp": 2, "tp_plan": {
         f"model.layers.{i}.self_attn.q_proj": "bad" for i in range(100_000)}}}))
-    started = time.monotonic()
-    code, err = cli(capsys, "validate", spec)
+    with within(15):  # libyaml: 4 s here; PyYAML's Python parser took 13 s
+        code, err = cli(capsys, "validate", spec)
     assert code == 2 and "100,000 problems" in err and len(err) < 10_000, len(err)
-    assert time.monotonic() - started < 30
 
 
 def test_an_in_process_store_listens_on_loopback_only():
