@@ -28,6 +28,7 @@ from parallel.checkpoint.manifest import (
 )
 from parallel.checkpoint.safe import CheckpointError, UnsafeFileError, child_name, read_text
 from parallel.checkpoint.sink import Sink
+from parallel.files import write_atomic
 
 STEP_NAME = re.compile(r"step-\d{1,18}")  # the checkpoints maybe_save writes, and keep_last may remove
 
@@ -182,15 +183,9 @@ def publish(path: Path, keep_last: int | None, managed: Path | None = None) -> N
     checkpoint; retention runs only once the pointer has moved. Deleted are only directories named
     step-N whose manifest polyshard wrote: a sibling with a manifest of its own (a web app's, a
     dataset's, an imported checkpoint under another name) is never touched."""
-    tmp = path.parent / f".{LATEST}.partial"
-    remove_ours(tmp)  # a planted link is removed, never written through
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-    try:
-        os.write(fd, (path.name + "\n").encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    tmp.rename(path.parent / LATEST)
+    # a temporary file of this process's own (two jobs publishing into one folder at once each
+    # replace `latest` whole), never written through a planted link
+    write_atomic(path.parent / LATEST, (path.name + "\n").encode())
     if keep_last is None or managed is None or path.parent.resolve() != Path(managed).resolve():
         return
     ours = sorted(_older_steps(path))

@@ -220,7 +220,7 @@ def test_planted_links_are_removed_not_written_through(tmp_path):
     victim.write_text("keep me")
     root = tmp_path / "runs"
     root.mkdir()
-    (root / ".latest.partial").symlink_to(victim)
+    (root / f".latest.{os.getpid()}.tmp").symlink_to(victim)  # files.write_atomic's
     (root / ".step-00000001.partial").symlink_to(tmp_path)
     path = _write(root / "step-00000001", {"w": None})
     publish(path, keep_last=None, managed=root)
