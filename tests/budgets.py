@@ -13,7 +13,7 @@ class within:
     """`with within(cpu_s):` a bounded piece of in-process work (a crafted file refused): the
     process's CPU seconds must stay under `cpu_s`, its wall seconds under `wall_s` (default
     10 x cpu_s). CPU seconds measure the work itself; wall seconds on a shared host measure the
-    host too (CI's unit lane runs at nice 5 beside the multi-process tests: a 13 s validate took
+    host too (CI's unit lane runs niced beside the multi-process tests: a 13 s validate took
     46 s of wall time there). The wall bound is what catches a read that blocks (a FIFO)."""
 
     def __init__(self, cpu_s: float, wall_s: float | None = None):

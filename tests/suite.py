@@ -4,7 +4,7 @@ lower CPU priority, each a pytest session of its own; then the unit lane's repor
 Why: on CI's 2-core host the multi-process tests keep both cores busy only part of the time (start-up
 imports, single-process phases, launches waiting on a signal or a timeout: 70% of both cores over a
 whole run, measured with vmstat), and the unit tests, run after them, kept one core busy for their 4
-minutes. Niced (POLYSHARD_UNIT_NICE, default 5) the unit lane takes what the multi-process lane
+minutes. Niced (POLYSHARD_UNIT_NICE, default 10) the unit lane takes what the multi-process lane
 leaves idle and little of what it uses. Both lanes write their reliability figures into one store;
 the report is written once both are done (tests/reliability.py).
 
@@ -38,7 +38,7 @@ def main(args: list[str]) -> int:
     start = time.perf_counter()
     store = tempfile.mkdtemp(prefix="polyshard-reliability-")
     env = {**os.environ, "POLYSHARD_RELIABILITY_DIR": store, "POLYSHARD_SUITE_LANE": "1"}
-    nice = int(os.environ.get("POLYSHARD_UNIT_NICE", "5"))
+    nice = int(os.environ.get("POLYSHARD_UNIT_NICE", "10"))
     with tempfile.TemporaryFile("w+") as log:
         # the unit lane's file budgets are not enforced: niced, its files take what is left
         unit = lane(args, "tests/unit", {**env, "POLYSHARD_BUDGETS": "0"}, log, nice)

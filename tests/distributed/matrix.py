@@ -77,3 +77,14 @@ def by_launch(chosen: list[Case]) -> list[list[Case]]:
     for c in chosen:
         groups.setdefault(c.launch, []).append(c)
     return list(groups.values())
+
+
+def quick(variants: list[Case]) -> list[Case]:
+    """make test's share of the variants that have a dimension (tp, cp): per backend its default
+    variant where that one has it, else its first that has; make test-full runs them all."""
+    defaults = {c.name for c in cases(every=False)}
+    out: dict[str, Case] = {}
+    for c in variants:
+        if c.backend not in out or (c.name in defaults and out[c.backend].name not in defaults):
+            out[c.backend] = c
+    return [c for c in variants if c in out.values()]

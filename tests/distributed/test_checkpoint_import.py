@@ -58,8 +58,22 @@ def reshard_in_place(folder, world: int) -> None:
 
 
 def polyshard(*args):
-    return subprocess.run([sys.executable, "-m", "parallel.cli", *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    """The CLI's main() in this process (its exit code, what it printed): the conversions start no
+    processes, and a process of their own cost 6-8 s of imports each, 9 of them here (2026-11-28);
+    the command line itself: tests/unit/test_cli.py."""
+    import contextlib
+    import io
+    import types
+
+    import torch.distributed as dist
+
+    from parallel.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in args])
+    assert not dist.is_initialized(), f"polyshard {args[:2]} left a process group behind"
+    return types.SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 @pytest.fixture(scope="module")

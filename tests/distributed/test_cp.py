@@ -1,13 +1,13 @@
 """Context parallelism (`topology.cp`) through the engine, against one process on the global batch.
 
 Cases come from the registry: every variant (matrix.cases) whose spec with cp 2 validates (FSDP2,
-ZeRO-0/1/2/3 and XLA SPMD, whose mesh gets a seq axis; FSDP1 and XLA v1 refuse it, unit-tested) runs cp
-2 on 2 ranks or devices with padded SFT rows (the
-second half of a short row holds no target: a rank without targets), accumulation, clipping and
-activation checkpointing on the tiny Llama, whose attention is grouped-query (4 heads, 2 key/value
-heads), saving after step 3 and resuming in fresh processes; then dp 2 x cp 2 and tp 2 x cp 2 on 4
-ranks or devices, and a cp 2 checkpoint loaded at cp 1 on another backend of the same launch (XLA
-SPMD: at cp 1 with its devices on the fsdp axis)."""
+ZeRO-0/1/2/3 and XLA SPMD, whose mesh gets a seq axis; FSDP1 and XLA v1 refuse it, unit-tested; make
+test: each backend's default one, matrix.quick: FSDP2, ZeRO-3, XLA SPMD) runs cp 2 on 2 ranks or
+devices with padded SFT rows (the second half of a short row holds no target: a rank without
+targets), accumulation, clipping and activation checkpointing on the tiny Llama, whose attention is
+grouped-query (4 heads, 2 key/value heads), saving after step 3 and resuming in fresh processes;
+then dp 2 x cp 2 and tp 2 x cp 2 on 4 ranks or devices, and a cp 2 checkpoint loaded at cp 1 on
+another backend of the same launch (XLA SPMD: at cp 1 with its devices on the fsdp axis)."""
 
 import matrix
 import pytest
@@ -98,6 +98,9 @@ def wide_cases(group):
 
 
 def narrow_cases(group, tier):
+    """make test: each backend's default variant (matrix.quick: FSDP2, ZeRO-3, XLA SPMD);
+    make test-full: every variant of the group."""
+    group = group if tier == "full" else matrix.quick(group)
     return [one for c in group for one in cases(c, tier)] + transfer_cases(group)
 
 
@@ -107,7 +110,7 @@ def key(prefix, group_name):
 
 def shared_jobs(tmp):
     """make test's tier in the suite's shared launches (shared.py): per launch group, the cp 2
-    cases of every variant and the transfers on 2 ranks or devices, the wide layouts on 4."""
+    cases of each backend's default variant and the transfers on 2 ranks or devices, the wide layouts on 4."""
     jobs = []
     for name, group in GROUPS.items():
         jobs += parity_jobs(tmp, narrow_cases(group, "quick"), nproc=group[0].nproc,

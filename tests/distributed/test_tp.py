@@ -39,24 +39,13 @@ def tp_variants(world=4):
     return out
 
 
-def quick(variants):
-    """make test's TP variants: per backend its default one (matrix.py's tiers) where it has tp,
-    else its first that has; make test-full: every variant."""
-    defaults = {c.name for c in matrix.cases(world=4, micro_batch_size=2, every=False)}
-    out = {}
-    for c in variants:
-        if c.backend not in out or (c.name in defaults and out[c.backend].name not in defaults):
-            out[c.backend] = c
-    return [c for c in variants if c in out.values()]
-
-
 VARIANTS = {c.name: c for c in tp_variants()}
 # variants that launch alike share one launch pair (train, resume): FSDP2 and ZeRO-0-3 at 4 ranks
 GROUPS = {"+".join(c.name for c in group): group for group in matrix.by_launch(tp_variants())}
 # make test: the same groups' quick() variants at tp 2 on 2 ranks (dp 1: four processes on a 2-core
 # host cost twice the time); dp 2 x tp 2 is make test's in the transfer loads below and make
 # test-full's here
-QUICK = {"+".join(c.name for c in group): quick(group)
+QUICK = {"+".join(c.name for c in group): matrix.quick(group)
          for group in matrix.by_launch(tp_variants(world=2))}
 
 
@@ -155,11 +144,13 @@ TARGETS = ("fsdp2", "zero2")
 def transfer_setup(tmp, tier):
     """(sources, loaders, plan): every TP variant saves at tp 2 on 2 ranks or devices (dp 1,
     micro-batch 4); loaders are the TP variants at dp 2 x tp 2 and FSDP2 and ZeRO-2 at tp 1. make
-    test: every source and every loader once, round robin (each source into another backend where
-    there is one); make test-full: every pair."""
-    sources = {f"{c.name}-tp2": (c, with_tp(c, micro_batch_size=4)) for c in tp_variants(world=2)}
+    test: each backend's default TP variant (matrix.quick) as source and loader, once, round
+    robin (each source into another backend where there is one); make test-full: every pair."""
+    some = (lambda v: v) if tier == "full" else matrix.quick  # make test: the default variants
+    sources = {f"{c.name}-tp2": (c, with_tp(c, micro_batch_size=4))
+               for c in some(tp_variants(world=2))}
     targets = [c for c in matrix.cases(world=2, micro_batch_size=2, every=True) if c.name in TARGETS]
-    wide = list(tp_variants(world=4))
+    wide = some(tp_variants(world=4))
     loaders = {c.name: (c, c.spec) for c in targets}
     loaders.update({f"{c.name}-dp2-tp2": (c, with_tp(c)) for c in wide})
     if tier == "full":

@@ -35,6 +35,9 @@ print({k: met.counter_value(k) or 0 for k in ("PersistentCacheHit", "PersistentC
 """
 
 
+# make test-full's (two XLA processes, 19 s): torch_xla is pinned, and an upgrade of the pin is
+# what this watches for; the refusal itself is unit-tested (tests/unit/test_xla_translate.py)
+@pytest.mark.full
 @pytest.mark.timeout(200)
 def test_the_persistent_cache_this_torch_xla_writes_is_never_read_back(tmp_path):
     """The evidence behind refusing xla.compilation_cache: the second process finds the first
@@ -44,8 +47,7 @@ def test_the_persistent_cache_this_torch_xla_writes_is_never_read_back(tmp_path)
 
     import torch_xla
 
-    from backends.xla.common import UNREADABLE_CACHE, apply_compilation_cache
-    from parallel.spec.errors import SpecError
+    from backends.xla.common import UNREADABLE_CACHE
 
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1"}
     counts = []
@@ -58,6 +60,3 @@ def test_the_persistent_cache_this_torch_xla_writes_is_never_read_back(tmp_path)
     assert counts[1]["PersistentCacheHit"] == 0, counts  # read back: lift the refusal
     assert counts[1]["PersistentCacheDeserializeFailure"] == 1, counts
     assert torch_xla.__version__.startswith(UNREADABLE_CACHE)
-    with pytest.raises(SpecError, match=r"xla.compilation_cache: '/c': torch_xla 2\.9\.0 writes"):
-        apply_compilation_cache("/c", version="2.9.0")
-    apply_compilation_cache(None)  # unset: nothing to refuse

@@ -115,3 +115,14 @@ def test_dynamic_padding_on_xla_is_said_once_with_the_numbers():
     for step, width in enumerate([16, 16, 24, 16, 31, 40, 17]):
         watch.see([{"input_ids": torch.zeros(2, width)}], step, said.append)
     assert len(said) == 1 and "3 (2x16, 2x24, 2x31" in said[0] and "pad_to_multiple_of" in said[0]
+
+
+def test_a_compilation_cache_this_torch_xla_cannot_read_back_is_refused():
+    """The evidence (the second process fails to deserialize the first one's entry):
+    tests/distributed/test_xla_errors.py, make test-full."""
+    pytest.importorskip("torch_xla")
+    from backends.xla.common import apply_compilation_cache
+
+    with pytest.raises(SpecError, match=r"xla.compilation_cache: '/c': torch_xla 2\.9\.0 writes"):
+        apply_compilation_cache("/c", version="2.9.0")
+    apply_compilation_cache(None)  # unset: nothing to refuse
