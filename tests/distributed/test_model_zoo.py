@@ -6,10 +6,10 @@ families) on every backend variant the registry lists (matrix.py: FSDP2, FSDP1, 
 one process to 1e-5, then each backend's checkpoint resumes on the next backend of a cycle and
 steps 4-5 match the uninterrupted single-process run. Backends that step flat tensors (ZeRO, XLA v1)
 update experts no rank used: on MoE models they must say so, naming the experts, and stay within the
-difference docs/moe.md records. make test runs each model on a default variant (matrix.py's tiers:
-FSDP2 and ZeRO-3, the models in BOTH and the MoE family on each; XLA v1 three of them); make test-
-full on every variant, XLA for every model but the MoE family, and the MoE family on XLA v1 and v2
-(XLA compiles a graph per routing: 4-12 s a step, docs/moe.md) in processes of their own."""
+difference docs/moe.md records. make test runs every model on each backend's default variant
+(matrix.py's tiers: FSDP2 and ZeRO-3; XLA v1 four of them); make test-full on every variant, XLA for
+every model but the MoE family, and the MoE family on XLA v1 and v2 (XLA compiles a graph per
+routing: 4-12 s a step, docs/moe.md) in processes of their own."""
 
 import json
 
@@ -41,16 +41,6 @@ SHARED = [m for m, e in ZOO.items() if e.get("xla", True) is True]  # one XLA pr
 # groups is make test's below)
 QUICK_SHARED = [m for m in SHARED if matrix.FULL or m in ("t5", "mlp", "lora")]
 ALONE = [m for m, e in ZOO.items() if e.get("xla") == "alone"]  # a fresh XLA process each
-# make test's multi-process launches run these models, and the MoE family, on each variant (tied
-# embeddings, the two groups a load into other groups is refused by, padded rows with accumulation);
-# the others take turns (T5, BERT, tuple batches, frozen parameters, LoRA: each on one of FSDP2 and
-# ZeRO-3, and three of them on XLA v1). make test-full: every model on every variant. Measured:
-# the zoo's two 2-rank jobs took 116 s of make test's 1,756 s (2026-11-28)
-BOTH = ("gpt2", "groups", "padded")
-# the turns, in order: FSDP2 the first, ZeRO-3 the second, ... (frozen parameters and LoRA's frozen
-# base on ZeRO-3, whose partitions leave them out)
-TURNS = ("t5", "frozen", "mlp", "lora", "bert", *(m for m in ZOO if m not in (
-    "t5", "frozen", "mlp", "lora", "bert")))
 
 
 def _launches():
@@ -60,12 +50,7 @@ def _launches():
     quick, alone = [], []
     for group in matrix.by_launch(CASES):
         names, how = [c.name for c in group], {"nproc": group[0].nproc, "env": group[0].env}
-        if group[0].nproc > 1 and not matrix.FULL:  # make test: see BOTH
-            both = [m for m in ZOO if m in BOTH or ZOO_MOE[m]]
-            quick.append((names, both, how))
-            for i, name in enumerate(names):
-                quick.append(([name], [m for m in TURNS if m not in both][i::len(names)], how))
-        elif group[0].nproc > 1:
+        if group[0].nproc > 1:
             quick.append((names, list(ZOO), how))
         else:
             quick.append((names, QUICK_SHARED, how))
