@@ -146,7 +146,7 @@ def transfer_setup(tmp, tier):
     micro-batch 4); loaders are the TP variants at dp 2 x tp 2 and FSDP2 and ZeRO-2 at tp 1. make
     test: each backend's default TP variant (matrix.quick) as source and loader, once, round
     robin (each source into another backend where there is one); make test-full: every pair."""
-    some = (lambda v: v) if tier == "full" else matrix.quick  # make test: the default variants
+    some = list if tier == "full" else matrix.quick  # make test: the default variants
     sources = {f"{c.name}-tp2": (c, with_tp(c, micro_batch_size=4))
                for c in some(tp_variants(world=2))}
     targets = [c for c in matrix.cases(world=2, micro_batch_size=2, every=True) if c.name in TARGETS]
