@@ -31,8 +31,11 @@ ROOT = Path(__file__).resolve().parents[2]
 def torchrun(nproc: int, args: list[str], timeout: float = 240, env: dict | None = None):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            str(nproc), *args]
+    # the checkout first; a PYTHONPATH the caller set stays behind it (a GPU machine's packages
+    # carried into a --target folder: docs/gpu.md)
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "USE_TORCH_XLA": "0",
-                "TORCH_CPP_LOG_LEVEL": "ERROR", "PYTHONPATH": str(ROOT), **(env or {})}
+                "TORCH_CPP_LOG_LEVEL": "ERROR", "PYTHONPATH": path, **(env or {})}
     # its own session, so a timeout kills the workers too (subprocess.run's kill reaches torchrun
     # alone, and orphaned ranks kept two cores busy for later tests)
     start = time.perf_counter()

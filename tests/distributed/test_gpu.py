@@ -110,7 +110,10 @@ def test_cuda_nonfinite_loss_and_bad_batches(tmp_path):
     one = {"topology": {"procs_per_node": 1}, "micro_batch_size": 2}
     cases = {"fsdp2": {"backend": "fsdp", **one},
              "zero3": {"backend": "deepspeed", "shard": "full", **one}}
-    results = faults.fault_run(tmp_path, "cuda", cases, nproc=1, env=ENV)
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    torchrun(1, [str(ROOT / "tests" / "distributed" / "fault_worker.py"), "--cases",
+                 str(tmp_path / "cases.json"), "--out", str(tmp_path / "out.json")], 400, ENV)
+    results = json.loads((tmp_path / "out.json").read_text())
     for name in cases:
         r = results[f"{name}/nonfinite"]
         assert "error" not in r, r["error"]
@@ -118,6 +121,9 @@ def test_cuda_nonfinite_loss_and_bad_batches(tmp_path):
         assert r["skip_losses"][3:] == r["clean_losses"][2:], r
         assert r["raise"].startswith("NonFiniteLossError at step 3: step 3:"), r["raise"]
         assert ": step 3: non-finite loss" in r["deferred"], r["deferred"]
+        for fault, bad in results[f"{name}/badbatch"].items():  # one rank: it is the bad one
+            assert bad["errors"][0].startswith("BatchError: step 2: rank 0: "), (fault, bad)
+            assert bad["next_step"] == 2, (fault, bad)
         print(f"{name}: deferred -> {r['deferred'][:60]}")
 
 
