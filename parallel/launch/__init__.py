@@ -1,6 +1,7 @@
 """Starting processes: torchrun with the spec's topology (torchrun.py), the agent that reports a
 failed job once (agent.py), the workers' output without third-party noise (quiet.py), a job's ranks
-from a notebook (notebook.py), cluster files (emit.py).
+from a notebook (notebook.py), a one-host job's ranks without an agent process (ranks.py: the
+notebook's and the test harness's), cluster files (emit.py).
 
 `from parallel.launch import current_spec` works; the names load on first use, so importing a
 submodule does not import the launcher."""

@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -54,7 +52,7 @@ def notebook_launch(fn: Callable, spec, *args, timeout: float | None = None) -> 
     import dill
     import torch.distributed as dist
 
-    from parallel.dist import free_port
+    from parallel.launch.ranks import job_ranks
     from parallel.launch.torchrun import launch_env
     from parallel.spec.io import load_spec
 
@@ -67,45 +65,35 @@ def notebook_launch(fn: Callable, spec, *args, timeout: float | None = None) -> 
         tmp, data = Path(tmp), run.model_dump(mode="json", exclude_unset=True)
         (tmp / "job.dill").write_bytes(dill.dumps((fn, data, args), recurse=True))
         (tmp / "spec.json").write_text(json.dumps(data))  # current_spec() in the ranks reads it
-        shared = {**launch_env(run, tmp / "spec.json"), **env, "MASTER_ADDR": "127.0.0.1",
-                  "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nproc),
-                  "LOCAL_WORLD_SIZE": str(nproc), "PYTHONPATH": os.pathsep.join(sys.path)}
-        procs = [subprocess.Popen([sys.executable, "-m", "parallel.launch.notebook",
-                                   str(tmp / "job.dill"), str(tmp / f"rank{r}")],
-                                  env={**shared, "RANK": str(r), "LOCAL_RANK": str(r)})
-                 for r in range(nproc)]
-        try:
+        shared = {**launch_env(run, tmp / "spec.json"), **env,
+                  "PYTHONPATH": os.pathsep.join(sys.path)}
+        with job_ranks([sys.executable, "-m", "parallel.launch.notebook", str(tmp / "job.dill"),
+                        str(tmp / "rank")], nproc, shared) as procs:
             return _collect(procs, tmp, timeout)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                p.wait()
 
 
 def _collect(procs: list, tmp: Path, timeout: float | None) -> list:
     """Every rank's result, or the first failure (an error it sent back, or how it ended)."""
     import dill
 
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while any(p.poll() is None for p in procs):
-        for rank, p in enumerate(procs):
-            if p.poll() not in (None, 0):
-                error = tmp / f"rank{rank}.error"
-                said = error.read_text() if error.is_file() else (
-                    f"it ended with exit code {p.returncode} and no error of its own (killed, or "
-                    "it called exit)")
-                raise RuntimeError(f"notebook_launch: rank {rank} failed; every rank was ended. "
-                                   f"Its error:\n{said}")
-        if deadline is not None and time.monotonic() > deadline:
-            running = [r for r, p in enumerate(procs) if p.poll() is None]
-            raise TimeoutError(f"notebook_launch: ranks {running} still running after "
-                               f"{timeout:.0f} s; every rank was ended")
-        time.sleep(0.2)
+    from parallel.launch.ranks import wait_ranks
+
+    failed, late = wait_ranks(procs, timeout)
+    if failed is not None:
+        error = tmp / f"rank{failed}.error"
+        said = error.read_text() if error.is_file() else (
+            f"it ended with exit code {procs[failed].returncode} and no error of its own "
+            "(killed, or it called exit)")
+        raise RuntimeError(f"notebook_launch: rank {failed} failed; every rank was ended. "
+                           f"Its error:\n{said}")
+    if late:
+        raise TimeoutError(f"notebook_launch: the job was still running after {timeout:.0f} s; "
+                           "every rank was ended")
     return [dill.loads((tmp / f"rank{r}").read_bytes()) for r in range(len(procs))]
 
 
-def _child(job: str, out: str) -> int:
+def _child(job: str, prefix: str) -> int:
+    """`prefix` + this rank's number: where its result (or `.error`) goes."""
     import dill
 
     from parallel.spec.io import load_spec
@@ -113,6 +101,7 @@ def _child(job: str, out: str) -> int:
     from parallel.launch.agent import listen_on_loopback
 
     listen_on_loopback()  # rank 0's env:// store: on 127.0.0.1 only, as `polyshard launch`'s
+    out = prefix + os.environ["RANK"]
     try:
         fn, data, args = dill.loads(Path(job).read_bytes())
         result = fn(load_spec(data), *args)

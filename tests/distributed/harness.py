@@ -1,11 +1,11 @@
-"""Launch a parity worker under torchrun, bounded by a timeout, and read back its results."""
+"""Launch a job's ranks (a parity worker, a suite worker), bounded by a timeout, and read back its results."""
 
 import importlib.util
 import json
 import os
-import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -29,32 +29,35 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def torchrun(nproc: int, args: list[str], timeout: float = 240, env: dict | None = None):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           str(nproc), *args]
+    """`python args` as `nproc` ranks of one job, started as torchrun --standalone starts its
+    workers but without its agent process (parallel/launch/ranks.py: 4 s less a launch); the
+    first rank to fail ends the others. Asserts every rank exited 0; returns the ranks' output."""
+    from parallel.launch.ranks import job_ranks, wait_ranks
+
     # the checkout first; a PYTHONPATH the caller set stays behind it (a GPU machine's packages
     # carried into a --target folder: docs/gpu.md)
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "USE_TORCH_XLA": "0",
                 "TORCH_CPP_LOG_LEVEL": "ERROR", "PYTHONPATH": path, **(env or {})}
-    # its own session, so a timeout kills the workers too (subprocess.run's kill reaches torchrun
-    # alone, and orphaned ranks kept two cores busy for later tests)
+    cmd = [sys.executable, *args]
     start = time.perf_counter()
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          env=full_env, cwd=ROOT, start_new_session=True) as child:
-        try:
-            out, err = child.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(child.pid, signal.SIGKILL)
-            out, err = child.communicate()
-            raise AssertionError(f"timed out after {timeout} s: {' '.join(cmd)}\n{out[-4000:]}\n"
-                                 f"{err[-8000:]}") from None
-    proc = subprocess.CompletedProcess(cmd, child.returncode, out, err)
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        # each rank in a session of its own, so ending it ends what it started (a writer process)
+        with job_ranks(cmd, nproc, full_env, cwd=ROOT, stdout=out, stderr=err,
+                       start_new_session=True) as procs:
+            failed, late = wait_ranks(procs, timeout)
+        out.seek(0), err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if late:
+        raise AssertionError(f"timed out after {timeout} s: {' '.join(cmd)}\n{stdout[-4000:]}\n"
+                             f"{stderr[-8000:]}")
     log = os.environ.get("POLYSHARD_LAUNCH_LOG")  # where a suite's launches go: seconds, command
     if log:
         with open(log, "a") as f:
             f.write(f"{time.perf_counter() - start:7.1f}  {nproc}  {' '.join(args)[:300]}\n")
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    return proc
+    code = 0 if failed is None else procs[failed].returncode
+    assert code == 0, f"exit {code} (rank {failed})\n{stdout[-4000:]}\n{stderr[-8000:]}"
+    return subprocess.CompletedProcess(cmd, code, stdout, stderr)
 
 
 def run_parity(tmp: Path, cases: list[dict], nproc: int = 2, timeout: float = 240,
