@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from parallel.checkpoint.tensor_items import DamagedItemError, read_items
 from parallel.files import FileError, load_json, read_bytes, read_text, regular_file  # noqa: F401
 
 
@@ -141,7 +142,13 @@ def safe_reader_class(base):
                 torch_load(io.BytesIO(raw), f"entry {read_item.dest_index.fqn} of {self.path}")
                 return unchecked(read_item, io.BytesIO(raw))
 
-            planner.load_bytes = checked
+            if not any(getattr(self.storage_data[i.storage_index], "transform_descriptors", None)
+                       for i in plan.items):
+                try:
+                    return read_items(self, plan, planner, checked)
+                except DamagedItemError as err:
+                    raise UnsafeFileError(str(err)) from None
+            planner.load_bytes = checked  # DCP's own reader, for its stream transforms
             try:
                 return super().read_data(plan, planner)
             finally:

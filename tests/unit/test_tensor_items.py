@@ -1,0 +1,84 @@
+"""DCP's items read once per distinct pickle (parallel/checkpoint/tensor_items.py): every tensor equal
+to what torch.load gives, dtype, shape, strides and storage offset included; a later item with the
+same pickle reads its own values; what the view cannot hold falls back to torch.load; a damaged item
+is refused naming its file; a whole DCP checkpoint reads the same through SafeReader as through
+DCP's own reader."""
+
+import io
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from parallel.checkpoint.portable import SafeReader, dcp_load
+from parallel.checkpoint.safe import UnsafeFileError
+from parallel.checkpoint.tensor_items import TensorItems
+
+
+def saved(t) -> bytes:
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    return buf.getvalue()
+
+
+def same(a, b) -> bool:
+    return (torch.equal(a, b) and a.dtype == b.dtype and a.stride() == b.stride()
+            and a.storage_offset() == b.storage_offset())
+
+
+CASES = {
+    "fp32": lambda g: torch.randn(5, 7, generator=g),
+    "bf16": lambda g: torch.randn(3, 4, generator=g).bfloat16(),
+    "int64": lambda g: torch.randint(0, 1 << 40, (6,), generator=g),
+    "bool": lambda g: torch.rand(9, generator=g) > 0.5,
+    "scalar": lambda g: torch.randn((), generator=g),
+    "view with an offset": lambda g: torch.randn(20, generator=g)[3:11],
+    "transposed": lambda g: torch.randn(4, 6, generator=g).t(),
+    "empty": lambda g: torch.empty(0, 3),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_each_item_is_what_torch_load_gives_first_and_after(name):
+    items, g = TensorItems(), torch.Generator().manual_seed(0)
+    first, second = CASES[name](g), CASES[name](g)  # the same layout, other values
+    blobs = [saved(first), saved(second)]
+    if name not in ("empty", "bool"):  # identical pickles: the second is read as a view
+        assert blobs[0] != blobs[1]
+    for t, raw in zip((first, second), blobs):
+        got = items.load(raw)
+        assert same(got, torch.load(io.BytesIO(raw), weights_only=True)) and same(got, t), name
+
+
+def test_a_later_item_that_is_no_longer_whole_is_refused():
+    items = TensorItems()
+    items.load(saved(torch.randn(1000)))
+    raw = saved(torch.randn(1000))
+    with pytest.raises(ValueError, match="not a torch.save archive"):
+        items.load(raw[:len(raw) // 2])
+
+
+def test_a_dcp_checkpoint_reads_the_same_as_through_dcps_reader(tmp_path):
+    g = torch.Generator().manual_seed(1)
+    state = {f"layer{i}.{k}": torch.randn(8, 16, generator=g) for i in range(12) for k in "ab"}
+    state |= {"norm": torch.randn(16, generator=g), "step": 7, "extra": {"lr": [0.1, 0.2]}}
+    dcp.save(state, checkpoint_id=str(tmp_path), no_dist=True)
+
+    def empty():  # what the load must fill: zeros, and other values for the byte entries
+        return {**{k: torch.zeros_like(v) for k, v in state.items() if torch.is_tensor(v)},
+                "step": 0, "extra": {"lr": [0.0, 0.0]}}
+
+    ours, theirs = empty(), empty()
+    dcp_load(ours, SafeReader(str(tmp_path)))
+    dcp.load(theirs, storage_reader=dcp.FileSystemReader(str(tmp_path)), no_dist=True)
+    for key, value in state.items():
+        assert (torch.equal(ours[key], value) if torch.is_tensor(value)
+                else ours[key] == theirs[key] == value), key
+
+
+def test_a_truncated_data_file_is_refused_naming_it(tmp_path):
+    dcp.save({"w": torch.randn(64, 64)}, checkpoint_id=str(tmp_path), no_dist=True)
+    data = next(tmp_path.glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[:1000])
+    with pytest.raises(UnsafeFileError, match=data.name):
+        dcp_load({"w": torch.zeros(64, 64)}, SafeReader(str(tmp_path)))
