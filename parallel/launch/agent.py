@@ -85,6 +85,19 @@ def install_forwarding() -> None:
 LOOPBACK = "127.0.0.1"
 
 
+def loopback_listener(port: int = 0) -> tuple[int, int]:
+    """A listening socket on 127.0.0.1 (`port` 0: a free one) for a TCPStore server to own
+    (master_listen_fd): (its file descriptor, its port)."""
+    import socket
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((LOOPBACK, port))
+    sock.listen(4096)
+    port = sock.getsockname()[1]
+    return sock.detach(), port
+
+
 def listen_on_loopback() -> None:
     """One host (`--standalone`): the stores torchrun's agent serves (the rendezvous store and the
     store it shares with the workers) listen on 127.0.0.1 only. torch's TCPStore server listens on
@@ -94,7 +107,6 @@ def listen_on_loopback() -> None:
     reach the rendezvous (docs/security.md). notebook_launch's ranks call it too: their rank 0
     serves the env:// store of init_process_group."""
     import importlib
-    import socket
 
     import torch.distributed as dist
     import torch.distributed.elastic.rendezvous.c10d_rendezvous_backend as c10d_backend
@@ -105,12 +117,8 @@ def listen_on_loopback() -> None:
 
     def loopback_store(host_name, port, *args, is_master=False, **kwargs):
         if is_master and kwargs.get("master_listen_fd") is None:
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((LOOPBACK, port))
-            sock.listen(4096)
-            port = sock.getsockname()[1]
-            kwargs.update(master_listen_fd=sock.detach(), use_libuv=False)  # the store owns it now
+            fd, port = loopback_listener(port)
+            kwargs.update(master_listen_fd=fd, use_libuv=False)  # the store owns it now
         return original(host_name, port, *args, is_master=is_master, **kwargs)
 
     if getattr(original, "__name__", "") == "loopback_store":

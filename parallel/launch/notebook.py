@@ -100,7 +100,7 @@ def _child(job: str, prefix: str) -> int:
 
     from parallel.launch.agent import listen_on_loopback
 
-    listen_on_loopback()  # rank 0's env:// store: on 127.0.0.1 only, as `polyshard launch`'s
+    listen_on_loopback()  # any store server a rank starts: on 127.0.0.1 only (the job's is the parent's)
     out = prefix + os.environ["RANK"]
     try:
         fn, data, args = dill.loads(Path(job).read_bytes())

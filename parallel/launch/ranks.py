@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -31,13 +30,11 @@ def job_ranks(argv: list[str], nproc: int, env: dict[str, str], **popen) -> Iter
     Leaving the block ends the ranks still running, then the store."""
     import torch.distributed as dist
 
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))  # loopback only: an unauthenticated store (docs/security.md)
-    sock.listen(4096)
-    port = sock.getsockname()[1]
+    from parallel.launch.agent import loopback_listener
+
+    fd, port = loopback_listener()  # loopback only: an unauthenticated store (docs/security.md)
     store = dist.TCPStore("127.0.0.1", port, nproc, is_master=True, wait_for_workers=False,
-                          master_listen_fd=sock.detach(), use_libuv=False)
+                          master_listen_fd=fd, use_libuv=False)
     shared = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
               "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0",
               "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0",
