@@ -136,7 +136,7 @@ def finish_checkpoint(path: str | Path, sink: Sink, rank: int, meta: dict,
     path, tmp, group = Path(path), sink.tmp, sink.group
     if writers is None:
         writers = dist.get_world_size(group) if dist.is_initialized() else 1
-    # digests taken while writing where the writer took them (portable.DigestingFileSystem), else
+    # digests taken while writing where the writer took them (state_files.DigestingFileSystem), else
     # read back (the small files: trainer state, RNG, user state)
     own = {str(f.relative_to(tmp)): sink.described.get(f) or describe(f)
            for f in sorted(set(sink.written))}

@@ -18,7 +18,6 @@ Tensors may be DTensors or sharded tensors (each rank writes its shards) or whol
 from __future__ import annotations
 
 import contextlib
-import io
 import warnings
 from pathlib import Path
 
@@ -27,14 +26,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-import xxhash
 
 from parallel.checkpoint.chunks import RangeLoadPlanner, RangeSavePlanner
-from parallel.checkpoint.manifest import DIGEST
 from parallel.checkpoint.sink import Sink
 from parallel.checkpoint.safe import safe_reader_class
+from parallel.checkpoint.state_files import RecordingWriter, no_zip_crc
 from parallel.files import FileError
 from parallel.engine.model.params import clean_name  # noqa: F401 - state code names things by it
 
@@ -114,8 +111,8 @@ def save_state(state: dict, into: Sink | Path, planner=None, collective: bool = 
     # a cached final plan carries its storage writer's own data: file names, or none for a capture)
     writers = 1 if alone else dist.get_world_size(sink.group)
     key = f"{','.join(sink.sections or ['all'])}:{writers}:{'capture' if sink.capture else 'files'}"
-    with _quiet_dcp():
-        dcp.save(state, storage_writer=sink.capture or RecordingWriter(sink),
+    with _quiet_dcp(), no_zip_crc():
+        dcp.save(state, storage_writer=sink.capture or RecordingWriter(sink, sink.tmp / STATE_DIR),
                  planner=planner or RangeSavePlanner(key),
                  process_group=sink.group, no_dist=alone)
 
@@ -133,84 +130,6 @@ def write_queued(sink: Sink) -> None:
     """Write a staged save's queued host copies (after `save` returned; none when not staged)."""
     for state, planner, collective in sink.take_queued():
         save_state(state, sink, planner, collective)
-
-
-class _Digesting(io.RawIOBase):
-    """A file being written, hashed as its bytes pass (DCP writes every state file front to back:
-    torch.save's zip writer and its byte entries only append)."""
-
-    def __init__(self, raw):
-        self.raw, self.digest, self.size = raw, xxhash.xxh3_128(), 0
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b) -> int:
-        self.digest.update(b)
-        written = self.raw.write(b)
-        self.size += written
-        return written
-
-    def tell(self) -> int:
-        return self.raw.tell()
-
-    def flush(self) -> None:
-        if not self.raw.closed:
-            self.raw.flush()
-
-    def fileno(self) -> int:
-        return self.raw.fileno()
-
-    def close(self) -> None:  # DCP closes the stream itself after fsync; the file is the raw's
-        super().close()  # (flushes first)
-        self.raw.close()
-
-
-class DigestingFileSystem(FileSystem):
-    """DCP's local file system, hashing each file this rank writes as it writes it (xxh3-128, the
-    checkpoint's digest: manifest.DIGEST), so publishing reads nothing back. A file renamed after
-    writing (DCP's .metadata.tmp -> .metadata) keeps its entry."""
-
-    def __init__(self, sink: Sink):
-        super().__init__()
-        self.sink = sink
-
-    @contextlib.contextmanager
-    def create_stream(self, path, mode: str):
-        with super().create_stream(path, mode) as stream:
-            if "w" not in mode:
-                yield stream
-                return
-            hashing = _Digesting(stream)
-            yield hashing
-        self.sink.described_as(path, {"size": hashing.size, DIGEST: hashing.digest.hexdigest()})
-
-    def rename(self, path, new_path) -> None:
-        super().rename(path, new_path)
-        entry = self.sink.described.pop(Path(path), None)
-        if entry is not None:
-            self.sink.described_as(new_path, entry)
-
-
-class RecordingWriter(dcp.FileSystemWriter):
-    """DCP's file writer, telling the save's sink which files this rank wrote and their digests as
-    they were written (each rank's own: parallel/checkpoint/directory.py), with
-    checkpoint.write_threads threads."""
-
-    def __init__(self, sink: Sink):
-        super().__init__(str(sink.tmp / STATE_DIR), thread_count=sink.threads,
-                         sync_files=sink.durable)
-        self.sink = sink
-        self.fs = DigestingFileSystem(sink)
-
-    def write_data(self, plan, planner):
-        future = super().write_data(plan, planner)
-        self.sink.record(*{Path(self.path) / r.storage_data.relative_path for r in future.wait()})
-        return future
-
-    def finish(self, metadata, results) -> None:
-        super().finish(metadata, results)
-        self.sink.record(Path(self.path) / ".metadata")  # the coordinator's, once per save
 
 
 def open_state(path: Path) -> SafeReader:

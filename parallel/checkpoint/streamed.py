@@ -20,8 +20,9 @@ from collections.abc import Callable
 
 from parallel.checkpoint.chunks import RangeSavePlanner
 from parallel.heap import young_heap
-from parallel.checkpoint.portable import RecordingWriter, _quiet_dcp, as_written
+from parallel.checkpoint.portable import STATE_DIR, _quiet_dcp, as_written
 from parallel.checkpoint.sink import Sink
+from parallel.checkpoint.state_files import RecordingWriter, no_zip_crc
 
 
 def in_parts(items: list, nbytes: Callable[[object], int], budget: int) -> list[list]:
@@ -51,14 +52,14 @@ def write_streamed(streamed: Streamed, sink: Sink) -> None:
     """DCP's save of every part into sink.tmp/state, one part in memory at a time (each built
     twice: once to plan, once to write)."""
     with young_heap():  # the collections after each part scan that part, not every module
-        _write_parts(streamed, RecordingWriter(sink))
+        _write_parts(streamed, RecordingWriter(sink, sink.tmp / STATE_DIR))
 
 
 def _write_parts(streamed: Streamed, writer: RecordingWriter) -> None:
     writer.reset()
     writer.set_up_storage_writer(True)
     planners, plans = [], []
-    with _quiet_dcp():
+    with _quiet_dcp(), no_zip_crc():
         for i in range(streamed.writers):
             planner = RangeSavePlanner()
             planner.set_up_planner(as_written(streamed.part(i)), writer.storage_meta(),
