@@ -43,8 +43,9 @@ def no_zip_crc():
     return config.patch({"save.compute_crc32": False})
 
 
-def _sync_file_range():
-    """libc's sync_file_range, or None (not Linux): then the pages go at the final fsync."""
+def sync_file_range():
+    """libc's sync_file_range(fd, offset, nbytes, flags), or None (not Linux): then the pages go at
+    the final fsync."""
     try:
         call = ctypes.CDLL(None, use_errno=True).sync_file_range
     except (AttributeError, OSError):
@@ -100,7 +101,7 @@ class DigestingFileSystem(FileSystem):
     def __init__(self, sink: Sink):
         super().__init__()
         self.sink = sink
-        self.writeback = _sync_file_range() if sink.durable else None
+        self.writeback = sync_file_range() if sink.durable else None
 
     @contextlib.contextmanager
     def create_stream(self, path, mode: str):

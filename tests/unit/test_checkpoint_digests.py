@@ -40,7 +40,7 @@ def test_pages_go_to_the_disk_while_the_file_is_written(tmp_path, monkeypatch):
     hands nothing."""
     from parallel.checkpoint import state_files
 
-    real, calls = state_files._sync_file_range(), []
+    real, calls = state_files.sync_file_range(), []
     assert real is not None  # Linux: the call the writer uses exists
 
     def recording():
@@ -49,7 +49,7 @@ def test_pages_go_to_the_disk_while_the_file_is_written(tmp_path, monkeypatch):
             return real(fd, offset, nbytes, flags)
         return call
 
-    monkeypatch.setattr(state_files, "_sync_file_range", recording)
+    monkeypatch.setattr(state_files, "sync_file_range", recording)
     monkeypatch.setattr(state_files, "WRITEBACK_BYTES", 16 << 10)
     sink = Sink(tmp_path / "durable")
     save_state(_state(), sink, collective=False)
