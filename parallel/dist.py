@@ -179,7 +179,9 @@ def rng_state() -> dict:
     state = {"python": random.getstate(),
              "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
              "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
+    # a process that never initialised CUDA has no CUDA generator state in use; is_available()
+    # would probe the driver on every save (3-4 ms of an async save's 15 ms on a CPU host)
+    if torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
