@@ -48,7 +48,7 @@ def sync_file_range():
     the final fsync."""
     try:
         call = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (AttributeError, OSError):
+    except (AttributeError, OSError, TypeError):  # TypeError: Windows has no CDLL(None)
         return None
     call.argtypes = (ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint)
     return call
