@@ -14,7 +14,7 @@ import torch
 
 from parallel.checkpoint.directory import partial_path, remove_ours
 from parallel.checkpoint.portable import open_state, read_tensors, tensor_shapes
-from parallel.checkpoint.state_files import SYNC_FILE_RANGE_WRITE, sync_file_range
+from parallel.checkpoint.state_files import Writeback
 from parallel.checkpoint.streamed import in_parts
 from parallel.files import write_atomic
 
@@ -177,7 +177,7 @@ class SafetensorsFile:
         remove_ours(self.tmp)
         self.file = open(self.tmp, "xb")  # exclusive: never through a link planted since
         self.file.write(len(head).to_bytes(8, "little") + head)
-        self.writeback, self.sent = sync_file_range(), 0  # bytes handed to the disk (`sync`)
+        self.writeback = Writeback()  # `sync`
 
     def write(self, t: torch.Tensor) -> None:
         self.file.write(memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
@@ -185,15 +185,11 @@ class SafetensorsFile:
 
     def sync(self) -> None:
         """What is written so far, handed to the disk's writeback without waiting for it
-        (state_files.sync_file_range: the rest of the file is still being made, and `close`'s
-        fsync waits for all of it); fdatasync where there is no such call."""
+        (state_files.Writeback: the rest of the file is still being made, and `close`'s fsync
+        waits for all of it); fdatasync where there is no such call."""
         self.file.flush()
-        end = self.file.tell()
-        if self.writeback is None:
+        if not self.writeback.send(self.file.fileno(), self.file.tell()):
             os.fdatasync(self.file.fileno())
-        else:  # a hint: a failure leaves these pages to the fsync
-            self.writeback(self.file.fileno(), self.sent, end - self.sent, SYNC_FILE_RANGE_WRITE)
-        self.sent = end
 
     def close(self, durable: bool) -> None:
         """`durable`: fsynced before the rename."""

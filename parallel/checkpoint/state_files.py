@@ -54,15 +54,31 @@ def sync_file_range():
     return call
 
 
+class Writeback:
+    """One file's pages handed to the kernel's writeback as the file grows: `send(fd, end)` hands
+    over what lies between the last call and `end` (libc's sync_file_range, which does not wait);
+    False where there is no such call, so the caller syncs its own way or leaves it to the fsync."""
+
+    def __init__(self):
+        self.call, self.sent = sync_file_range(), 0  # bytes handed to the disk so far
+
+    def send(self, fd: int, end: int) -> bool:
+        if self.call is None:
+            return False
+        # a hint: a failure (a file system without it) leaves the pages to the final fsync
+        self.call(fd, self.sent, end - self.sent, SYNC_FILE_RANGE_WRITE)
+        self.sent = end
+        return True
+
+
 class WrittenFile(io.RawIOBase):
     """A state file being written, hashed as its bytes pass (DCP writes every state file front to
     back: torch.save's zip writer and its byte entries only append), its pages sent to the disk
-    every WRITEBACK_BYTES when `writeback` (libc's sync_file_range; None for a file whose pages need
-    never reach the disk)."""
+    every WRITEBACK_BYTES when `durable` (a staging copy's pages need never reach the disk)."""
 
-    def __init__(self, raw, writeback=None):
+    def __init__(self, raw, durable: bool):
         self.raw, self.digest, self.size = raw, xxhash.xxh3_128(), 0
-        self.writeback, self.sent = writeback, 0  # bytes handed to the disk so far
+        self.writeback = Writeback() if durable else None
 
     def writable(self) -> bool:
         return True
@@ -71,11 +87,9 @@ class WrittenFile(io.RawIOBase):
         self.digest.update(b)
         written = self.raw.write(b)
         self.size += written
-        if self.writeback is not None and self.size - self.sent >= WRITEBACK_BYTES:
+        if self.writeback is not None and self.size - self.writeback.sent >= WRITEBACK_BYTES:
             self.raw.flush()  # the bytes in the file's buffer are in the page cache first
-            # a hint: a failure (a file system without it) leaves the pages to the final fsync
-            self.writeback(self.raw.fileno(), self.sent, self.size - self.sent, SYNC_FILE_RANGE_WRITE)
-            self.sent = self.size
+            self.writeback.send(self.raw.fileno(), self.size)
         return written
 
     def tell(self) -> int:
@@ -101,7 +115,6 @@ class DigestingFileSystem(FileSystem):
     def __init__(self, sink: Sink):
         super().__init__()
         self.sink = sink
-        self.writeback = sync_file_range() if sink.durable else None
 
     @contextlib.contextmanager
     def create_stream(self, path, mode: str):
@@ -109,7 +122,7 @@ class DigestingFileSystem(FileSystem):
             if "w" not in mode:
                 yield stream
                 return
-            hashing = WrittenFile(stream, self.writeback)
+            hashing = WrittenFile(stream, self.sink.durable)
             yield hashing
         self.sink.described_as(path, {"size": hashing.size, DIGEST: hashing.digest.hexdigest()})
 

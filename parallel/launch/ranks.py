@@ -30,12 +30,12 @@ def job_ranks(argv: list[str], nproc: int, env: dict[str, str], **popen) -> Iter
     Leaving the block ends the ranks still running, then the store."""
     import torch.distributed as dist
 
-    from parallel.launch.agent import loopback_listener
+    from parallel.launch.agent import LOOPBACK, loopback_listener
 
     fd, port = loopback_listener()  # loopback only: an unauthenticated store (docs/security.md)
-    store = dist.TCPStore("127.0.0.1", port, nproc, is_master=True, wait_for_workers=False,
+    store = dist.TCPStore(LOOPBACK, port, nproc, is_master=True, wait_for_workers=False,
                           master_listen_fd=fd, use_libuv=False)
-    shared = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+    shared = {**env, "MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(port),
               "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0",
               "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0",
               "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": f"polyshard-{port}"}

@@ -64,11 +64,11 @@ def test_a_file_written_in_slices_hands_each_to_the_disk_without_waiting(tmp_pat
     """GatheredFile's `sync` after each slice: the range written since the last one goes to the
     kernel's writeback (not an fdatasync the writer thread waits on); the file is what
     safetensors reads."""
-    from parallel.checkpoint import hf_files
+    from parallel.checkpoint import hf_files, state_files
     from parallel.checkpoint.state_files import SYNC_FILE_RANGE_WRITE
 
     calls = []
-    monkeypatch.setattr(hf_files, "sync_file_range", lambda: lambda *a: calls.append(a[1:]))
+    monkeypatch.setattr(state_files, "sync_file_range", lambda: lambda *a: calls.append(a[1:]))
     a, b = torch.arange(3000.0).view(30, 100), torch.ones(7, 5)
     file = hf_files.SafetensorsFile(tmp_path / "m.safetensors", [("a", (30, 100), torch.float32),
                                                                    ("b", (7, 5), torch.float32)])
