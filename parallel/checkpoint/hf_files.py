@@ -14,7 +14,6 @@ import torch
 
 from parallel.checkpoint.directory import partial_path, remove_ours
 from parallel.checkpoint.portable import open_state, read_tensors, tensor_shapes
-from parallel.checkpoint.state_files import Writeback
 from parallel.checkpoint.streamed import in_parts
 from parallel.files import write_atomic
 
@@ -156,40 +155,48 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], durable: boo
     file.close(durable)
 
 
+def safetensors_layout(layout: list[tuple[str, tuple, torch.dtype]]) -> tuple[bytes, dict, int]:
+    """A safetensors file's first bytes (length and header) for `layout` (name, shape, dtype; its
+    order is the file's), where each tensor's bytes start in the file, and the file's length. The
+    same on every rank: save_pretrained's ranks write into a file another rank made (hf_gather)."""
+    header, start = {"__metadata__": {"format": "pt"}}, 0
+    for name, shape, dtype in layout:
+        nbytes = _numel(shape) * dtype.itemsize
+        header[name] = {"dtype": SAFETENSORS_DTYPE[dtype], "shape": list(shape),
+                        "data_offsets": [start, start + nbytes]}
+        start += nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the data 8-byte aligned, as safetensors pads it
+    base = 8 + len(head)
+    places = {name: base + header[name]["data_offsets"][0] for name, _, _ in layout}
+    return len(head).to_bytes(8, "little") + head, places, base + start
+
+
 class SafetensorsFile:
     """A safetensors file written front to back: the header from `layout` (name, shape, dtype; its
     order is the file's), then each tensor's bytes, in that order, from the tensor's own memory.
     safetensors' save_file first copies every tensor into a Python bytes object (the whole file
     once more in memory, and its time); its reader (safe_open, from_pretrained) is this writer's
     oracle in the tests. Written beside `path` and renamed over it at `close`: a planted link is
-    replaced, never written through."""
+    replaced, never written through. `allocate` gives it its whole length at once, for writers
+    that place each tensor's bytes themselves (hf_gather)."""
 
     def __init__(self, path: Path, layout: list[tuple[str, tuple, torch.dtype]]):
-        header, start = {"__metadata__": {"format": "pt"}}, 0
-        for name, shape, dtype in layout:
-            nbytes = _numel(shape) * dtype.itemsize
-            header[name] = {"dtype": SAFETENSORS_DTYPE[dtype], "shape": list(shape),
-                            "data_offsets": [start, start + nbytes]}
-            start += nbytes
-        head = json.dumps(header, separators=(",", ":")).encode()
-        head += b" " * (-len(head) % 8)  # the data 8-byte aligned, as safetensors pads it
+        head, _, self.length = safetensors_layout(layout)
         self.path, self.tmp = path, partial_path(path)
         remove_ours(self.tmp)
         self.file = open(self.tmp, "xb")  # exclusive: never through a link planted since
-        self.file.write(len(head).to_bytes(8, "little") + head)
-        self.writeback = Writeback()  # `sync`
+        self.file.write(head)
 
     def write(self, t: torch.Tensor) -> None:
         self.file.write(memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
                                    .numpy()))
 
-    def sync(self) -> None:
-        """What is written so far, handed to the disk's writeback without waiting for it
-        (state_files.Writeback: the rest of the file is still being made, and `close`'s fsync
-        waits for all of it); fdatasync where there is no such call."""
+    def allocate(self) -> None:
+        """The file at its full length (the data a hole until written), before the header is on
+        the disk: every rank may then write its pieces at their places."""
         self.file.flush()
-        if not self.writeback.send(self.file.fileno(), self.file.tell()):
-            os.fdatasync(self.file.fileno())
+        os.ftruncate(self.file.fileno(), self.length)
 
     def close(self, durable: bool) -> None:
         """`durable`: fsynced before the rename."""

@@ -1,26 +1,35 @@
-"""save_pretrained without a staging copy: each rank's pieces of the model go straight to the rank
-that writes the safetensors file they belong to, and land where they sit in that file.
+"""save_pretrained without a staging copy or an exchange: each rank writes its pieces of the model
+straight into their places in the safetensors files.
 
 The pieces are what DCP would write of the backend's portable state (portable.save_state through a
 `Sink` with `capture`): `Capture` is a DCP storage writer that keeps each write item's tensor instead
 of writing it. So every backend's layout (DTensor shards, ZeRO and XLA flat ranges, tensor-parallel
-blocks) arrives the one way, and DCP's own plan says which rank sends what: a tensor held whole by
-several ranks is sent by one, every chunk exactly once.
+blocks) arrives the one way, and DCP's own plan says which rank writes what: a tensor held whole by
+several ranks is written by one, every chunk exactly once.
 
-Files are planned as write_hf plans them (hf_files.shard_files: with `max_bytes` None about one
-file per rank); file i is written by rank i % N. Per round (one file per writer) every rank sends
-each writer its pieces of that writer's file in one all_to_all, cast to the file's dtype; the
-writer copies each piece into the file's buffer and writes it (hf_files.write_safetensors). A rank
-sends O(model / N) and holds O(one file); the shapes come from rank 0 (O(tensors), not O(N)).
+Files are planned as transformers' save_pretrained plans them (hf_files.shard_files: cut where a
+file would pass `max_bytes`, 5 GB by default), whatever the number of ranks. The layout of every
+file (header, where each tensor starts) follows from the shapes alone, so every rank knows where
+each of its pieces goes without being told: file i's rank (i mod N) makes it at its full length,
+and after one barrier every rank writes each contiguous run of its pieces at its place
+(`os.pwrite`, cast to the file's dtype in segments of SEGMENT_BYTES; a row block of a row-major
+tensor is one run). Nothing travels between ranks but one all_reduce of how many elements each rank
+wrote of each tensor (O(tensors)), checked against the shapes before any file is renamed into
+place. A rank writes O(model / N) and holds O(segment).
 
-The staging path (save_pretrained's other branch: the model's shards written to a DCP directory
-in the page cache, read back per file) measured 1.6x a DCP save of the same weights; this one
-reads nothing back (docs/bench.md).
+This needs every rank to see the output directory as one file system, which a checkpoint already
+needs (rank 0 renames the directory every rank wrote into). Its predecessor sent each writer its
+file's pieces over the process group (an all_to_all per 64 MiB slice): the exchange was half of an
+FSDP2 save's time at 2 ranks (docs/bench.md).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+import os
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -30,7 +39,19 @@ from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter
 from torch.futures import Future
 
-from parallel.checkpoint.hf_files import SafetensorsFile, shard_files, write_configs, write_index
+from parallel.checkpoint.directory import partial_path
+from parallel.checkpoint.hf_files import (
+    SafetensorsFile,
+    safetensors_layout,
+    shard_files,
+    write_configs,
+    write_index,
+)
+from parallel.checkpoint.state_files import Writeback
+
+SEGMENT_BYTES = 16 << 20  # a piece is cast (or copied off the device) and written this much at a time
+HINT_BYTES = 1 << 20  # a write of this much or more is handed to the disk's writeback at once
+PAGE = 4096
 
 
 class Capture(StorageWriter):
@@ -77,9 +98,9 @@ class Capture(StorageWriter):
         return False
 
 
-def exchange_device(world: int) -> torch.device | None:
-    """Where pieces travel: CUDA over NCCL, host memory over gloo; None for a process group with
-    neither (torch_xla's): save_pretrained stages through files there."""
+def collective_device(world: int) -> torch.device | None:
+    """Where the count of written elements is summed: CUDA over NCCL, host memory over gloo; None
+    for a process group with neither (torch_xla's): save_pretrained stages through files there."""
     if world == 1:
         return torch.device("cpu")
     backend = str(dist.get_backend())
@@ -91,180 +112,164 @@ def exchange_device(world: int) -> torch.device | None:
 def write_gathered(capture: Capture, cfg: dict, dtype: torch.dtype, out: Path,
                    max_bytes: int | None, rank: int, world: int, device: torch.device,
                    durable: bool = False) -> None:
-    """This rank's files of the Hugging Face save (collective), and on rank 0 the index and
-    configs. `capture` holds this rank's pieces of the "model" section."""
+    """This rank's pieces of the Hugging Face save written in place (collective), and on rank 0 the
+    index and configs. `capture` holds this rank's pieces of the "model" section. `durable`: every
+    rank's writes are fsynced before any file is renamed into place."""
     shapes = [capture.shapes]
     if world > 1:
         dist.broadcast_object_list(shapes, src=0)  # the coordinator's: every stored tensor
     tied = cfg.get("tie_word_embeddings") and "model.lm_head.weight" in shapes[0]
     entries = [(k[len("model."):], shape, None) for k, shape in shapes[0].items()
                if k.startswith("model.") and not (tied and k == "model.lm_head.weight")]
-    size = dtype.itemsize
-    files = shard_files(entries, size, max_bytes, world)
-    where, rounds = _slices(files, size)
-    pieces: dict[tuple[int, int], list] = {}  # (file, slice) -> this rank's pieces of it
-    for key, offsets, sizes, data in capture.pieces:
-        at = where.get(key[len("model."):]) if key.startswith("model.") else None
-        if at is not None:
-            pieces.setdefault((at[0], at[2]), []).append((at[1], offsets, sizes, data))
-    ndim = max((len(shape) for _, shape, _ in entries), default=0)
+    # save_pretrained's own plan (files of at most max_bytes, 5 GB by default), whatever N: every
+    # rank writes into every file its pieces fall in, so N files would be N opens per rank
+    files = shard_files(entries, dtype.itemsize, max_bytes, 1)
+    layouts = [safetensors_layout([(n, tuple(s), dtype) for n, s, _ in sorted(shard)])
+               for _, shard in files]
     out.mkdir(parents=True, exist_ok=True)
-    for first in range(0, len(files), world):  # one file per writer a round
-        ours = first + rank if first + rank < len(files) else None
-        file = GatheredFile(out, *files[ours], where, dtype, durable) if ours is not None else None
-        try:
-            for k in range(rounds):  # one slice of each file: the disk writes it while k + 1 travels
-                part = file.part(k) if file else None
-                sent: list[list] = [[] for _ in range(world)]
-                for dest in range(min(world, len(files) - first)):
-                    for piece in pieces.pop((first + dest, k), []):
-                        if dest == rank:  # this rank's own file: straight into its place
-                            part.land(*piece)
-                        else:
-                            sent[dest].append(piece)
-                _exchange(sent, part, dtype, ndim, device, world)
-                if file:
-                    file.queue(part)
-        except BaseException:
-            if file:
-                file.abandon()
-            raise
-        if file:
-            file.close()
+    ours = [SafetensorsFile(out / files[i][0], [(n, tuple(s), dtype) for n, s, _ in
+                                                 sorted(files[i][1])])
+            for i in range(rank, len(files), world)]
+    try:
+        for file in ours:
+            file.allocate()
+        _barrier(world)  # every file is there, at its length, before any rank writes into it
+        writer = InPlace([partial_path(out / name) for name, _ in files], durable)
+        with writer:
+            for i, key, offsets, sizes, data in _in_file_order(capture.pieces, files, rank):
+                place, shape = layouts[i][1][key], shapes[0]["model." + key]
+                writer.write(i, key, place, runs(shape, offsets, sizes), data, dtype)
+        _check_counts(writer.counts, entries, world, device)  # collective: every rank raises alike
+        for file in ours:
+            file.close(durable)
+    except BaseException:
+        for file in ours:
+            file.abandon()
+        raise
     if rank == 0:
-        write_index(out, files, size)
+        write_index(out, files, dtype.itemsize)
         write_configs(cfg, dtype, out)
 
 
-SLICE_BYTES = 64 << 20  # a file travels in slices of about this much, written as each lands
+def _barrier(world: int) -> None:
+    if world > 1:
+        dist.barrier()
 
 
-def _slices(files: list, size: int) -> tuple[dict[str, tuple[int, int, int]], int]:
-    """name -> (file, position in its shard, slice), and the number of slices every file is cut
-    into (the same for all: each is one collective exchange). A file's tensors, in its order (by
-    name), go to the slice their first byte falls in."""
-    totals = [size * sum(math.prod(s) for _, s, _ in shard) for _, shard in files]
-    rounds = max([1, *(-(-t // SLICE_BYTES) for t in totals)])
-    where = {}
-    for i, (_, shard) in enumerate(files):
-        start = 0
-        for j in sorted(range(len(shard)), key=lambda j: shard[j][0]):
-            where[shard[j][0]] = (i, j, min(rounds - 1, start * rounds // max(totals[i], 1)))
-            start += size * math.prod(shard[j][1])
-    return where, rounds
+def _in_file_order(pieces: list, files: list, rank: int):
+    """(file, name, offsets, sizes, tensor) of each piece in a file, by file and place; rank r
+    starts at file r, so the ranks write into different files at a time (a file system may take
+    one writer of a file at a time: ext4's and XFS's buffered writes hold the file's lock)."""
+    where = {name: i for i, (_, shard) in enumerate(files) for name, _, _ in shard}
+    placed = [(where[key[len("model."):]], key[len("model."):], offsets, sizes, data)
+              for key, offsets, sizes, data in pieces
+              if key.startswith("model.") and key[len("model."):] in where]
+    count = max(len(files), 1)
+    return sorted(placed, key=lambda p: ((p[0] - rank) % count, p[1], p[2]))
 
 
-class GatheredFile:
-    """One safetensors file this rank writes, slice by slice: the header first (the layout is
-    known from the shapes), each slice's bytes once every piece of it has landed, written and
-    synced by a thread of its own while the next slice is exchanged (two slices held)."""
+def runs(shape: tuple, offsets: tuple, sizes: tuple) -> list[tuple[int, int]]:
+    """The contiguous runs of block (offsets, sizes) of a row-major `shape`, in the block's own
+    row-major order: (first element's index in the tensor, elements). A block whose dimensions after
+    the first are whole (a row block, an FSDP2 or ZeRO piece) is one run; a column block (a
+    tensor-parallel split) one run per row."""
+    if not shape:
+        return [(0, 1)]
+    if 0 in sizes:
+        return []
+    k = len(shape) - 1  # the first dimension from which on the block is whole, but for its own
+    while k > 0 and sizes[k] == shape[k]:
+        k -= 1
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+    length = sizes[k] * strides[k]
+    return [(sum(i * s for i, s in zip(index, strides)) + offsets[k] * strides[k], length)
+            for index in itertools.product(*(range(o, o + n) for o, n in zip(offsets[:k], sizes[:k])))]
 
-    def __init__(self, out: Path, name: str, shard: list, where: dict, dtype: torch.dtype,
-                 durable: bool):
-        from concurrent.futures import ThreadPoolExecutor
 
-        self.shard, self.dtype, self.durable = shard, dtype, durable
-        self.order = sorted(range(len(shard)), key=lambda j: shard[j][0])
-        self.slice_of = {j: where[shard[j][0]][2] for j in self.order}
-        self.file = SafetensorsFile(out / name, [(shard[j][0], tuple(shard[j][1]), dtype)
-                                                 for j in self.order])
+class InPlace:
+    """This rank's writes into the files of one save: each file opened once (one some rank made:
+    never created here, no link followed); each piece cast to the file's dtype and copied to host
+    memory a segment at a time while a thread writes the segment before (two held); each write's
+    pages handed to the disk when `durable`, and every file fsynced at the end. `counts`: the
+    elements written of each tensor."""
+
+    def __init__(self, paths: list[Path], durable: bool):
+        self.paths, self.durable = paths, durable
+        self.fds: dict[int, int] = {}
+        self.counts: dict[str, int] = {}
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="polyshard-hf-write")
-        self.pending: list = []
+        self.pending: deque = deque()
+        self.writeback = Writeback()
 
-    def part(self, k: int) -> Part:
-        return Part([(j, tuple(self.shard[j][1])) for j in self.order if self.slice_of[j] == k],
-                    self.shard, self.dtype)
+    def __enter__(self) -> InPlace:
+        return self
 
-    def queue(self, part: Part) -> None:
-        part.check()
-        if self.pending:  # the slice before written first: two held, one written, one filled
-            self.pending.pop(0).result()
-        self.pending.append(self.thread.submit(self._write, part))
+    def write(self, i: int, name: str, place: int, spans: list[tuple[int, int]],
+              data: torch.Tensor, dtype: torch.dtype) -> None:
+        """Piece `data` of tensor `name`, whose bytes start at `place` in file i: its elements, in
+        row-major order, are the tensor's `spans` (runs())."""
+        flat, fd, size = data.detach().reshape(-1), self._open(i), dtype.itemsize
+        segment = max(1, SEGMENT_BYTES // max(size, data.element_size()))
+        start, batch, filled = 0, [], 0  # the segment being gathered: (file offset, elements)
+        for at, n in spans:
+            while n:
+                step = min(n, segment - filled)
+                batch.append((place + at * size, step))
+                at, n, filled = at + step, n - step, filled + step
+                if filled == segment:
+                    self._submit(fd, flat[start:start + filled], batch, dtype)
+                    start, batch, filled = start + filled, [], 0
+        if batch:
+            self._submit(fd, flat[start:start + filled], batch, dtype)
+        self.counts[name] = self.counts.get(name, 0) + flat.numel()
 
-    def _write(self, part: Part) -> None:
-        for t in part.views.values():
-            self.file.write(t)
-        if self.durable:
-            self.file.sync()
+    def _submit(self, fd: int, part: torch.Tensor, batch: list, dtype: torch.dtype) -> None:
+        host = part.to("cpu", dtype).contiguous()  # no copy for a host piece of the file's dtype
+        while len(self.pending) >= 2:  # two segments held: one written, one being made
+            self.pending.popleft().result()
+        self.pending.append(self.thread.submit(self._pwrite, fd, host, batch))
 
-    def close(self) -> None:
-        """Every slice written, then the file fsynced (durable) and renamed into place."""
+    def _pwrite(self, fd: int, host: torch.Tensor, batch: list) -> None:
+        view, at = memoryview(host.view(torch.uint8).numpy()), 0
+        for offset, n in batch:
+            nbytes = n * host.element_size()
+            chunk, done = view[at:at + nbytes], 0
+            while done < nbytes:  # pwrite may write less than asked
+                done += os.pwrite(fd, chunk[done:], offset + done)
+            if self.durable and nbytes >= HINT_BYTES:  # its whole pages: a neighbour's may be unwritten
+                self.writeback.send_range(fd, -(-offset // PAGE) * PAGE, (offset + nbytes) // PAGE * PAGE)
+            at += nbytes
+
+    def _open(self, i: int) -> int:
+        if i not in self.fds:
+            self.fds[i] = os.open(self.paths[i], os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        return self.fds[i]
+
+    def __exit__(self, kind, *exc) -> None:
+        """Every write done (or, after a failure, the ones in flight ended) and, when `durable`
+        and nothing failed, every file this rank wrote into fsynced; the files closed."""
         try:
-            for done in self.pending:
-                done.result()
-        except BaseException:
-            self.abandon()
-            raise
-        self.thread.shutdown()
-        self.file.close(self.durable)
-
-    def abandon(self) -> None:
-        """After a failure: the writes in flight end, the partial file is removed."""
-        self.thread.shutdown(wait=True, cancel_futures=True)
-        self.file.abandon()
+            if kind is None:
+                while self.pending:
+                    self.pending.popleft().result()
+                if self.durable:
+                    for fd in self.fds.values():
+                        os.fsync(fd)
+        finally:
+            self.thread.shutdown(wait=True, cancel_futures=True)
+            for fd in self.fds.values():
+                os.close(fd)
 
 
-class Part:
-    """One slice of a file being assembled: a host buffer of its tensors in the file's order, each
-    a view of it, so a piece is copied once, into its final place."""
-
-    def __init__(self, tensors: list[tuple[int, tuple]], shard: list, dtype: torch.dtype):
-        self.shard = shard
-        flat = torch.empty(sum(math.prod(shape) for _, shape in tensors), dtype=dtype)
-        self.views, start = {}, 0
-        for j, shape in tensors:
-            self.views[j] = flat[start:start + math.prod(shape)].view(shape)
-            start += math.prod(shape)
-        self.landed = dict.fromkeys(self.views, 0)
-
-    def land(self, j: int, offsets: tuple, sizes: tuple, data: torch.Tensor) -> None:
-        """Piece (offsets, sizes) of tensor j (its position in the file's shard)."""
-        full = self.views[j]
-        full[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].copy_(data.view(sizes))
-        self.landed[j] += math.prod(sizes)
-
-    def check(self) -> None:
-        """Every element of every tensor landed (DCP's plan covers each tensor exactly once; a
-        shortfall would write uninitialised memory)."""
-        for j, view in self.views.items():
-            if self.landed[j] != view.numel():
-                raise RuntimeError(f"save_pretrained: {self.shard[j][0]} got {self.landed[j]} of "
-                                   f"its {view.numel()} elements from the ranks' pieces")
-
-
-def _exchange(sent: list[list], part: Part | None, dtype: torch.dtype, ndim: int,
-              device: torch.device, world: int) -> None:
-    """One all_to_all of each rank's pieces for each writer (headers: the tensor's position in the
-    file, offsets, sizes; payload: the pieces cast to `dtype`, packed in one copy each), then
-    each received piece landed in `part`. Three collectives: counts, headers, payload."""
-    if world == 1:
-        return
-    heads = [[v for j, off, sz, _ in pieces for v in (j, *_pad(off, ndim), *_pad(sz, ndim))]
-             for pieces in sent]
-    numel = [sum(math.prod(sz) for _, _, sz, _ in pieces) for pieces in sent]
-    counts = torch.tensor([[len(h), n] for h, n in zip(heads, numel)], dtype=torch.int64,
-                          device=device)
-    got = torch.empty_like(counts)
-    dist.all_to_all_single(got, counts)
-    got = got.tolist()
-    head_in = torch.empty(sum(h for h, _ in got), dtype=torch.int64, device=device)
-    flat_heads = torch.tensor([v for h in heads for v in h], dtype=torch.int64, device=device)
-    dist.all_to_all_single(head_in, flat_heads, [h for h, _ in got], [len(h) for h in heads])
-    payload, start = torch.empty(sum(numel), dtype=dtype, device=device), 0
-    for pieces in sent:
-        for _, _, sz, data in pieces:
-            payload[start:start + math.prod(sz)].copy_(data.reshape(-1))
-            start += math.prod(sz)
-    received = torch.empty(sum(n for _, n in got), dtype=dtype, device=device)
-    dist.all_to_all_single(received, payload, [n for _, n in got], numel)
-    start = 0
-    for j, *rest in head_in.view(-1, 1 + 2 * ndim).tolist():
-        dims = part.views[j].dim()
-        sizes = tuple(rest[ndim:ndim + dims])
-        part.land(j, tuple(rest[:dims]), sizes, received[start:start + math.prod(sizes)])
-        start += math.prod(sizes)
-
-
-def _pad(values: tuple, ndim: int) -> list[int]:
-    """A chunk's offsets or sizes as `ndim` numbers (a header row has one width)."""
-    return [*values, *[0] * (ndim - len(values))]
+def _check_counts(counts: dict[str, int], entries: list, world: int, device: torch.device) -> None:
+    """The elements every rank wrote of each tensor, summed over ranks (one all_reduce, O(tensors)),
+    equal its size: DCP's plan covers each tensor exactly once; a shortfall would leave a hole of
+    zeros in the file, an overlap a tensor written twice."""
+    got = torch.tensor([counts.get(name, 0) for name, _, _ in entries], dtype=torch.int64,
+                       device=device)
+    if world > 1:
+        dist.all_reduce(got)
+    for (name, shape, _), n in zip(entries, got.tolist()):
+        if n != math.prod(shape):
+            raise RuntimeError(f"save_pretrained: {name} got {n} of its {math.prod(shape)} "
+                               "elements from the ranks' pieces")

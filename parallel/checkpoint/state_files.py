@@ -56,18 +56,24 @@ def sync_file_range():
 
 class Writeback:
     """One file's pages handed to the kernel's writeback as the file grows: `send(fd, end)` hands
-    over what lies between the last call and `end` (libc's sync_file_range, which does not wait);
-    False where there is no such call, so the caller syncs its own way or leaves it to the fsync."""
+    over what lies between the last call and `end`, `send_range` any range (libc's
+    sync_file_range, which does not wait); False where there is no such call, so the caller syncs
+    its own way or leaves it to the fsync."""
 
     def __init__(self):
         self.call, self.sent = sync_file_range(), 0  # bytes handed to the disk so far
 
     def send(self, fd: int, end: int) -> bool:
+        sent = self.send_range(fd, self.sent, end)
+        self.sent = end if sent else self.sent
+        return sent
+
+    def send_range(self, fd: int, start: int, end: int) -> bool:
+        """Bytes [start, end) of the file, wherever they lie (a writer that places its pieces)."""
         if self.call is None:
             return False
         # a hint: a failure (a file system without it) leaves the pages to the final fsync
-        self.call(fd, self.sent, end - self.sent, SYNC_FILE_RANGE_WRITE)
-        self.sent = end
+        self.call(fd, start, end - start, SYNC_FILE_RANGE_WRITE)
         return True
 
 

@@ -17,9 +17,9 @@ from parallel import create_engine, load_spec
 from parallel.checkpoint import hf_gather
 from parallel.toy import build_llama, llama_config
 
-# save_pretrained's slices, as hf_gather's 64 MiB stand to a model 16x larger: a rank's file here
-# (47 MB at 2 ranks) travels in many slices
-SLICE_BYTES = 4 << 20
+# save_pretrained's segments, as hf_gather's 16 MiB stand to a model 16x larger: a rank's share here
+# (47 MB at 2 ranks) is written in many segments
+SEGMENT_BYTES = 1 << 20
 SIZE = {"hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 8,
         "num_attention_heads": 4, "num_key_value_heads": 2}
 
@@ -86,8 +86,8 @@ def measure(spec_dict: dict, root: Path) -> dict:
     with Peak() as load:
         engine.load(root)
     trim()
-    hf_gather.SLICE_BYTES = SLICE_BYTES
-    with Peak() as hf:  # save_pretrained's gathered files: two slices, one slice's pieces in flight
+    hf_gather.SEGMENT_BYTES = SEGMENT_BYTES
+    with Peak() as hf:  # save_pretrained written in place: two segments held
         engine.save_pretrained(root.parent / f"{root.name}-hf")
     trim()
     with Peak() as step:  # what a training step itself needs beyond the state (DeepSpeed's gathers)

@@ -4,15 +4,15 @@ partition holds (backends/deepspeed/fragments.py), and FSDP1 those of its flat s
 (backends/fsdp/flat_state.py), handed to DCP as tensors it writes without a copy
 (parallel/checkpoint/chunks.py exact_view). Measured by sampling each rank's resident anonymous
 memory every millisecond around `save` and `load` of a ~24M-parameter Llama with AdamW (model +
-optimizer state: 12 bytes per parameter, 282 MB). `save_pretrained` (#44, hf_gather.py) holds a few
-slices of its files, not the files: bounded in bytes, whatever the model."""
+optimizer state: 12 bytes per parameter, 282 MB). `save_pretrained` (#44, hf_gather.py) holds two
+segments of its pieces, not its files: bounded in bytes, whatever the model."""
 
 import json
 
 import pytest
 from harness import ROOT, needs_both, torchrun
 from matrix import FULL
-from ckpt_memory_worker import SLICE_BYTES
+from ckpt_memory_worker import SEGMENT_BYTES
 from reliability import record
 
 pytestmark = pytest.mark.distributed
@@ -33,12 +33,12 @@ BOUND = 0.15  # of the whole model + optimizer state; gathering whole tensors ne
 # size of its output (measured: 200 MB extra for a 200 MB output; NCCL gathers in place), here the
 # fp32 model, 4 of the 12 bytes per parameter
 GLOO_GATHER = 4 / 12
-# save_pretrained (hf_gather): two slices held (one written, one filled) and one slice's pieces each
-# way, whatever the model, and freed slices the allocator keeps; measured 15-49 MB over ZeRO-1/2/3
-# at 2 and 4 ranks (ZeRO-1/2 send little: a rank's flat partition lies mostly in its own file).
-# Holding a rank's file and its pieces whole measured 94 MB at 2 ranks and 59 MB at 4 (1.0 and 0.63
-# of the fp32 weights): above this bound
-HF_BOUND = 8 * SLICE_BYTES + 20e6  # 53.5 MB
+# save_pretrained (hf_gather): each rank writes its pieces in place, two segments held (one
+# written, one cast or copied to the host), whatever the model, and freed segments the allocator
+# keeps. Its predecessor, which sent every file's pieces to its writer in 4 MiB slices, measured
+# 15-49 MB over ZeRO-1/2/3 at 2 and 4 ranks; holding a rank's file and its pieces whole, 94 MB at
+# 2 ranks and 59 MB at 4 (1.0 and 0.63 of the fp32 weights): above this bound
+HF_BOUND = 8 * SEGMENT_BYTES + 20e6  # 28.4 MB
 
 
 def measure(tmp, world: int) -> dict:

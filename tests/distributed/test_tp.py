@@ -214,6 +214,8 @@ def test_tp_checkpoints_load_at_tp1_other_worlds_and_backends(request, tmp_path,
     assert len(sources) >= 2 and len(loaders) >= 4, (sources, loaders)
     for source in sources:
         assert max(abs(a - b) for a, b in zip(saved[f"{source}-adamw"]["loss"], ref[:3])) <= 1e-5
+        hf = saved[f"{source}-adamw"]["hf"]  # save_pretrained of the tp 2 blocks: the saved weights
+        assert hf["files"] >= 2 and not hf["names"] and not hf["differ"], (source, hf)
         # (each source resuming itself: the parity test above)
         for target in (t for t in loaders if f"{source}-adamw" in plan[t]):
             res = loaded[f"{source}->{target}-adamw"]

@@ -47,9 +47,31 @@ def save_phase(backends, names, root, optimizers=OPTIMIZERS):
                 batches = global_batches(STEPS, 1, GLOBAL_ROWS)
                 out[f"{name}-{opt}"] = {"loss": train(engine, rows, batches, range(SAVE_AT))}
                 engine.save(root / f"{name}-{opt}")
+                if backends[name].get("topology", {}).get("tp", 1) > 1:
+                    out[f"{name}-{opt}"]["hf"] = hf_as_saved(engine, root / f"{name}-{opt}")
             except Exception:  # record it and go on: one broken case must not hide the others
                 out[f"{name}-{opt}"] = {"error": traceback.format_exc()}
     return out
+
+
+def hf_as_saved(engine, saved: Path) -> dict | None:
+    """save_pretrained of a tensor-parallel layout (column blocks: a run per row written in place,
+    hf_gather.runs), in files of 40 KB: on rank 0, which tensors differ from the checkpoint's own
+    weights read whole (None on the other ranks)."""
+    from safetensors.torch import load_file
+
+    from parallel.checkpoint.hf_files import plain_weights
+
+    out = engine.save_pretrained(saved.with_name(saved.name + "-hf"), max_shard_bytes=40_000)
+    if engine.rank != 0:
+        return None
+    cfg = json.loads((out / "config.json").read_text())
+    files = sorted(out.glob("*.safetensors"))
+    got = {k: v for f in files for k, v in load_file(f).items()}
+    want = {name: read() for name, _, read in plain_weights(saved, cfg)}
+    return {"files": len(files), "names": sorted(set(got) ^ set(want)),
+            "differ": sorted(k for k in set(got) & set(want)
+                             if not torch.equal(got[k], want[k].to(got[k].dtype)))}
 
 
 def load_phase(backends, names, root, plan=None):

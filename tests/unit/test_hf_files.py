@@ -58,27 +58,3 @@ def test_planted_links_are_replaced_not_written_through(tmp_path):
     assert victim.read_text() == "keep"
     assert not any((out / name).is_symlink() for name in names)
     assert sorted(p.name for p in out.iterdir()) == sorted(names)  # no temporary file left
-
-
-def test_a_file_written_in_slices_hands_each_to_the_disk_without_waiting(tmp_path, monkeypatch):
-    """GatheredFile's `sync` after each slice: the range written since the last one goes to the
-    kernel's writeback (not an fdatasync the writer thread waits on); the file is what
-    safetensors reads."""
-    from parallel.checkpoint import hf_files, state_files
-    from parallel.checkpoint.state_files import SYNC_FILE_RANGE_WRITE
-
-    calls = []
-    monkeypatch.setattr(state_files, "sync_file_range", lambda: lambda *a: calls.append(a[1:]))
-    a, b = torch.arange(3000.0).view(30, 100), torch.ones(7, 5)
-    file = hf_files.SafetensorsFile(tmp_path / "m.safetensors", [("a", (30, 100), torch.float32),
-                                                                   ("b", (7, 5), torch.float32)])
-    file.write(a)
-    file.sync()
-    file.write(b)
-    file.sync()
-    file.close(durable=True)
-    size = (tmp_path / "m.safetensors").stat().st_size
-    assert [c[2] for c in calls] == [SYNC_FILE_RANGE_WRITE] * 2
-    assert calls[0][0] == 0 and calls[1][0] == calls[0][1] and sum(c[1] for c in calls) == size
-    loaded = load_file(tmp_path / "m.safetensors")
-    assert torch.equal(loaded["a"], a) and torch.equal(loaded["b"], b)

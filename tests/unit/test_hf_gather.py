@@ -1,9 +1,11 @@
 """save_pretrained's gathered path (#44 item 3, parallel/checkpoint/hf_gather.py) in one process: the
 safetensors writer gives safetensors' own bytes, a world-1 engine's files equal save_file of its model's
-tensors byte for byte (a tied model, many files, many slices), pieces land where their chunk says and
-a missing one is refused. Every backend at 2 ranks, pieces crossing ranks: test_hf_job.py."""
+tensors byte for byte (a tied model, many files, many segments), blocks of any shape are written where
+their chunk says, and a missing piece is refused. Every backend at 2 ranks, each writing into the
+other's files: test_hf_job.py."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -11,7 +13,7 @@ from safetensors.torch import save_file
 
 from parallel import create_engine, load_spec
 from parallel.checkpoint import hf_gather
-from parallel.checkpoint.hf_files import shard_files, write_safetensors
+from parallel.checkpoint.hf_files import write_safetensors
 from parallel.toy import build_llama, llama_config
 
 
@@ -28,11 +30,11 @@ def test_the_writer_gives_safetensors_own_bytes(tmp_path, dtype):
 
 @pytest.mark.parametrize("max_shard_bytes", [None, 40_000])
 def test_a_one_rank_save_is_save_files_bytes(tmp_path, monkeypatch, max_shard_bytes):
-    """A tied tiny Llama (its lm_head left out, as transformers saves it), bf16, in slices of 4 KB:
+    """A tied tiny Llama (its lm_head left out, as transformers saves it), bf16, in segments of 4 KB:
     every file holds what save_file writes of the model's own tensors, cast."""
     from transformers import AutoModelForCausalLM
 
-    monkeypatch.setattr(hf_gather, "SLICE_BYTES", 4096)
+    monkeypatch.setattr(hf_gather, "SEGMENT_BYTES", 4096)
     torch.manual_seed(0)
     model = build_llama(llama_config("tiny", tie_word_embeddings=True))
     engine = create_engine(load_spec({"backend": "fsdp", "micro_batch_size": 2, "precision": "bf16"}))
@@ -65,32 +67,66 @@ def test_a_one_rank_save_is_save_files_bytes(tmp_path, monkeypatch, max_shard_by
     assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
 
 
-def test_slices_cut_each_file_in_order(monkeypatch):
-    """Every file in the same number of slices; a file's tensors, by name, each in the slice its
-    first byte falls in (a tensor larger than a slice alone in its own, the slices after it empty)."""
-    sizes = [10, 3000, 5, 5, 700, 40, 2000]  # fp32: 23,040 bytes, one file
-    weights = [(f"w{i:02d}", (n,), None) for i, n in enumerate(sizes)]
-    monkeypatch.setattr(hf_gather, "SLICE_BYTES", 4000)
-    where, rounds = hf_gather._slices(shard_files(weights, 4, None, 1), 4)
-    assert rounds == 6  # ceil(23,040 / 4,000)
-    assert [where[name] for name, _, _ in weights] == [(0, j, k) for j, k in
-                                                      enumerate([0, 0, 3, 3, 3, 3, 3])]
-    two = shard_files(weights, 4, 12_500, 1)  # w00-w03 | w04-w06: 12,080 and 10,960 bytes
-    where, rounds = hf_gather._slices(two, 4)
-    assert rounds == 4 and [where[name][::2] for name, _, _ in weights] == [
-        (0, 0), (0, 0), (0, 3), (0, 3), (1, 0), (1, 1), (1, 1)]
+@pytest.mark.parametrize("shape,offsets,sizes", [
+    ((4, 6), (1, 0), (2, 6)),  # row block (FSDP2, ZeRO): one run
+    ((4, 6), (0, 3), (4, 3)),  # column block (tensor parallel): a run per row
+    ((3, 4, 5), (1, 2, 0), (2, 2, 5)),  # whole last dimension: a run per (i, j)
+    ((3, 4, 5), (2, 1, 3), (1, 1, 2)),  # part of one row
+    ((7,), (2,), (5,)), ((), (), ()), ((4, 6), (0, 0), (0, 6))])
+def test_runs_are_the_blocks_elements_in_order(shape, offsets, sizes):
+    """Oracle: the element indices of the block, read from an arange of the shape."""
+    full = torch.arange(math.prod(shape)).view(shape)
+    block = full[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))].reshape(-1)
+    got = [i for at, n in hf_gather.runs(shape, offsets, sizes) for i in range(at, at + n)]
+    assert got == block.tolist()
+    if all(n == s for n, s in zip(sizes[1:], shape[1:])) and block.numel():
+        assert len(hf_gather.runs(shape, offsets, sizes)) == 1  # a row block is one write
 
 
-def test_pieces_land_where_their_chunk_says_and_a_gap_is_refused():
-    """Column blocks (a tensor-parallel split) and row blocks of two tensors, in any order."""
-    full = {0: torch.arange(24.).view(4, 6), 1: torch.arange(5.)}
-    shard = [("a", (4, 6), None), ("b", (5,), None)]
-    part = hf_gather.Part([(0, (4, 6)), (1, (5,))], shard, torch.float32)
-    part.land(0, (0, 3), (4, 3), full[0][:, 3:].contiguous())
-    part.land(1, (2,), (3,), full[1][2:])
-    part.land(0, (0, 0), (4, 3), full[0][:, :3].contiguous())
+@pytest.mark.parametrize("durable,segment", [(False, 100), (True, 1 << 20)])
+def test_blocks_written_in_place_in_any_order_give_the_tensors(tmp_path, monkeypatch, durable,
+                                                               segment):
+    """Column blocks of one tensor and row blocks of another, cast to bf16, written in any order
+    into a file another writer made (in segments smaller than a block, or whole): safetensors reads
+    back the tensors; a durable write of HINT_BYTES or more hands its whole pages, and only those,
+    to the disk's writeback."""
+    from safetensors.torch import load_file
+
+    from parallel.checkpoint import state_files
+    from parallel.checkpoint.directory import partial_path
+    from parallel.checkpoint.hf_files import SafetensorsFile, safetensors_layout
+
+    calls = []
+    monkeypatch.setattr(state_files, "sync_file_range", lambda: lambda *a: calls.append(a[1:]))
+    monkeypatch.setattr(hf_gather, "SEGMENT_BYTES", segment)
+    monkeypatch.setattr(hf_gather, "HINT_BYTES", 4096)
+    full = {"a": torch.randn(40, 60), "b": torch.randn(6000)}
+    layout = [(n, tuple(t.shape), torch.bfloat16) for n, t in sorted(full.items())]
+    _, places, length = safetensors_layout(layout)
+    made = SafetensorsFile(tmp_path / "m.safetensors", layout)
+    made.allocate()
+    blocks = [("b", (2000,), (4000,)), ("a", (0, 30), (40, 30)), ("b", (0,), (2000,)),
+              ("a", (0, 0), (40, 30))]
+    with hf_gather.InPlace([partial_path(tmp_path / "m.safetensors")], durable) as writer:
+        for name, offsets, sizes in blocks:
+            piece = full[name][tuple(slice(o, o + n) for o, n in zip(offsets, sizes))].contiguous()
+            writer.write(0, name, places[name], hf_gather.runs(full[name].shape, offsets, sizes),
+                         piece, torch.bfloat16)
+    made.close(durable)
+    assert writer.counts == {"a": 2400, "b": 6000}
+    loaded = load_file(tmp_path / "m.safetensors")
+    assert all(torch.equal(loaded[n], t.to(torch.bfloat16)) for n, t in full.items())
+    assert (tmp_path / "m.safetensors").stat().st_size == length
+    # durable: b's 8,000-byte block alone reaches HINT_BYTES (a's rows are 60 bytes, b's first
+    # block 4,000): the pages inside it; not durable: nothing
+    start = places["b"] + 2000 * 2
+    assert calls == ([(-(-start // 4096) * 4096, 4096, state_files.SYNC_FILE_RANGE_WRITE)]
+                     if durable else [])
+
+
+def test_a_missing_piece_is_refused():
     with pytest.raises(RuntimeError, match=r"b got 3 of its 5 elements"):
-        part.check()
-    part.land(1, (0,), (2,), full[1][:2])
-    part.check()
-    assert all(torch.equal(part.views[j], full[j]) for j in full)
+        hf_gather._check_counts({"a": 24, "b": 3}, [("a", (4, 6), None), ("b", (5,), None)], 1,
+                                torch.device("cpu"))
+    hf_gather._check_counts({"a": 24, "b": 5}, [("a", (4, 6), None), ("b", (5,), None)], 1,
+                            torch.device("cpu"))

@@ -88,12 +88,12 @@ class Checkpointer:
         (hf_gather.py); where the process group cannot carry them (torch_xla's), and for a PEFT
         run's adapter, through a staging checkpoint beside `directory` (pretrained.py).
         `durable`: the weight files are fsynced."""
-        from parallel.checkpoint.hf_gather import exchange_device
+        from parallel.checkpoint.hf_gather import collective_device
 
         e, out = self.engine, Path(directory)
         with paused_gc():
             self.saver.wait()
-            device = exchange_device(e.world_size)
+            device = collective_device(e.world_size)
             if peft_config_json(e.model) is None and device is not None:
                 pretrained.gathered(e, self.write, out, max_shard_bytes, durable, device)
             else:
