@@ -15,7 +15,8 @@ and after one barrier every rank writes each contiguous run of its pieces at its
 (`os.pwrite`, cast to the file's dtype in segments of SEGMENT_BYTES; a row block of a row-major
 tensor is one run). Nothing travels between ranks but one all_reduce of how many elements each rank
 wrote of each tensor (O(tensors)), checked against the shapes before any file is renamed into
-place. A rank writes O(model / N) and holds O(segment).
+place; it also counts the ranks whose writes failed (a full disk), so every rank raises and none
+waits in a collective a failed rank never reaches. A rank writes O(model / N) and holds O(segment).
 
 This needs every rank to see the output directory as one file system, which a checkpoint already
 needs (rank 0 renames the directory every rank wrote into). Its predecessor sent each writer its
@@ -127,19 +128,14 @@ def write_gathered(capture: Capture, cfg: dict, dtype: torch.dtype, out: Path,
     layouts = [safetensors_layout([(n, tuple(s), dtype) for n, s, _ in sorted(shard)])
                for _, shard in files]
     out.mkdir(parents=True, exist_ok=True)
-    ours = [SafetensorsFile(out / files[i][0], [(n, tuple(s), dtype) for n, s, _ in
-                                                 sorted(files[i][1])])
-            for i in range(rank, len(files), world)]
+    ours: list[SafetensorsFile] = []  # the files this rank makes (i = rank, rank + N, ...)
+    writer = InPlace([partial_path(out / name) for name, _ in files], durable)
     try:
-        for file in ours:
-            file.allocate()
-        _barrier(world)  # every file is there, at its length, before any rank writes into it
-        writer = InPlace([partial_path(out / name) for name, _ in files], durable)
-        with writer:
-            for i, key, offsets, sizes, data in _in_file_order(capture.pieces, files, rank):
-                place, shape = layouts[i][1][key], shapes[0]["model." + key]
-                writer.write(i, key, place, runs(shape, offsets, sizes), data, dtype)
-        _check_counts(writer.counts, entries, world, device)  # collective: every rank raises alike
+        # every file is there, at its length, before any rank writes into it
+        _agree(_attempt(lambda: _make(ours, out, files[rank::world], dtype)), world, device)
+        pieces = _in_file_order(capture.pieces, files, rank)
+        _agree(_attempt(lambda: writer.write_all(pieces, layouts, shapes[0], dtype)), world, device,
+               writer.counts, entries)
         for file in ours:
             file.close(durable)
     except BaseException:
@@ -151,9 +147,21 @@ def write_gathered(capture: Capture, cfg: dict, dtype: torch.dtype, out: Path,
         write_configs(cfg, dtype, out)
 
 
-def _barrier(world: int) -> None:
-    if world > 1:
-        dist.barrier()
+def _make(ours: list, out: Path, files: list, dtype: torch.dtype) -> None:
+    """Each of `files` made at its full length (its header written), added to `ours` as it is."""
+    for name, shard in files:
+        ours.append(SafetensorsFile(out / name, [(n, tuple(s), dtype) for n, s, _ in sorted(shard)]))
+        ours[-1].allocate()
+
+
+def _attempt(work) -> BaseException | None:
+    """What `work()` raised, kept for _agree (a rank that raised at once would leave the others
+    waiting in the collective)."""
+    try:
+        work()
+    except Exception as err:  # noqa: BLE001 - raised by _agree on this rank, after the others hear
+        return err
+    return None
 
 
 def _in_file_order(pieces: list, files: list, rank: int):
@@ -223,6 +231,13 @@ class InPlace:
             self._submit(fd, flat[start:start + filled], batch, dtype)
         self.counts[name] = self.counts.get(name, 0) + flat.numel()
 
+    def write_all(self, pieces: list, layouts: list, shapes: dict, dtype: torch.dtype) -> None:
+        """Every piece (_in_file_order) at its place; the writes done and synced at the end."""
+        with self:
+            for i, key, offsets, sizes, data in pieces:
+                self.write(i, key, layouts[i][1][key], runs(shapes["model." + key], offsets, sizes),
+                           data, dtype)
+
     def _submit(self, fd: int, part: torch.Tensor, batch: list, dtype: torch.dtype) -> None:
         host = part.to("cpu", dtype).contiguous()  # no copy for a host piece of the file's dtype
         while len(self.pending) >= 2:  # two segments held: one written, one being made
@@ -261,15 +276,23 @@ class InPlace:
                 os.close(fd)
 
 
-def _check_counts(counts: dict[str, int], entries: list, world: int, device: torch.device) -> None:
-    """The elements every rank wrote of each tensor, summed over ranks (one all_reduce, O(tensors)),
-    equal its size: DCP's plan covers each tensor exactly once; a shortfall would leave a hole of
-    zeros in the file, an overlap a tensor written twice."""
-    got = torch.tensor([counts.get(name, 0) for name, _, _ in entries], dtype=torch.int64,
-                       device=device)
+def _agree(failed: BaseException | None, world: int, device: torch.device,
+           counts: dict[str, int] | None = None, entries: list = ()) -> None:
+    """One all_reduce (collective: every rank raises alike, none is left waiting): how many ranks
+    failed, and with `counts` the elements every rank wrote of each tensor, summed, which must equal
+    its size (DCP's plan covers each tensor exactly once; a shortfall would leave a hole of zeros
+    in the file, an overlap a tensor written twice). O(tensors)."""
+    got = torch.tensor([failed is not None, *[(counts or {}).get(name, 0) for name, _, _ in entries]],
+                       dtype=torch.int64, device=device)
     if world > 1:
         dist.all_reduce(got)
-    for (name, shape, _), n in zip(entries, got.tolist()):
+    got = got.tolist()
+    if failed is not None:
+        raise failed
+    if got[0]:
+        raise RuntimeError(f"save_pretrained: {got[0]} of {world} ranks failed to write their pieces "
+                           "(their own errors say why); nothing is renamed into place")
+    for (name, shape, _), n in zip(entries, got[1:]):
         if n != math.prod(shape):
             raise RuntimeError(f"save_pretrained: {name} got {n} of its {math.prod(shape)} "
                                "elements from the ranks' pieces")

@@ -179,10 +179,32 @@ def train_and_save(engine, root: Path, name: str, out):
     # Hugging Face format in process, every rank its share of the files (small shards: several
     # files, so every rank writes some); from_pretrained in the test gives this loss back
     engine.save_pretrained(root / f"{name}-hf", max_shard_bytes=40_000)
+    if engine.world_size == 2:
+        out["hf_fault"] = hf_disk_full(engine, root / f"{name}-hf-full")
     batch = global_batches(1, 1, 2)[0]
     out["hf_batch"] = batch.tolist()
     out["hf_eval"] = engine.evaluate([{"input_ids": batch, "labels": batch}])["loss"]
     out["hf_step"] = engine.step
+
+
+def hf_disk_full(engine, out: Path) -> dict:
+    """save_pretrained where every write of rank 1 fails as on a full disk: what each rank raised
+    (none may wait on the other: the test's launch is bounded) and what is left in the directory."""
+    import errno
+    import os
+    from unittest import mock
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    error = None
+    try:
+        with mock.patch.object(os, "pwrite", full if engine.rank == 1 else os.pwrite):
+            engine.save_pretrained(out, max_shard_bytes=40_000)
+    except Exception as err:  # noqa: BLE001 - what this rank raised is the result
+        error = f"{type(err).__name__}: {err}"
+    engine.barrier()
+    return {"error": error, "left": sorted(p.name for p in out.iterdir()) if out.exists() else []}
 
 
 def load(engine, source: Path, out):

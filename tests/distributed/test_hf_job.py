@@ -112,6 +112,12 @@ def test_evaluate_generate_unwrap_and_registered_state(job, name):
     import torch
     from transformers import AutoModelForCausalLM
 
+    if "hf_fault" in ranks[0] and not name.startswith("xla"):  # rank 1's writes fail, disk full:
+        # both ranks raise (rank 1 its own error), nothing is renamed into place, nothing left
+        faults = [r["hf_fault"] for r in ranks]
+        assert "No space left" in faults[1]["error"], (name, faults)
+        assert "1 of 2 ranks failed" in faults[0]["error"], (name, faults)
+        assert faults[0]["left"] == [], (name, faults)
     # and checkpoint.hf_at_end: engine.close() wrote the same weights as run/hf-step-N, alone there
     r = ranks[0]
     batch = torch.tensor(r["hf_batch"])

@@ -125,8 +125,10 @@ def test_blocks_written_in_place_in_any_order_give_the_tensors(tmp_path, monkeyp
 
 
 def test_a_missing_piece_is_refused():
+    entries = [("a", (4, 6), None), ("b", (5,), None)]
+    cpu = torch.device("cpu")
     with pytest.raises(RuntimeError, match=r"b got 3 of its 5 elements"):
-        hf_gather._check_counts({"a": 24, "b": 3}, [("a", (4, 6), None), ("b", (5,), None)], 1,
-                                torch.device("cpu"))
-    hf_gather._check_counts({"a": 24, "b": 5}, [("a", (4, 6), None), ("b", (5,), None)], 1,
-                            torch.device("cpu"))
+        hf_gather._agree(None, 1, cpu, {"a": 24, "b": 3}, entries)
+    hf_gather._agree(None, 1, cpu, {"a": 24, "b": 5}, entries)
+    with pytest.raises(OSError, match="full"):  # this rank's own error first
+        hf_gather._agree(OSError("full"), 1, cpu, {"a": 24, "b": 5}, entries)
