@@ -27,7 +27,7 @@ class Sink:
         None keeps all. `durable`: state files are fsynced (a checkpoint); False for a staging
         copy read back at once and removed (its pages need never reach the disk). `capture`: a
         hf_gather.Capture that DCP hands each write item to instead of a file (save_pretrained:
-        the pieces go to the ranks writing the safetensors, nothing is written here)."""
+        each rank writes its pieces into the safetensors files, nothing is written here)."""
         self.tmp = Path(tmp)
         self.staged = staged
         self.pool = pool

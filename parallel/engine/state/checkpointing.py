@@ -84,8 +84,8 @@ class Checkpointer:
     def save_pretrained(self, directory, tokenizer=None, max_shard_bytes: int | None = None,
                         durable: bool = False) -> Path:
         """Hugging Face format, every rank writing its share of the safetensors files (no rank
-        holds the model): each rank's pieces sent straight to the rank writing their file
-        (hf_gather.py); where the process group cannot carry them (torch_xla's), and for a PEFT
+        holds the model): each rank writes its own pieces in place in the files (hf_gather.py);
+        where the process group cannot sum their counts (torch_xla's), and for a PEFT
         run's adapter, through a staging checkpoint beside `directory` (pretrained.py).
         `durable`: the weight files are fsynced."""
         from parallel.checkpoint.hf_gather import collective_device

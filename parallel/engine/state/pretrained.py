@@ -1,5 +1,5 @@
 """save_pretrained's two ways to the Hugging Face files (engine.checkpoints.save_pretrained picks):
-`gathered`, each rank's pieces of the model sent to the rank writing their file (hf_gather.py), and
+`gathered`, each rank's pieces of the model written in place in their files (hf_gather.py), and
 `staged`, through a checkpoint of the model written beside the output and read back (a PEFT run's
 adapter, and process groups that cannot carry the pieces)."""
 
@@ -24,7 +24,7 @@ def hf_config(model) -> dict:
 
 def gathered(engine, write, out: Path, max_shard_bytes: int | None, durable: bool, device) -> None:
     """`write(sink)`: the backend's portable save, here of the model section into a Capture (DCP
-    plans it; no file is written), whose pieces write_gathered sends to the files' writers."""
+    plans it; no file is written), whose pieces write_gathered writes in place."""
     from parallel.checkpoint.hf_files import weight_dtype
     from parallel.checkpoint.hf_gather import Capture, write_gathered
 
