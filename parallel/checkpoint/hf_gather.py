@@ -125,16 +125,17 @@ def write_gathered(capture: Capture, cfg: dict, dtype: torch.dtype, out: Path,
     # save_pretrained's own plan (files of at most max_bytes, 5 GB by default), whatever N: every
     # rank writes into every file its pieces fall in, so N files would be N opens per rank
     files = shard_files(entries, dtype.itemsize, max_bytes, 1)
-    layouts = [safetensors_layout([(n, tuple(s), dtype) for n, s, _ in sorted(shard)])
-               for _, shard in files]
+    specs = [[(n, tuple(s), dtype) for n, s, _ in sorted(shard)] for _, shard in files]
+    places = [safetensors_layout(spec)[1] for spec in specs]  # name -> its first byte in the file
     out.mkdir(parents=True, exist_ok=True)
     ours: list[SafetensorsFile] = []  # the files this rank makes (i = rank, rank + N, ...)
     writer = InPlace([partial_path(out / name) for name, _ in files], durable)
     try:
         # every file is there, at its length, before any rank writes into it
-        _agree(_attempt(lambda: _make(ours, out, files[rank::world], dtype)), world, device)
+        mine = [(files[i][0], specs[i]) for i in range(rank, len(files), world)]
+        _agree(_attempt(lambda: _make(ours, out, mine)), world, device)
         pieces = _in_file_order(capture.pieces, files, rank)
-        _agree(_attempt(lambda: writer.write_all(pieces, layouts, shapes[0], dtype)), world, device,
+        _agree(_attempt(lambda: writer.write_all(pieces, places, shapes[0], dtype)), world, device,
                writer.counts, entries)
         for file in ours:
             file.close(durable)
@@ -147,10 +148,11 @@ def write_gathered(capture: Capture, cfg: dict, dtype: torch.dtype, out: Path,
         write_configs(cfg, dtype, out)
 
 
-def _make(ours: list, out: Path, files: list, dtype: torch.dtype) -> None:
-    """Each of `files` made at its full length (its header written), added to `ours` as it is."""
-    for name, shard in files:
-        ours.append(SafetensorsFile(out / name, [(n, tuple(s), dtype) for n, s, _ in sorted(shard)]))
+def _make(ours: list, out: Path, files: list) -> None:
+    """Each of `files` (name, layout) made at its full length (its header written), added to `ours`
+    as it is."""
+    for name, spec in files:
+        ours.append(SafetensorsFile(out / name, spec))
         ours[-1].allocate()
 
 
@@ -231,11 +233,11 @@ class InPlace:
             self._submit(fd, flat[start:start + filled], batch, dtype)
         self.counts[name] = self.counts.get(name, 0) + flat.numel()
 
-    def write_all(self, pieces: list, layouts: list, shapes: dict, dtype: torch.dtype) -> None:
+    def write_all(self, pieces: list, places: list, shapes: dict, dtype: torch.dtype) -> None:
         """Every piece (_in_file_order) at its place; the writes done and synced at the end."""
         with self:
             for i, key, offsets, sizes, data in pieces:
-                self.write(i, key, layouts[i][1][key], runs(shapes["model." + key], offsets, sizes),
+                self.write(i, key, places[i][key], runs(shapes["model." + key], offsets, sizes),
                            data, dtype)
 
     def _submit(self, fd: int, part: torch.Tensor, batch: list, dtype: torch.dtype) -> None:
