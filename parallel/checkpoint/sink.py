@@ -3,9 +3,9 @@
 A `Sink` is one checkpoint being written by one rank: its temporary directory, the files this rank
 wrote there (each rank hashes and fsyncs its own: directory.finish_checkpoint), and how state is
 written: at once, or (checkpoint.async_save) copied to host memory now and written later by the
-background writer, a thread or a process (background.py). Nothing about a save in flight lives in
-a module global, so two saves in flight, or a save on another thread, each keep their own list and
-queue.
+background writer, a thread or a process (background.py; the copies: staging.py). Nothing about
+a save in flight lives in a module global, so two saves in flight, or a save on another thread, each
+keep their own list and queue.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class Sink:
         self.sections = sections
         self.durable = durable
         self.capture = capture
-        self.now: set[int] | None = None  # staged: data pointers copied at once (background.stage)
+        self.now: set[int] | None = None  # staged: data pointers copied at once (staging.stage)
 
     def __getstate__(self) -> dict:
         """What a writer process gets: no staging pool (the rank's) and no process group (the
@@ -79,7 +79,7 @@ class Sink:
     def queue(self, state: dict, planner, collective: bool) -> None:
         """A host copy of `state` (this rank's part only: O(model / N)) that no later training step
         can change, written by portable.write_queued."""
-        from parallel.checkpoint.background import stage
+        from parallel.checkpoint.staging import stage
 
         self.queued.append((stage(state, self.pool, self.now), planner, collective))
 

@@ -71,25 +71,26 @@ class WriterProcess:
             [sys.executable, "-m", "parallel.checkpoint.writer", str(theirs.fileno()),
              str(os.getpid())], pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
         theirs.close()
-        writer = cls(proc, ours, rank)
         _send(ours, pickle.dumps(init))  # read once the writer has imported torch; we go on
-        return writer
+        return cls(proc, ours, rank)
 
-    def submit(self, job, pool, landed: Future | None = None) -> None:
-        """Hand `job` over (its state in `pool`, sent once `landed`: the copies); returns at once."""
+    def pack(self, job, pool) -> tuple[bytes, list[int]]:
+        """`job` pickled (its staged tensors by reference into `pool`), with the memory files
+        the writer has not mapped yet: (message, their descriptors)."""
         if self.died is not None:
             raise WriterDied(f"{self.died} (at an earlier save); async saves cannot go on in this "
                              "job: save synchronously (async_save=False) or restart it")
-        fresh = sorted(pool.fresh)
-        buf = io.BytesIO()
+        fresh, buf = sorted(pool.fresh), io.BytesIO()
         _Pickler(buf, pool).dump(job)
         message = pickle.dumps({"segments": [(i, pool.segments[i].nbytes()) for i in fresh],
                                 "dropped": sorted(pool.dropped), "job": buf.getvalue()})
-        pool.fresh.clear()
-        pool.dropped.clear()
-        # sent from a thread: it waits for the copies, the writer's start and a large message
-        self._sent = self._sender.submit(_send, self.sock, message, [pool.fds[i] for i in fresh],
-                                         landed)
+        pool.fresh, pool.dropped = set(), set()
+        return message, [pool.fds[i] for i in fresh]
+
+    def submit(self, packed: tuple[bytes, list[int]], landed: Future | None = None) -> None:
+        """Hand a packed save over, sent once `landed` (its copies), from a thread: it waits for
+        the copies, the writer's start and a large message. Returns at once."""
+        self._sent = self._sender.submit(_send, self.sock, *packed, landed)
 
     def wait(self) -> None:
         """The save in flight is published; its error raised here."""
@@ -232,8 +233,7 @@ def _join(init: dict) -> None:
 
     if init["store"] is None:
         return
-    host, port, prefix = init["store"]
-    timeout = timedelta(seconds=init["timeout_s"])
+    (host, port, prefix), timeout = init["store"], timedelta(seconds=init["timeout_s"])
     store = dist.PrefixStore(prefix, dist.TCPStore(host, port, is_master=False, timeout=timeout))
     dist.init_process_group("gloo", store=store, rank=init["rank"], world_size=init["world"],
                             timeout=timeout)

@@ -1,8 +1,8 @@
-"""checkpoint.async_save's parts in one process (parallel/checkpoint/background.py, writer.py): the
-staging pool reused from save to save, DTensors staged as the pieces DCP writes of them, the hand-over
-to a writer process by reference into shared memory, its answers and errors, and a writer that dies
-with its rank. The 2-rank guarantees (exact resume, `latest`, a writer killed mid-write) are
-tests/distributed/test_async_save.py's."""
+"""checkpoint.async_save's parts in one process (parallel/checkpoint/background.py, staging.py,
+writer.py): the staging pool reused from save to save, DTensors staged as the pieces DCP writes of
+them, the hand-over to a writer process by reference into shared memory, its answers and errors, and
+a writer that dies with its rank. The 2-rank guarantees (exact resume, `latest`, a writer killed
+mid-write) are tests/distributed/test_async_save.py's."""
 
 import io
 import signal
@@ -15,12 +15,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallel.checkpoint.background import BackgroundSaver, HostPool, stage
+from parallel.checkpoint.background import BackgroundSaver
 from parallel.checkpoint.chunks import FlatRange, RangeSavePlanner, Shards
 from parallel.checkpoint.directory import PendingSave, partial_path
 from parallel.checkpoint.manifest import read_manifest, verify_checkpoint
 from parallel.checkpoint.portable import metadata, read_model, save_state
 from parallel.checkpoint.sink import Sink
+from parallel.checkpoint.staging import HostPool, stage
 from parallel.checkpoint.writer import _Pickler, _Unpickler
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,6 +51,12 @@ def test_the_pool_reuses_its_segments_while_the_state_keeps_its_shape(shared):
         assert got.untyped_storage().nbytes() == got.numel() * got.element_size()
         assert got.data_ptr() % 64 == 0
     assert torch.equal(first[0], second[0])  # the same memory: staged copies are per save
+    assert all(a is b for a, b in zip(first, second))  # placed once: the same views again
+    state[0] = state[0].view(2, 5)  # the same bytes, another shape: placed again, same segment
+    third = pool.copies(state)
+    pool.finish()
+    assert third[0].shape == (2, 5) and third[0] is not first[0] and torch.equal(third[0], state[0])
+    assert pool.segments[0].data_ptr() == ptr
     pool.copies([torch.zeros(4)])  # the state changed: a segment of its size
     pool.finish()
     assert len(pool.segments) == 1 and pool.segments[0].nbytes() == 64
@@ -78,6 +85,16 @@ def test_staged_dtensors_are_the_pieces_dcp_writes_of_them(one_rank):
     r = staged["model"]["r"]
     assert r.__create_write_items__("model.r", r) == ranged.__create_write_items__("model.r", ranged)
     assert staged["model"]["n"] == 3 and staged["model"]["groups"] == [{"lr": 0.1}]
+    # kept from save to save by the DTensor's identity, and looked up again for a new dtype
+    geometry: dict = {}
+    with torch.no_grad():  # as stage calls it: the local tensors themselves
+        (chunk, props, data), = Shards.sources(d, geometry)
+        (chunk2, props2, data2), = Shards.sources(d, geometry)
+        assert (chunk2, props2) == (chunk, props) == w.pieces[0][:2]
+        assert data2 is data is d.to_local()
+        d._local_tensor = d.to_local().to(torch.float64)
+        (_, props64, data64), = Shards.sources(d, geometry)
+    assert props64.dtype == torch.float64 and data64 is d._local_tensor and props.dtype == torch.float32
 
 
 def test_staged_tensors_cross_to_the_writer_by_reference():
