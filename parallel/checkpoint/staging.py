@@ -2,12 +2,15 @@
 that no later step can change, made into a `HostPool` kept from one save to the next. `stage` finds
 the tensors (DTensor shards, ZeRO and FSDP1 ranges, whole tensors: only what this rank holds,
 O(model / N)) and places each in the pool; buffers are copied at once, the rest while the next
-forward and backward run (`HostPool.complete`), before the next optimizer step changes them."""
+forward and backward run (`HostPool.complete`), before the next optimizer step changes them. A
+staged state crosses to the writer process pickled by reference into the pool (`PoolPickler`)."""
 
 from __future__ import annotations
 
 import copy
+import copyreg
 import os
+import pickle
 
 import torch
 from torch.distributed._shard.sharded_tensor import ShardedTensor
@@ -128,11 +131,13 @@ class HostPool:
 
     def complete(self) -> None:
         """Every copy of the save has landed (the writer may read the segments): the host
-        tensors' copies are made here, on the saver's thread (torch's copy releases the
-        interpreter lock), and the CUDA ones waited for."""
-        with torch.no_grad():
-            for view, t in self.later:
-                view.copy_(t)
+        tensors' copies are made here, on the saver's thread, and the CUDA ones waited for. One
+        call for all: a copy per call gave the interpreter lock back at each return, and took it
+        again only after the training thread's switch interval (5 ms) whenever that thread was
+        running Python (500 copies of a 300 MB state: 2.7 s against 0.045 s, measured)."""
+        if self.later:
+            with torch.no_grad():
+                torch._foreach_copy_(*map(list, zip(*self.later)))
         for event in self.landed:
             event.synchronize()
         self.later, self.landed, self.held = [], [], []
@@ -207,3 +212,50 @@ def _rebuild(obj, copies, pieces: dict):
     if isinstance(obj, torch.Tensor):
         return next(copies)
     return copy.deepcopy(obj)
+
+
+def _staged(*ref):  # a staged tensor in a pickled save: the writer's unpickler resolves it
+    raise RuntimeError("a reference to a rank's staging memory, read outside its writer")
+
+
+class PoolPickler(pickle.Pickler):
+    """Staged tensors by reference: (segment, byte offset, view) in the rank's HostPool. A reducer
+    for tensors alone (a dispatch table entry): a persistent_id was a Python call per pickled
+    object, 20,000 a save of a 124M model (15 ms on an H200 host)."""
+
+    def __init__(self, file, pool):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.spans = [(s.data_ptr(), s.data_ptr() + s.nbytes(), i)
+                      for i, s in enumerate(pool.segments) if pool.fds[i] is not None]
+        self.dispatch_table = {**copyreg.dispatch_table, torch.Tensor: self._tensor}
+
+    def _tensor(self, obj: torch.Tensor):
+        if not obj.numel():  # a rank's empty range: by value it is torch's legacy save, 64 us each
+            return _empty, (obj.dtype, tuple(obj.shape))
+        ptr = (storage := obj.untyped_storage()).data_ptr()
+        for start, end, i in self.spans:
+            if start <= ptr < end:
+                return _staged, (i, ptr - start, storage.nbytes(), obj.dtype, tuple(obj.shape),
+                                 obj.stride(), obj.storage_offset())
+        return obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)  # not staged (an RNG state): by value
+
+
+def _empty(dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
+
+
+class PoolUnpickler(pickle.Unpickler):
+    """The writer's side: each reference a view of its own mapping of the segment."""
+
+    def __init__(self, file, segments: dict):
+        super().__init__(file)
+        self.segments = segments
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("parallel.checkpoint.staging", "_staged"):
+            return self._view
+        return super().find_class(module, name)
+
+    def _view(self, i, offset, nbytes, dtype, shape, stride, storage_offset) -> torch.Tensor:
+        storage = self.segments[i][offset:offset + nbytes]  # the same memory, exactly its bytes
+        return torch.empty(0, dtype=dtype).set_(storage, storage_offset, shape, stride)

@@ -22,7 +22,6 @@ The writer dies with its rank (PR_SET_PDEATHSIG: a crashed rank leaves a `.parti
 
 from __future__ import annotations
 
-import copyreg
 import io
 import os
 import pickle
@@ -37,6 +36,8 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+
+from parallel.checkpoint.staging import PoolPickler, PoolUnpickler
 
 _HEAD = struct.Struct("!QI")  # payload bytes, memory files sent with it
 MAX_FDS = 250  # Linux passes at most 253 descriptors in one message (SCM_MAX_FD)
@@ -81,7 +82,7 @@ class WriterProcess:
             raise WriterDied(f"{self.died} (at an earlier save); async saves cannot go on in this "
                              "job: save synchronously (async_save=False) or restart it")
         fresh, buf = sorted(pool.fresh), io.BytesIO()
-        _Pickler(buf, pool).dump(job)
+        PoolPickler(buf, pool).dump(job)
         message = pickle.dumps({"segments": [(i, pool.segments[i].nbytes()) for i in fresh],
                                 "dropped": sorted(pool.dropped), "job": buf.getvalue()})
         pool.fresh, pool.dropped = set(), set()
@@ -143,47 +144,6 @@ def _rendezvous() -> tuple[str, int, str]:
     return store.host, store.port, f"polyshard/writers/{token[0]}/"
 
 
-def _staged(*ref):
-    """Stands for a staged tensor in a pickled save; the writer's unpickler resolves it."""
-    raise RuntimeError("a reference to a rank's staging memory, read outside its writer")
-
-
-class _Pickler(pickle.Pickler):
-    """Staged tensors by reference: (segment, byte offset, view) in the rank's HostPool. A reducer
-    for tensors alone (a dispatch table entry): a persistent_id was a Python call per pickled
-    object, 20,000 a save of a 124M model (15 ms on an H200 host)."""
-
-    def __init__(self, file, pool):
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.spans = [(s.data_ptr(), s.data_ptr() + s.nbytes(), i)
-                      for i, s in enumerate(pool.segments) if pool.fds[i] is not None]
-        self.dispatch_table = {**copyreg.dispatch_table, torch.Tensor: self._tensor}
-
-    def _tensor(self, obj: torch.Tensor):
-        storage = obj.untyped_storage()
-        ptr = storage.data_ptr()
-        for start, end, i in self.spans:
-            if obj.numel() and start <= ptr < end:
-                return _staged, (i, ptr - start, storage.nbytes(), obj.dtype, tuple(obj.shape),
-                                 obj.stride(), obj.storage_offset())
-        return obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)  # not staged (an RNG state): by value
-
-
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, file, segments: dict):
-        super().__init__(file)
-        self.segments = segments
-
-    def find_class(self, module: str, name: str):
-        if (module, name) == ("parallel.checkpoint.writer", "_staged"):
-            return self._view
-        return super().find_class(module, name)
-
-    def _view(self, i, offset, nbytes, dtype, shape, stride, storage_offset) -> torch.Tensor:
-        storage = self.segments[i][offset:offset + nbytes]  # the same memory, exactly its bytes
-        return torch.empty(0, dtype=dtype).set_(storage, storage_offset, shape, stride)
-
-
 def _send(sock: socket.socket, payload: bytes, fds=(), landed: Future | None = None) -> None:
     if landed is not None:
         landed.result()  # the segments hold the save's state: the writer may read them
@@ -233,7 +193,8 @@ def _join(init: dict) -> None:
 
     if init["store"] is None:
         return
-    (host, port, prefix), timeout = init["store"], timedelta(seconds=init["timeout_s"])
+    host, port, prefix = init["store"]
+    timeout = timedelta(seconds=init["timeout_s"])
     store = dist.PrefixStore(prefix, dist.TCPStore(host, port, is_master=False, timeout=timeout))
     dist.init_process_group("gloo", store=store, rank=init["rank"], world_size=init["world"],
                             timeout=timeout)
@@ -274,7 +235,7 @@ def serve(sock: socket.socket) -> None:
                     segments[i] = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", True,
                                                                  nbytes)
                     os.close(fd)
-                job = _Unpickler(io.BytesIO(message["job"]), segments).load()
+                job = PoolUnpickler(io.BytesIO(message["job"]), segments).load()
                 if joined is not None:
                     raise joined
                 job.run()

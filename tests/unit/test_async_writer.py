@@ -21,8 +21,7 @@ from parallel.checkpoint.directory import PendingSave, partial_path
 from parallel.checkpoint.manifest import read_manifest, verify_checkpoint
 from parallel.checkpoint.portable import metadata, read_model, save_state
 from parallel.checkpoint.sink import Sink
-from parallel.checkpoint.staging import HostPool, stage
-from parallel.checkpoint.writer import _Pickler, _Unpickler
+from parallel.checkpoint.staging import HostPool, PoolPickler, PoolUnpickler, stage
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -100,21 +99,26 @@ def test_staged_dtensors_are_the_pieces_dcp_writes_of_them(one_rank):
 def test_staged_tensors_cross_to_the_writer_by_reference():
     pool = HostPool(shared=True)
     staged = stage({"a": torch.arange(6.0), "b": FlatRange(torch.ones(4), 2, (2, 3)),
-                    "rng": torch.arange(3, dtype=torch.uint8)}, pool)
+                    "rng": torch.arange(3, dtype=torch.uint8),
+                    "none": FlatRange(torch.zeros(0, dtype=torch.bfloat16), 0, (2, 3))}, pool)
     pool.finish()
     buf = io.BytesIO()
-    _Pickler(buf, pool).dump(staged)
+    PoolPickler(buf, pool).dump(staged)
     assert len(buf.getvalue()) < 2000  # references, not the bytes
+    assert b"_rebuild_tensor" not in buf.getvalue()  # none by value (torch's legacy save, 64 us)
     # the writer's side: its own mapping of each segment's memory file
     segments = {i: torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", True, s.nbytes())
                 for i, (fd, s) in enumerate(zip(pool.fds, pool.segments))}
-    got = _Unpickler(io.BytesIO(buf.getvalue()), segments).load()
+    got = PoolUnpickler(io.BytesIO(buf.getvalue()), segments).load()
     assert torch.equal(got["a"], torch.arange(6.0)) and torch.equal(got["rng"], staged["rng"])
     staged["a"].add_(5)  # the same memory, seen through the other mapping
     assert torch.equal(got["a"], torch.arange(6.0) + 5)
     assert got["a"].untyped_storage().nbytes() == 24  # DCP writes it in place
     assert got["b"].__create_write_items__("b", got["b"]) == staged["b"].__create_write_items__(
         "b", staged["b"])
+    # a rank's empty range (ZeRO-1/2: a parameter wholly on another rank) by its dtype and shape
+    assert got["none"].data.dtype == torch.bfloat16 and got["none"].data.shape == (0,)
+    assert got["none"].__create_write_items__("n", got["none"]) == []
     pool.release()
 
 
