@@ -173,12 +173,8 @@ def load_sharded(ds, path: Path, split=None) -> None:
     merged = optim_state.merge_groups(base.param_groups, optim_state.read_groups(path, reader), live)
     if hasattr(zero, "checkpoint_event_prologue"):  # ZeRO-3: release what forward left gathered
         zero.checkpoint_event_prologue()
-    # the masters first: ZeRO-1/2's all-gather of them into the model runs while the optimizer
-    # state is read (gloo here: 0.26 s of a 0.75 s load when it ran after, docs/bench.md)
-    ps.load_state({"model": template["model"]}, path, reader=reader)
+    ps.load_state(template, path, reader=reader)
     ds.module.load_state_dict({k: model[k] for k in buffers}, strict=False)
-    gathers = _gather_masters(zero)
-    ps.load_state({"optim": template["optim"]}, path, reader=reader)
     for _, flat, group_names in members:
         step = optim_state.single_step(state, group_names)
         if step is not None and "step" in base.state.get(flat, {}):
@@ -186,8 +182,11 @@ def load_sharded(ds, path: Path, split=None) -> None:
             base.state[flat]["step"] = step.to(old) if torch.is_tensor(old) else type(old)(step)
     for group, new in zip(base.param_groups, merged):
         group.update(new)
-    for work in gathers:
-        work.wait()
+    _masters_to_model(zero)
+
+
+def _masters_to_model(zero) -> None:
+    """The model's (maybe bf16) weights from the fp32 masters just read."""
     if hasattr(zero, "sub_group_to_group_id"):  # ZeRO-3: each rank's slices, no communication
         for i in range(len(zero.fp16_groups)):
             zero._reassign_or_swap_out_partitioned_parameters(i)
@@ -196,22 +195,5 @@ def load_sharded(ds, path: Path, split=None) -> None:
         # forward: gathered from the slices just read. Without it a load into an engine that had
         # trained ran its next steps on the old small parameters (norms): 2.9e-3 off by step 5.
         zero.checkpoint_event_epilogue()
-
-
-def _gather_masters(zero) -> list:
-    """ZeRO-1/2: the model's (maybe bf16) weights from the fp32 masters just read, as DeepSpeed's
-    `update_lp_params` makes them (this rank's partition copied in, each flat group all-gathered
-    over its data-parallel group), the all-gathers started without waiting for them. None for
-    ZeRO-3, whose ranks each hold their own slices."""
-    if hasattr(zero, "sub_group_to_group_id"):
-        return []
-    works = []
-    for i, (parts, fp32) in enumerate(zip(zero.parallel_partitioned_bit16_groups,
-                                          zero.single_partition_of_fp32_groups)):
-        group = zero.real_dp_process_group[i]
-        mine = parts[dist.get_rank(group=group)]
-        mine.data.copy_(fp32.data)
-        if dist.get_world_size(group=group) > 1:  # as DeepSpeed: a group of one gathers nothing
-            works.append(dist.all_gather_into_tensor(zero.bit16_groups_flat[i], mine, group=group,
-                                                     async_op=True))
-    return works
+    else:  # ZeRO-1/2, bf16: copy this rank's partition in, all-gather the flat groups
+        zero.update_lp_params()
