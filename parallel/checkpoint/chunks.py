@@ -151,9 +151,10 @@ class Shards:
                 ) -> list[tuple[ChunkStorageMetadata, TensorProperties, torch.Tensor]]:
         """(chunk, properties, this rank's data) of every piece DCP would write of `obj` (none for
         a DTensor whose mesh this rank is not on, as DCP's own local plan skips it). `geometry`:
-        a DTensor's chunk and properties by (global shape, mesh, placements, local dtype), kept
-        from save to save: DCP works them out in Python per tensor (measured on an H200, 124M
-        Llama: two thirds of the time an async save blocked). Call under torch.no_grad()."""
+        a DTensor's chunk and properties by (global shape, mesh, placements, local dtype), and by
+        the DTensor's id (a weak reference to it, its local dtype and device), kept from save to
+        save: DCP works them out in Python per tensor (measured on an H200, 124M Llama: two thirds
+        of the time an async save blocked). Call under torch.no_grad()."""
         if isinstance(obj, DTensor):
             local = obj.to_local()  # no_grad: the local tensor itself
             # the same DTensor as at the last save (its mesh, placements and shape are fixed),

@@ -41,7 +41,7 @@ class HostPool:
         self.registered: set[int] = set()  # shared segments page-locked with cudaHostRegister
         self.used = 0
         self.copied = False  # a device-to-host copy is in flight
-        self.geometry: dict = {}  # DTensor pieces' chunks by layout (chunks.Shards.sources)
+        self.geometry: dict = {}  # DTensor pieces' chunks by layout and by id (Shards.sources)
         self.views: list[tuple | None] = []  # each segment's (dtypes and shapes, views), reused
         self.later: list[tuple] = []  # (host view, source): copies `complete` makes
         self.landed: list = []  # CUDA events of the copies issued
