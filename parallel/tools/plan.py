@@ -239,19 +239,22 @@ def model_facts(source: str, wrap, tp: int = 1, tp_plan: dict | None = None
 
     model = meta_model(source)
     local = {name: shape for name, shape, _ in local_shapes(model, tp, tp_plan)}
+    # a tied weight (lm_head.weight is embed_tokens.weight) is one parameter under its first name,
+    # as named_parameters() and the shard units hold it
+    first = {id(p): n for n, p in model.named_parameters()}
     units, inside = [], set()
-    for name, m in plan_wrap(model, wrap):
-        prefix = f"{name}." if name else ""
-        units.append(sum(math.prod(local[prefix + n]) for n, _ in m.named_parameters()))
-        inside.update(prefix + n for n, _ in m.named_parameters())
+    for _, m in plan_wrap(model, wrap):
+        mine = {first[id(p)] for p in m.parameters()}
+        units.append(sum(math.prod(local[n]) for n in mine))
+        inside.update(mine)
     # what no unit holds is gathered by the outer units (FSDP2's edges: the embedding alone, the
     # final norm with the head): a vocabulary-sized embedding outweighs a block (Llama-3-8B: 525M
     # against 218M; at tp 8 not split at all), measured by `polyshard dryrun` (docs/tp.md)
-    for name, m in model.named_modules():
-        prefix = f"{name}." if name else ""
-        own = [prefix + n for n, _ in m.named_parameters(recurse=False)]
-        if own and not inside.intersection(own):
+    for m in model.modules():
+        own = {first[id(p)] for p in m.parameters(recurse=False)} - inside
+        if own:
             units.append(sum(math.prod(local[n]) for n in own))
+            inside.update(own)
     cfg = model.config.to_dict()  # which attention runs sizes activations; to_dict() leaves it out
     cfg["_attn_implementation"] = getattr(model.config, "_attn_implementation", None)
     return list(local.values()), cfg, float(max(units)) if units else None

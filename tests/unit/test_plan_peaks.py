@@ -163,3 +163,13 @@ def test_plan_splits_by_tp(capsys, config):
     assert rows[("fsdp", "full", "none")]["comm_s"] > 0
     assert rows[("fsdp", "full", "none")]["activations"] < rows1[("fsdp", "full", "none")][
         "activations"]
+
+
+def test_a_tied_model_counts_its_shared_weight_once(capsys, tmp_path):
+    """lm_head.weight is embed_tokens.weight: one parameter in the units, not a KeyError (plan
+    crashed on every tied config, configs/models/llama-125m.json included)."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**LLAMA_8B, "tie_word_embeddings": True}))
+    code, data, _ = rows_of(capsys, "--model", str(path), "--world", "8")
+    assert code == 0 and data["largest_unit"] == 128256 * 4096
+    assert data["parameters"] == pytest.approx(8.03e9 - 128256 * 4096, rel=1e-3)
