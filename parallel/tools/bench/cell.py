@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from parallel.engine.observe.flops import flops_per_token, model_flops
 from parallel.launch.torchrun import current_spec
 from parallel.tools.parity.cell import global_batches, optimizer_arg
 from parallel.tools.measurable import measurable
@@ -75,6 +76,7 @@ def main() -> None:
     torch.manual_seed(spec.seed)
     model = build_model(args.model)
     params_total = sum(p.numel() for p in model.parameters())
+    flops = flops_per_token(*model_flops(model), args.seq)  # counted as the tracker's train/mfu
     engine.prepare(model, optimizer_arg(args.optimizer, args.lr))
     batches = batch_source(args, model, spec.seed)
     native = None
@@ -106,6 +108,7 @@ def main() -> None:
             "world_size": engine.world_size, "devices": engine.world_size * engine.devices_per_process,
             "step_times": run["times"], "losses": run["losses"],
             **token_counts(batches[args.warmup:]), "params": params_total, "ranks": ranks,
+            "flops_per_token": flops,
             "native": run["theirs"] if native else None, "first_step_s": run["first_step"],
             "compile": compile_row(engine),
             "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}))

@@ -89,14 +89,17 @@ def summarize(result: dict, warmup_free: list[float], precision: str) -> dict:
 
 
 def mfu(result: dict, step_s: float, precision: str) -> float | None:
-    """6N FLOPs per token (forward + backward) over the device's peak (parallel/engine/observe/flops.py,
-    torch's default fp32 matmuls: no TF32); None off GPUs."""
+    """Model FLOPs per token as the tracker's train/mfu and torchtitan count them (PaLM: 6 x
+    non-embedding parameters + 12 x layers x hidden x sequence; parallel/engine/observe/flops.py)
+    over the device's dense peak in the compute dtype (torch's default fp32 matmuls: no TF32);
+    None off GPUs."""
     from parallel.engine.observe.flops import peak_flops
 
     peak = peak_flops(result.get("device_name", "cpu"), precision)
     if peak is None:
         return None
-    return 6 * result["params"] * result["tokens_per_step"] / step_s / (peak * result["devices"])
+    per_token = result.get("flops_per_token", 6 * result["params"])  # bench.json before it
+    return per_token * result["tokens_per_step"] / step_s / (peak * result["devices"])
 
 
 NATIVE_DIR = Path(__file__).resolve().parents[3] / "benchmarks"
