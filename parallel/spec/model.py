@@ -21,7 +21,8 @@ from pydantic import Field, field_validator, model_validator
 from parallel.spec.compiling import Compile
 from parallel.spec.dims import HYBRID, ParallelDims
 from parallel.spec.errors import SpecError, rule_error
-from parallel.spec.sections import MAX_BATCH, Checkpointing, LossScale, Section, Topology, Wrap
+from parallel.spec.sections import (MAX_BATCH, Checkpointing, LossScale, MoE, Section, Topology,
+                                     Wrap)
 from parallel.spec.sequence import Sequence
 from parallel.spec.tracking import Tracking
 
@@ -96,6 +97,7 @@ class Spec(Section):
     wrap: Annotated[Wrap, Field(description="Which modules become shard units.")] = Wrap()
     sequence: Annotated[Sequence, Field(description="Long rows: a tiled loss, activations "
                                         "offloaded to host memory.")] = Sequence()
+    moe: Annotated[MoE, Field(description="Mixture-of-experts models: the router's loss.")] = MoE()
     compile: Annotated[
         Compile, Field(description="torch.compile: what is compiled and how (`compile: true` for "
                        "the defaults).")
@@ -280,9 +282,14 @@ class Spec(Section):
             problems.append(("topology.tp_plan", "is set but topology.tp is 1, so nothing is "
                              "split; set tp > 1 or remove tp_plan"))
         model = self.process_tp * self.process_cp * t.pp  # SPMD: the runtime checks its devices
-        if not problems and self.world_size % model:
-            problems.append(("topology.tp", f"{t.tp} (x cp {t.cp} x pp {t.pp}) does not divide "
-                             f"the world size {self.world_size}"))
+        if not problems and self.world_size % model:  # named by the dimensions set: cp 4 alone
+            # is cp's error, not tp's
+            named = [n for n, v in (("tp", t.tp), ("cp", t.cp), ("pp", t.pp)) if v > 1]
+            product = f"{model} (" + " x ".join(f"{n} {getattr(t, n)}" for n in named) + ")" \
+                if len(named) > 1 else f"{model}"
+            problems.append((" x ".join(f"topology.{n}" for n in named), f"{product} does not "
+                             f"divide the world size {self.world_size}; pick degrees whose "
+                             "product divides it, or change the world size"))
         for name in descriptor.capabilities.unsupported:  # every field the backend names
             value = self
             for part in name.split("."):

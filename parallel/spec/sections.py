@@ -246,3 +246,20 @@ class LossScale(Section):
         int, Field(ge=1, description="Overflows tolerated before the scale halves (DeepSpeed).")
     ] = 2
     min_scale: Annotated[float, Field(gt=0, description="The scale never drops below this.")] = 1.0
+
+
+class MoE(Section):
+    router_loss: Annotated[
+        Literal["global", "rank"],
+        Field(description="Which tokens a mixture-of-experts model's load-balancing loss "
+              "(Hugging Face's `output_router_logits: true`, its router_aux_loss_coef) is computed "
+              "over. global (default): a micro-batch's tokens on every data-parallel (x cp) rank: "
+              "the per-expert token counts and router probabilities are summed over those ranks "
+              "before their product (Megatron's global_aux_loss, Qwen's global-batch balancing), "
+              "so at grad_accum_steps 1 the loss and gradients are one process's on the global "
+              "batch; at grad_accum_steps N they are the mean of each micro-batch's global loss (the "
+              "counts of a whole step are known only after its last forward). rank: each rank's "
+              "own tokens, as Hugging Face's model computes it run per device (Accelerate, "
+              "Trainer): a mean of per-rank losses, which no single process computes "
+              "(docs/moe.md)."),
+    ] = "global"

@@ -18,7 +18,9 @@ is built. Dropout is off so that every backend computes the same numbers as one 
 - lora: a Llama with a peft LoRA adapter on q_proj and v_proj (the base frozen); its checkpoints
   are exported --to hf (merged) and --to peft and loaded back with from_pretrained.
 - mixtral, qwen2moe: mixture-of-experts (16 experts, top-1 / top-2, few tokens per rank), so ranks
-  route to different experts and some experts get no token in a step.
+  route to different experts and some experts get no token in a step; both with their router's
+  load-balancing loss (output_router_logits, coefficient 0.1), which one process computes over the
+  global batch; qwen2moe's rows right-padded with an attention mask the balancing loss reads.
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ def _mixtral():
     return MixtralForCausalLM(MixtralConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, num_local_experts=16, num_experts_per_tok=1,
-        max_position_embeddings=SEQ * 2))
+        max_position_embeddings=SEQ * 2, output_router_logits=True, router_aux_loss_coef=0.1))
 
 
 def _qwen2moe():
@@ -107,7 +109,7 @@ def _qwen2moe():
         vocab_size=VOCAB, hidden_size=32, intermediate_size=32, moe_intermediate_size=16,
         shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, num_experts=16, num_experts_per_tok=2, decoder_sparse_step=1,
-        max_position_embeddings=SEQ * 2))
+        max_position_embeddings=SEQ * 2, output_router_logits=True, router_aux_loss_coef=0.1))
 
 
 def by_dim(params):
@@ -175,6 +177,20 @@ def padded_batches(steps, rows, seed):
     return out
 
 
+def masked_batches(steps, rows, seed):
+    """Right-padded rows as a tokenizer pads them: an attention mask of 0 from a random length on
+    (the labels -100 there), so a mixture-of-experts model's balancing loss leaves them out."""
+    g = torch.Generator().manual_seed(seed + 13)
+    out = []
+    for batch in lm_batches(steps, rows, seed):
+        mask = torch.ones_like(batch["input_ids"])
+        for r in range(rows):
+            mask[r, int(torch.randint(2, SEQ + 1, (1,), generator=g)):] = 0
+        out.append({**batch, "attention_mask": mask, "labels": batch["labels"].masked_fill(
+            mask == 0, -100)})
+    return out
+
+
 def tuple_batches(steps, rows, seed):
     g = torch.Generator().manual_seed(seed)
     return [(torch.randn(rows, SEQ, generator=g), torch.randint(0, CLASSES, (rows,), generator=g))
@@ -216,7 +232,7 @@ ZOO = {
     # 4-12 s a step here): one family runs on XLA, in launches of its own (xla: "alone").
     "mixtral": {"build": _mixtral, "batches": padded_batches, "wrap": {"policy": "auto"}, "moe": True,
                 "xla": "alone"},
-    "qwen2moe": {"build": _qwen2moe, "batches": lm_batches, "wrap": {"policy": "auto"}, "moe": True,
+    "qwen2moe": {"build": _qwen2moe, "batches": masked_batches, "wrap": {"policy": "auto"}, "moe": True,
                  "xla": False},
 }
 

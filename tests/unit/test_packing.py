@@ -143,3 +143,37 @@ def test_a_map_style_packed_loader_says_what_it_cut_and_trains(tmp_path):
             engine.dataloader(docs, pack_to=24, collate_fn=lambda x: x)
     finally:
         engine.close()
+
+
+def test_flattened_batches_train_each_document_alone_or_are_refused():
+    """transformers' DataCollatorWithFlattening (documents side by side, position ids restarting,
+    no mask): a Llama under sdpa confines them once the forward passes use_cache=False (with a cache
+    transformers skips finding the documents: 1.2e-2 off); Qwen2-MoE, whose mask code does not find
+    them, is refused naming the fixes."""
+    import transformers
+    from transformers import DataCollatorWithFlattening
+
+    from parallel.engine.core.setup import forward_kwargs
+    from parallel.engine.data.packing import confines_flattened, flattened_problem
+    from parallel.toy import build_llama, llama_config
+
+    torch.manual_seed(0)
+    model = build_llama(llama_config("tiny"))
+    model.config._attn_implementation = "sdpa"
+    docs = [torch.randint(0, 200, (n,)).tolist() for n in (5, 9, 4, 7)]
+    batch = DataCollatorWithFlattening()([{"input_ids": d} for d in docs], return_tensors="pt")
+    alone = [(model(input_ids=torch.tensor([d]), labels=torch.tensor([d])).loss.item(), len(d) - 1)
+             for d in docs]
+    expected = sum(loss * n for loss, n in alone) / sum(n for _, n in alone)
+    assert forward_kwargs(model, router=False) == {"use_cache": False}
+    assert model(**batch, **forward_kwargs(model, False)).loss.item() == pytest.approx(expected, abs=1e-6)
+    assert abs(model(**batch).loss.item() - expected) > 1e-3  # the cache transformers makes itself
+    assert confines_flattened(model) and "pack_to" in flattened_problem(dict(batch))
+    moe = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+        vocab_size=256, hidden_size=16, intermediate_size=16, moe_intermediate_size=8,
+        shared_expert_intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, num_experts=4))
+    assert not confines_flattened(moe)
+    assert flattened_problem({**batch, "attention_mask": torch.ones_like(batch["input_ids"])}) is None
+    rows = {"input_ids": batch["input_ids"], "position_ids": torch.arange(25)[None]}
+    assert flattened_problem(rows) is None  # one document a row

@@ -22,6 +22,7 @@ from parallel.engine.core.step import StepResult
 from parallel.engine.data.batches import batch_width, count_tokens
 from parallel.engine.data.guard import BatchError, batch_problem
 from parallel.engine.data.loaders import plain_batch
+from parallel.engine.data.packing import flattened_problem
 from parallel.engine.watch.hang import CollectiveTimeout, is_timeout, timeout_error
 from parallel.engine.watch.nonfinite import NonFiniteLossError, nonfinite_ranks
 
@@ -46,6 +47,8 @@ class Engine(EngineSetup):
         self.progress.at(self.step + 1, "checking the batch")
         batch = plain_batch(batch)  # a BatchEncoding (HF collators) as the dict it holds
         problem, signature = batch_problem(batch, self._batch_signature, self.samples_per_step)
+        if problem is None and not self.confines_flattened:
+            problem = flattened_problem(batch)
         if problem is not None:
             raise BatchError(f"step {self.step + 1}: rank {self.rank}: {problem}")
         self._batch_signature = self._batch_signature or signature
@@ -157,8 +160,13 @@ class Engine(EngineSetup):
         What the step, eval_step and evaluate run. With sequence.loss_tile the outputs carry no
         logits, unless `logits` (evaluate's metrics read them: then the loss is not tiled)."""
         offload = self.spec.sequence.offload_activations  # saved tensors in host memory
-        with self._autocast(), (torch.autograd.graph.save_on_cpu(self.device.type == "cuda")
-                                if offload else nullcontext()):
+        router = nullcontext()
+        if self.forward_kwargs and isinstance(batch, dict):  # use_cache=False, ... (setup.py)
+            batch = {**batch, **self.forward_kwargs}
+        if self.router is not None and self.model.training:  # the router's logits kept for
+            router = self.router.capture()  # the balancing loss over the global batch (router.py)
+        with self._autocast(), router, (torch.autograd.graph.save_on_cpu(
+                self.device.type == "cuda") if offload else nullcontext()):
             if self.loss_fn is not None:
                 return None, self.loss_fn(self.model, batch)
             if self.tiled is not None and not logits:  # sequence.loss_tile: never whole

@@ -89,9 +89,20 @@ class BackendHooks(ABC):
             with self._sync_context(last):  # skip gradient reduction until the last micro-batch
                 share = self.objective.share(self.forward(micro)[1], i, counts, total,
                                              len(micro_batches))
+                if self.router is not None:  # the balancing loss over the global micro-batch
+                    share = share + self.router.share(self._real_tokens(micro),
+                                                      len(micro_batches), self.groups.dp)
                 self._backward(share)
             local += share.detach().float()
         return local
+
+    def _real_tokens(self, micro) -> torch.Tensor | None:
+        """1 for each token of this rank's micro-batch that is not padding (a 2-D attention mask;
+        with topology.cp, this rank's slice of it), None when every token is."""
+        if self.context is not None:
+            return self.context.real_tokens
+        mask = micro.get("attention_mask")
+        return mask if mask is not None and mask.dim() == 2 else None
 
     def _backward(self, share: torch.Tensor) -> None:
         """`share`: this micro-batch's part of the step's loss, already weighed (objective.py)."""

@@ -37,6 +37,40 @@ def attention_of(model) -> str | None:
     return getattr(getattr(base_model(model), "config", None), "_attn_implementation", None)
 
 
+def confines_flattened(model) -> bool:
+    """Whether the model confines attention to each document of a flattened row (documents side by
+    side, position ids restarting at 0, no attention mask: transformers' DataCollatorWithFlattening)
+    by itself: flash attention reads the bounds from the position ids; sdpa, eager and flex do where
+    the model builds its mask with transformers' masking_utils (it finds the restarts when no
+    attention mask and no cache is given; the engine's forwards pass use_cache=False). Models with
+    their own mask code (Qwen2-MoE, OPT, ... in transformers 4.57) attend across documents."""
+    import sys
+
+    from parallel.engine.core.objective import base_model
+
+    impl = attention_of(model)
+    module = sys.modules.get(type(base_model(model)).__module__)
+    return impl in FLASH or hasattr(module, "create_causal_mask")
+
+
+def flattened_problem(batch) -> str | None:
+    """A flattened batch (position ids restarting inside a row, no attention mask) named with the
+    fix, for a model that would let its documents attend to each other."""
+    if not isinstance(batch, dict) or batch.get("attention_mask") is not None:
+        return None
+    positions = batch.get("position_ids")
+    if not isinstance(positions, torch.Tensor) or positions.dim() != 2 or positions.shape[1] < 2:
+        return None
+    restarts = int((positions[:, 1:] != positions[:, :-1] + 1).sum())
+    if not restarts:
+        return None
+    return (f"the batch holds documents side by side ({restarts} position-id restarts, no attention "
+            "mask: DataCollatorWithFlattening's format), and this model's attention does not "
+            "confine them, so each document would attend to the ones before it; use "
+            "engine.dataloader(dataset, pack_to=N) (polyshard's packing makes each row's mask) or "
+            "build the model with attn_implementation='flash_attention_2'")
+
+
 def mask_mode(impl: str | None, precision: str) -> str:
     """'positions' (flash attention: no mask), 'bool' (sdpa) or an additive mask's dtype name."""
     if impl in FLASH:

@@ -105,6 +105,7 @@ class ContextParallel:
         base = base_model(model)
         self.config = config = getattr(base, "config", None)
         self.cp, self.rank, self.group, self.say = cp, rank, None, say
+        self.real_tokens: torch.Tensor | None = None  # the last shard's, 1 where not padding
         inner = getattr(config, "_attn_implementation", None)
         if inner not in INNER:
             raise ValueError(f"topology.cp {cp}: {type(base).__name__}'s attention implementation "
@@ -196,7 +197,11 @@ class ContextParallel:
         shift = batch.get("shift_labels")
         if shift is None and batch.get("labels") is not None:
             shift = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
+        # the tokens that are not padding, the ones cp pads with included (the router's
+        # balancing loss counts them; router.py)
+        real = mask if mask is not None and mask.dim() == 2 else None
         if pad:
+            real = F.pad(torch.ones_like(ids) if real is None else real, (0, pad), value=0)
             self._say_padded(length)
             ids = F.pad(ids, (0, pad))
             positions = torch.cat([positions, positions[:, -1:] + torch.arange(
@@ -214,6 +219,7 @@ class ContextParallel:
             out.update(labels=mine, shift_labels=mine)
         if mask is not None:
             out["attention_mask"] = mask
+        self.real_tokens = None if real is None else real[:, part]
         return out
 
     def _full_mask(self, ids, mask, positions):
