@@ -21,6 +21,7 @@ from backends.deepspeed.parallelize import (
     keep_clipped_norm,
     known_config,
     start_deepspeed,
+    zero3_visible,
 )
 from backends.deepspeed.state import (
     is_zero,
@@ -54,15 +55,13 @@ class DeepSpeedEngine(Engine):
         super().__init__(spec, **context)
         self.config = translate(spec)["config"]
         self.ds = None
-        self._hf_zero3 = None  # HfDeepSpeedConfig, held while the engine lives (ZeRO-3)
         self.split: Split | None = None  # what AutoTP split (topology.tp > 1)
         self.live = LiveShards()  # sharded saves' views, kept while they are live
 
     def _prepare(self, model, optimizer: OptimizerArg):
         start_deepspeed(self.ctx.local_rank, self.spec.deepspeed.deepcompile, self.device, self.say)
         zero3 = STAGES[self.spec.shard] == 3
-        model, self._hf_zero3 = build_model(model, known_config(self.config), zero3,
-                                            self.spec.deepspeed.zero_init)
+        model = build_model(model, known_config(self.config), zero3, self.spec.deepspeed.zero_init)
         require_fp32(model)
         self.config, expected = fill_model_autos(self.config, model), None
         if self.dims.tp > 1:  # the plan checked against the model, then AutoTP splits by it
@@ -232,8 +231,13 @@ class DeepSpeedEngine(Engine):
 
     @contextmanager
     def _unwrapped(self):
-        # DeepSpeed does not wrap the modules: ZeRO-3's hooks on them gather in any forward
-        yield self.ds.module
+        # DeepSpeed does not wrap the modules: ZeRO-3's hooks on them gather in any forward, and
+        # transformers' generate keeps ranks in step where it sees ZeRO-3
+        if self.spec.shard != "full":
+            yield self.ds.module
+            return
+        with zero3_visible(self.config):
+            yield self.ds.module
 
     def _destroy_process_group(self) -> None:
         # DeepSpeed keeps the groups it made (AutoTP's TP and data-parallel groups, its clone of the
@@ -272,11 +276,6 @@ class DeepSpeedEngine(Engine):
         # left to interpreter teardown (gloo work freed there aborts the process: seen once in CI)
         if self.ds is not None and self.spec.shard == "full":
             self.ds.empty_partition_cache()
-        if self._hf_zero3 is not None:  # transformers no longer sees ZeRO-3 once the job is done
-            from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-            unset_hf_deepspeed_config()
-            self._hf_zero3 = None
 
 
 def make_engine(spec: Spec, **context) -> Engine:

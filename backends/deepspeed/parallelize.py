@@ -6,6 +6,8 @@ the checked plan, `deepspeed.initialize`, and what polyshard keeps of DeepSpeed'
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import os
 import re
 
@@ -51,25 +53,21 @@ def known_config(config: dict) -> dict:
 
 
 def build_model(model, config: dict, zero3: bool, zero_init: bool):
-    """(the model built, the HfDeepSpeedConfig that must live as long as the engine, or None).
-    With ZeRO-3 and zero_init, parameters are partitioned as each module is constructed: no rank
-    holds them all. Registered with transformers first, so a factory calling from_pretrained loads
-    the weights into the partitions as Hugging Face does under ZeRO-3 (without it: "Cannot copy out
-    of meta tensor"); after a plain build, from_pretrained stays as written."""
+    """The model built. With ZeRO-3 and zero_init, parameters are partitioned as each module is
+    constructed: no rank holds them all. transformers sees ZeRO-3 meanwhile, so a factory calling
+    from_pretrained loads the weights into the partitions as Hugging Face does under ZeRO-3
+    (without it: "Cannot copy out of meta tensor"); after a plain build, from_pretrained stays as
+    written."""
     import deepspeed
 
-    hf = None
-    if not isinstance(model, nn.Module):
-        if zero_init and zero3:
-            hf = register_with_transformers(config)
-            with deepspeed.zero.Init(config_dict_or_path=config):
-                model = model()
-            _reinit_partitioned(model)
-        else:
-            model = model()
-    if zero3 and hf is None:
-        hf = register_with_transformers(config)
-    return model, hf
+    if isinstance(model, nn.Module):
+        return model
+    if not (zero_init and zero3):
+        return model()
+    with zero3_visible(config), deepspeed.zero.Init(config_dict_or_path=config):
+        model = model()
+    _reinit_partitioned(model)
+    return model
 
 
 def apply_autotp_plan(config: dict, model: nn.Module, tp: int, plan: dict[str, str]
@@ -121,15 +119,26 @@ def _reinit_partitioned(model: nn.Module) -> None:
         model.apply(init)
 
 
-def register_with_transformers(config: dict):
-    """ZeRO-3 as Hugging Face expects it (HfDeepSpeedConfig): `is_deepspeed_zero3_enabled()` is then
-    true, so `generate` keeps ranks in step (synced_gpus) and from_pretrained partitions. transformers
-    holds a weak reference: the engine keeps the object until close(). None without transformers."""
+@contextmanager
+def zero3_visible(config: dict):
+    """transformers sees ZeRO-3 (HfDeepSpeedConfig: `is_deepspeed_zero3_enabled()` true) for the
+    length of the block only: while the model is built (from_pretrained partitions) and while the
+    user calls it unwrapped (generate keeps ranks in step: synced_gpus). Not beyond: a process that
+    saw it after a job, as Hugging Face's own integration leaves it, entered zero.Init in a plain
+    from_pretrained on one rank and waited for ever in a broadcast no other rank joined
+    (measured)."""
     try:
         from transformers.integrations import HfDeepSpeedConfig
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
     except ImportError:
-        return None
-    return HfDeepSpeedConfig(config)
+        yield
+        return
+    held = HfDeepSpeedConfig(config)  # transformers keeps a weak reference: held here
+    try:
+        yield
+    finally:
+        unset_hf_deepspeed_config()
+        del held
 
 
 def check_arch_list(value: str) -> None:

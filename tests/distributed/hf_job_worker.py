@@ -181,10 +181,33 @@ def train_and_save(engine, root: Path, name: str, out):
     engine.save_pretrained(root / f"{name}-hf", max_shard_bytes=40_000)
     if engine.world_size == 2:
         out["hf_fault"] = hf_disk_full(engine, root / f"{name}-hf-full")
+    out["alone_reload"] = reload_alone(engine, root / f"{name}-hf")
     batch = global_batches(1, 1, 2)[0]
     out["hf_batch"] = batch.tolist()
     out["hf_eval"] = engine.evaluate([{"input_ids": batch, "labels": batch}])["loss"]
     out["hf_step"] = engine.step
+
+
+def reload_alone(engine, path: Path) -> dict:
+    """The habit after training: rank 0 alone reloads what save_pretrained wrote, while the job
+    lives (after a ZeRO-3 job transformers still saw ZeRO-3, so from_pretrained entered zero.Init's
+    broadcast that no other rank joined: a hang). Inside engine.unwrap() transformers sees ZeRO-3
+    (generate keeps ranks in step), outside it not."""
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    inside = None  # XLA FSDP v1 refuses unwrap (generate() records why)
+    try:
+        with engine.unwrap():
+            inside = is_deepspeed_zero3_enabled()
+    except RuntimeError:
+        pass
+    out = {"inside_unwrap": inside, "after": is_deepspeed_zero3_enabled()}
+    if engine.rank == 0:
+        model = AutoModelForCausalLM.from_pretrained(path)
+        out["params"] = sum(p.numel() for p in model.parameters())
+    engine.barrier()
+    return out
 
 
 def hf_disk_full(engine, out: Path) -> dict:

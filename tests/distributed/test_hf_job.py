@@ -118,6 +118,14 @@ def test_evaluate_generate_unwrap_and_registered_state(job, name):
         assert "No space left" in faults[1]["error"], (name, faults)
         assert "1 of 2 ranks failed" in faults[0]["error"], (name, faults)
         assert faults[0]["left"] == [], (name, faults)
+    # rank 0 alone reloads the weights while the job lives; transformers sees ZeRO-3 only in unwrap
+    case = next(c for c in CASES if c.name == name)
+    zero3 = case.backend == "deepspeed" and case.spec.get("shard", "full") == "full"
+    for rank, r in enumerate(ranks):
+        reload = r["alone_reload"]
+        unwrapped = None if "unwrap_error" in r else zero3
+        assert reload["inside_unwrap"] == unwrapped and not reload["after"], (name, rank, reload)
+    assert ranks[0]["alone_reload"]["params"] > 0, name
     # and checkpoint.hf_at_end: engine.close() wrote the same weights as run/hf-step-N, alone there
     r = ranks[0]
     batch = torch.tensor(r["hf_batch"])
