@@ -29,7 +29,8 @@ def _spec(args):
     for flag, field in (("nproc", "topology.procs_per_node"), ("nnodes", "topology.nodes")):
         if getattr(args, flag, None) is not None:
             overrides.append(f"{field}={getattr(args, flag)}")
-    return load_spec(Path(args.config), overrides)
+    world = getattr(args, "world", None)  # plan / dryrun: one number, the layout asked about
+    return load_spec(Path(args.config), overrides, world=world if isinstance(world, int) else None)
 
 
 def _validate(args) -> int:
@@ -52,9 +53,11 @@ def _explain(args) -> int:
     plan = explain(spec)
     if args.model:
         from parallel.engine.model.wrap import plan_wrap
+        from parallel.tools.plan import check_model_layout
         from parallel.toy import meta_model
 
         model = meta_model(args.model)
+        check_model_layout(model, spec.topology.tp, spec.topology.cp)
         plan["wrap_units"] = [name for name, _ in plan_wrap(model, spec.wrap)]
         if spec.topology.tp > 1:  # the split, checked against the model as prepare checks it
             from parallel.engine.model.tp_plan import describe
@@ -65,13 +68,14 @@ def _explain(args) -> int:
 
 
 def _launch(args) -> int:
-    from parallel.launch.torchrun import LaunchArgs, launch, tpu_vm_command
+    from parallel.launch.emit import tpu_vm_command
+    from parallel.launch.torchrun import LaunchArgs, launch
 
     spec = _spec(args)
     script_args = [a for a in args.script_args if a != "--"]
     if args.emit == "tpu-vm":
         print(tpu_vm_command(args.config, args.overrides, args.script, script_args, args.tpu,
-                             args.zone, args.workdir))
+                             args.zone, args.workdir, nodes=spec.topology.nodes))
         return 0
     if args.emit in ("slurm", "k8s"):
         import yaml
@@ -81,7 +85,8 @@ def _launch(args) -> int:
         where = (args.config, args.overrides, args.script, script_args)
         if args.emit == "slurm":
             print(slurm_script(spec, *where, job_name=args.job_name, time=args.time,
-                               max_restarts=args.max_restarts), end="")
+                               max_restarts=args.max_restarts, cpus_per_task=args.cpus_per_task),
+                  end="")
         else:
             print(yaml.safe_dump(k8s_manifest(spec, *where, image=args.image, name=args.job_name,
                                               max_restarts=args.max_restarts), sort_keys=False))

@@ -60,7 +60,7 @@ def run_plan(spec, args) -> int:
     from parallel.tools.plan import Links, Margin, longest_seq, model_facts, plan
 
     shapes, cfg, unit = model_facts(args.model, spec.wrap, spec.topology.tp,
-                                     spec.topology.tp_plan)
+                                     spec.topology.tp_plan, spec.topology.cp)
     budget = args.budget * GiB if args.budget else None
     links = Links(args.intra_gbps, args.inter_gbps, args.pcie_gbps)
     margin = Margin(args.context_gib, args.fragmentation)

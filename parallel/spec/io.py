@@ -13,8 +13,11 @@ from parallel.spec.errors import SpecError, validate_as
 from parallel.spec.model import Spec
 
 
-def load_spec(source: str | Path | dict | Spec | None = None, overrides: list[str] = ()) -> Spec:
-    """Build a Spec from a YAML/JSON file, a dict or a Spec, then apply `key.path=value` overrides."""
+def load_spec(source: str | Path | dict | Spec | None = None, overrides: list[str] = (),
+              world: int | None = None) -> Spec:
+    """Build a Spec from a YAML/JSON file, a dict or a Spec, then apply `key.path=value` overrides;
+    `world`: laid out over that many ranks before it is validated (`plan` / `dryrun --world`: a
+    layout such as cp 4 x tp 8 is checked against the world asked about, not the file's)."""
     if isinstance(source, Spec):
         data = source.model_dump(exclude_unset=True)
     elif isinstance(source, dict):
@@ -25,7 +28,21 @@ def load_spec(source: str | Path | dict | Spec | None = None, overrides: list[st
         data = read_document(Path(source))
     for item in overrides:
         apply_override(data, item)
+    if world is not None:
+        data = over_world(data, world)
     return validate(data)
+
+
+def over_world(data: dict, world: int) -> dict:
+    """The spec's data over `world` ranks: procs_per_node kept where it divides (one host's GPUs),
+    else one host of `world`; the global batch dropped (the micro-batch's multiple at this world)."""
+    topology = data.get("topology") if isinstance(data.get("topology"), dict) else {}
+    per_node = topology.get("procs_per_node", 1)
+    per_node = per_node if isinstance(per_node, int) and per_node > 0 and world % per_node == 0 \
+        else world
+    data = {**data, "topology": {**topology, "nodes": world // per_node, "procs_per_node": per_node}}
+    data.pop("global_batch_size", None)
+    return data
 
 
 def validate(data: dict) -> Spec:

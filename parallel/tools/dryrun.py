@@ -44,16 +44,10 @@ class DryRun:
 
 
 def world_spec(spec, world: int):
-    """The spec laid out over `world` ranks: procs_per_node kept where it divides (one host's GPUs),
-    the global batch dropped (it is the micro-batch's multiple at this world size)."""
+    """The spec laid out over `world` ranks (parallel/spec/io.py's over_world)."""
     from parallel.spec.io import load_spec
 
-    data = spec.model_dump(mode="json", exclude_unset=True)
-    per_node = spec.topology.procs_per_node if world % spec.topology.procs_per_node == 0 else world
-    data["topology"] = {**data.get("topology", {}), "nodes": world // per_node,
-                        "procs_per_node": per_node}
-    data.pop("global_batch_size", None)
-    return load_spec(data)
+    return load_spec(spec, world=world)
 
 
 def dryrun_spec(spec, world: int):
@@ -201,7 +195,8 @@ def run(spec, source: str, world: int, rank: int, seq: int, optimizer: str = "ad
     spec, changed = dryrun_spec(spec, world)
     # plan's prediction first: a rank that would not fit in this machine's memory is refused
     # before anything is allocated (1.7e13 parameters at world 8 allocated 34 GB, then died)
-    shapes, cfg, unit = model_facts(source, spec.wrap, spec.topology.tp, spec.topology.tp_plan)
+    shapes, cfg, unit = model_facts(source, spec.wrap, spec.topology.tp, spec.topology.tp_plan,
+                                    spec.topology.cp)
     est = predict(spec, shapes, cfg, seq, optimizer, unit)
     check_fits(est.total, world, rank)
     join_fake_world(rank, world, spec.topology.procs_per_node)

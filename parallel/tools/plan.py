@@ -215,7 +215,21 @@ def longest_seq(spec, shapes, cfg: dict | None, budget_bytes: float, optimizer: 
     return low * step
 
 
-def model_facts(source: str, wrap, tp: int = 1, tp_plan: dict | None = None
+def check_model_layout(model, tp: int, cp: int) -> None:
+    """What prepare would refuse about the model at this layout, refused now (validate, explain,
+    plan and dryrun with --model): cp must divide each tensor-parallel rank's query heads."""
+    if cp <= 1:
+        return
+    from parallel.engine.model.context_parallel import kv_repeat
+    from parallel.spec.errors import SpecError
+
+    bad = kv_repeat(getattr(model, "config", None), tp, cp)[1]
+    if bad:
+        raise SpecError([("topology.cp", f"{cp}: {type(model).__name__}: {bad}; pick a cp that "
+                          "divides it")])
+
+
+def model_facts(source: str, wrap, tp: int = 1, tp_plan: dict | None = None, cp: int = 1
                 ) -> tuple[list[tuple[int, ...]], dict | None, float | None]:
     """One tensor-parallel rank's parameter shapes (all of them at tp 1), the config that sizes
     activations, and the largest shard unit's parameters on that rank (the wrap policy on the
@@ -238,6 +252,7 @@ def model_facts(source: str, wrap, tp: int = 1, tp_plan: dict | None = None
     from parallel.toy import meta_model
 
     model = meta_model(source)
+    check_model_layout(model, tp, cp)
     local = {name: shape for name, shape, _ in local_shapes(model, tp, tp_plan)}
     # a tied weight (lm_head.weight is embed_tokens.weight) is one parameter under its first name,
     # as named_parameters() and the shard units hold it

@@ -173,3 +173,22 @@ def test_a_tied_model_counts_its_shared_weight_once(capsys, tmp_path):
     code, data, _ = rows_of(capsys, "--model", str(path), "--world", "8")
     assert code == 0 and data["largest_unit"] == 128256 * 4096
     assert data["parameters"] == pytest.approx(8.03e9 - 128256 * 4096, rel=1e-3)
+
+
+def test_world_applies_before_the_layout_is_checked_and_heads_are_checked_with_model(
+        capsys, config):
+    """`--world 1024 --set topology.cp=4` on an 8-rank tp 8 file: the layout is checked against
+    the world asked about (it was refused against the file's 8, naming tp); a cp that does not
+    divide the heads fails at once with --model, not 70 lines into a launch; a cp that does not
+    divide the world names cp."""
+    code, data, _ = rows_of(capsys, "--model", config, "--world", "1024", "--set", "topology.cp=4",
+                            "--set", "topology.tp=8")
+    assert code == 0 and data["cp"] == 4 and data["tp"] == 8
+    assert main(["plan", "configs/demo.yaml", "--model", config, "--world", "6", "--set",
+                 "topology.cp=3"]) == 2
+    assert "topology.cp: 3: LlamaForCausalLM: num_attention_heads 32" in capsys.readouterr().err
+    assert main(["explain", "configs/demo.yaml", "--model", config, "--set", "topology.cp=3",
+                 "--set", "topology.procs_per_node=3"]) == 2
+    assert "which cp 3 does not divide" in capsys.readouterr().err
+    assert main(["validate", "configs/demo.yaml", "--set", "topology.cp=3"]) == 2
+    assert "topology.cp: 3 does not divide the world size 2" in capsys.readouterr().err
