@@ -36,17 +36,35 @@ def _check_preemption_sync(spec: Spec) -> None:
                           "torch_xla's notifier listens to SIGTERM only")])
 
 
+def _check_spmd_dims(spec: Spec) -> None:
+    """tp or cp need SPMD (xla.fsdp_version: 2), which also needs one process per host and
+    shard: full: every field that must change is named at once, not one refusal after another."""
+    x, t = spec.xla, spec.topology
+    if x.fsdp_version != 1:
+        return
+    problems = [(f"topology.{dim}", f"{degree} with xla.fsdp_version: 1: XLA FSDP v1 wraps plain "
+                 f"tensors per process and has no {what} parallelism; use xla.fsdp_version: 2 "
+                 f"(SPMD: the mesh's {axis} axis)")
+                for dim, degree, what, axis in (("tp", t.tp, "tensor", "model"),
+                                                ("cp", t.cp, "context", "seq")) if degree > 1]
+    if not problems:
+        return
+    if t.procs_per_node != 1:
+        problems.append(("topology.procs_per_node", f"{t.procs_per_node}: with xla.fsdp_version: 2 "
+                         "(which topology.tp / cp need) one process per host drives all its "
+                         "devices; set procs_per_node: 1"))
+    if spec.shard != "full":
+        problems.append(("shard", f"{spec.shard!r}: xla.fsdp_version: 2 (which topology.tp / cp "
+                         "need) shards parameters fully; set shard: full"))
+    raise SpecError(problems)
+
+
 def translate(spec: Spec) -> dict:
     _check_reduce(spec)
     _check_preemption_sync(spec)
     x = spec.xla
     settings = {k: v for k, v in x.xla_fsdp_settings.items() if k != "xla_fsdp_grad_ckpt"}
-    for dim, what, axis in (("tp", "tensor", "model"), ("cp", "context", "seq")):
-        degree = getattr(spec.topology, dim)
-        if degree > 1 and x.fsdp_version == 1:
-            raise SpecError([(f"topology.{dim}", f"{degree} with xla.fsdp_version: 1: XLA FSDP v1 "
-                              f"wraps plain tensors per process and has no {what} parallelism; "
-                              f"use xla.fsdp_version: 2 (SPMD: the mesh's {axis} axis)")])
+    _check_spmd_dims(spec)
     if x.fsdp_version == 2:
         if spec.topology.procs_per_node != 1:
             raise SpecError([("topology.procs_per_node", f"{spec.topology.procs_per_node} with "

@@ -93,6 +93,8 @@ def _add_launch(p: argparse.ArgumentParser) -> None:
     p.add_argument("--image", default="polyshard-gpu:latest", help="container image (--emit k8s)")
     p.add_argument("--job-name", default="polyshard", help="job name (--emit slurm / k8s)")
     p.add_argument("--time", default="24:00:00", help="Slurm time limit (--emit slurm)")
+    p.add_argument("--cpus-per-task", type=bounded(int, 1, 1 << 16), help="CPUs of each node's "
+                   "task, which runs all its ranks (--emit slurm; default 8 per process)")
     p.add_argument("--tpu", default="TPU_NAME", help="TPU VM name (--emit tpu-vm)")
     p.add_argument("--zone", default="ZONE", help="TPU VM zone (--emit tpu-vm)")
     p.add_argument("--workdir", default="~/polyshard", help="checkout on the workers (--emit tpu-vm)")

@@ -93,18 +93,6 @@ def launch_env(spec: Spec, spec_file: Path) -> dict[str, str]:
     return env
 
 
-def tpu_vm_command(spec_path: str, overrides: list[str], script: str, script_args: list[str],
-                   tpu: str, zone: str, workdir: str) -> str:
-    """The gcloud command that runs this job on every worker of a TPU VM pod slice: one process per
-    host (PJRT drives the host's chips), each running `polyshard launch` with the same spec."""
-    words = ["polyshard", "launch", *[w for o in overrides for w in ("--set", o)], spec_path,
-             script, *script_args]
-    remote = (f"cd {shlex.quote(workdir)} && PJRT_DEVICE=TPU "
-              + " ".join(shlex.quote(w) for w in words))
-    return (f"gcloud compute tpus tpu-vm ssh {shlex.quote(tpu)} --zone={shlex.quote(zone)} "
-            f"--worker=all --command={shlex.quote(remote)}")
-
-
 def launch(spec: Spec, args: LaunchArgs, script: str, script_args: list[str],
            verbose: bool = False) -> int:
     """Run `script` on every rank under `spec`, laid out as this host's runtime supports

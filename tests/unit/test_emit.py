@@ -1,7 +1,8 @@
 """Cluster launchers: the sbatch script and the Kubeflow PyTorchJob are parsed and their fields that
 matter checked (nodes, processes, GPUs, rendezvous, the command); the pod templates load into the
-kubernetes client's own models."""
+kubernetes client's own models, the whole PyTorchJob into the Kubeflow training SDK's."""
 
+import shlex
 import shutil
 import subprocess
 
@@ -22,8 +23,9 @@ def test_slurm_script_runs_one_launch_per_node_with_a_rendezvous_on_the_first(tm
     directives = dict((line[len("#SBATCH --"):].split("=", 1) + [""])[:2]
                       for line in text.splitlines() if line.startswith("#SBATCH --"))
     assert directives == {"job-name": "llama", "nodes": "4", "ntasks-per-node": "1",
-                          "gpus-per-node": "8", "time": "2:00:00", "output": "%x-%j.out",
-                          "signal": "B:USR1@120", "requeue": ""}
+                          "cpus-per-task": "64", "gpus-per-node": "8", "time": "2:00:00",
+                          "output": "%x-%j.out", "open-mode": "append", "signal": "B:USR1@120",
+                          "requeue": ""}
     srun = next(line for line in text.splitlines() if line.startswith("srun "))
     assert "--kill-on-bad-exit=1" in srun
     assert ('polyshard launch --rdzv-endpoint "$head:29500" --max-restarts 2 --set precision=bf16 '
@@ -39,24 +41,57 @@ def test_each_node_runs_torchrun_with_c10d_rendezvous():
     assert cmd[cmd.index("--rdzv-backend") + 1] == "c10d" and "--standalone" not in cmd
 
 
-def test_pytorchjob_manifest_has_one_pod_per_node_and_valid_pod_templates():
-    pytest.importorskip("kubernetes")
-    from kubernetes.client import ApiClient
+def test_pytorchjob_manifest_is_the_training_operators_and_resumes_after_preemption():
+    """The whole manifest loads into the Kubeflow training SDK's PyTorchJob model (its pod
+    templates into kubernetes' own); checkpoint.dir is a volume every restarted pod mounts,
+    /dev/shm is memory, and backoffLimit lets a preempted job come back (0 failed it at the first
+    resume)."""
+    pytest.importorskip("kubeflow.training")
+    from kubeflow.training import ApiClient  # the SDK's client: its models, kubernetes' inside
 
-    doc = yaml.safe_load(yaml.safe_dump(k8s_manifest(SPEC, "configs/zero3.yaml", [], "train.py", [],
+    spec = load_spec(SPEC, ["checkpoint.dir=/ckpt/run"])
+    doc = yaml.safe_load(yaml.safe_dump(k8s_manifest(spec, "configs/zero3.yaml", [], "train.py", [],
                                                      image="reg/polyshard:1", max_restarts=3)))
-    assert (doc["apiVersion"], doc["kind"]) == ("kubeflow.org/v1", "PyTorchJob")
-    replicas = doc["spec"]["pytorchReplicaSpecs"]
-    assert replicas["Master"]["replicas"] + replicas["Worker"]["replicas"] == 4
-    assert doc["spec"]["nprocPerNode"] == "8" and doc["spec"]["runPolicy"]["backoffLimit"] == 3
-    client = ApiClient()
+    job = ApiClient()._ApiClient__deserialize(doc, "KubeflowOrgV1PyTorchJob")
+    assert (job.api_version, job.kind) == ("kubeflow.org/v1", "PyTorchJob")
+    replicas = job.spec.pytorch_replica_specs
+    assert replicas["Master"].replicas + replicas["Worker"].replicas == 4
+    assert job.spec.nproc_per_node == "8" and job.spec.run_policy.backoff_limit >= 20
     for role in ("Master", "Worker"):
-        template = client._ApiClient__deserialize(replicas[role]["template"], "V1PodTemplateSpec")
-        container = template.spec.containers[0]
+        assert replicas[role].restart_policy == "OnFailure"
+        pod = replicas[role].template.spec
+        container = pod.containers[0]
         assert container.image == "reg/polyshard:1"
         assert container.resources.limits == {"nvidia.com/gpu": "8"}  # a quantity
         assert container.command[:4] == ["polyshard", "launch", "--rdzv-endpoint",
                                          "$(PET_MASTER_ADDR):$(PET_MASTER_PORT)"]
+        mounts = {m.name: m.mount_path for m in container.volume_mounts}
+        assert mounts == {"dshm": "/dev/shm", "checkpoints": "/ckpt/run"}
+        volumes = {v.name: v for v in pod.volumes}
+        assert volumes["dshm"].empty_dir.medium == "Memory"
+        assert volumes["checkpoints"].persistent_volume_claim.claim_name == "polyshard-checkpoints"
+
+
+def test_tpu_vm_command_runs_on_every_worker_of_a_multi_host_slice():
+    """topology.nodes 4: each worker passes its index and worker 0's address (torch_xla's own
+    metadata readers) to launch, which needs them with several hosts; ~ expands (it was quoted)."""
+    from parallel.launch.emit import tpu_vm_command
+
+    words = shlex.split(tpu_vm_command("c.yaml", ["topology.nodes=4"], "train.py", [], "tpu",
+                                       "zone", "~/polyshard", nodes=4))
+    remote = words[words.index("--worker=all") + 1].removeprefix("--command=")
+    assert remote.startswith("cd ~/polyshard && set -- $(python3 -c ")
+    assert "tpu.worker_id(), tpu.get_worker_ips()[0]" in remote
+    assert 'launch --node-rank "$1" --rdzv-endpoint "$2:29500"' in remote
+    one = tpu_vm_command("c.yaml", [], "train.py", [], "tpu", "zone", "/opt/p")
+    assert "--node-rank" not in one and "cd /opt/p && PJRT_DEVICE=TPU polyshard launch" in one
+
+
+def test_slurm_gives_each_node_task_its_cpus_and_appends_on_requeue():
+    text = slurm_script(SPEC, "c.yaml", [], "train.py", [])
+    assert "#SBATCH --cpus-per-task=64" in text and "#SBATCH --open-mode=append" in text
+    assert "srun --kill-on-bad-exit=1 --ntasks-per-node=1 --cpus-per-task=64" in text
+    assert "--cpus-per-task=12" in slurm_script(SPEC, "c.yaml", [], "t.py", [], cpus_per_task=12)
 
 
 def test_tpu_specs_ask_for_no_gpus():

@@ -6,7 +6,8 @@ import pytest
 
 from backends.xla.translate import translate
 from parallel import SpecError, load_spec
-from parallel.launch.torchrun import launch_env, tpu_vm_command
+from parallel.launch.emit import tpu_vm_command
+from parallel.launch.torchrun import launch_env
 
 
 def xla(**data):
@@ -126,3 +127,13 @@ def test_a_compilation_cache_this_torch_xla_cannot_read_back_is_refused():
     with pytest.raises(SpecError, match=r"xla.compilation_cache: '/c': torch_xla 2\.9\.0 writes"):
         apply_compilation_cache("/c", version="2.9.0")
     apply_compilation_cache(None)  # unset: nothing to refuse
+
+
+def test_tp_or_cp_on_v1_names_every_field_spmd_needs_at_once():
+    """tp with XLA v1 on 4 processes a host: fsdp_version, procs_per_node and shard were refused
+    one after another (three runs of validate); now in one error."""
+    with pytest.raises(SpecError) as err:
+        load_spec("configs/xla-v1-tpu.yaml", ["topology.tp=2", "shard=grad_op"])
+    fields = [f for f, _ in err.value.problems]
+    assert fields == ["topology.tp", "topology.procs_per_node", "shard"], err.value.problems
+    assert "xla.fsdp_version: 2" in err.value.problems[0][1]
