@@ -25,8 +25,8 @@ def plot(results: dict, out_dir: Path) -> Path:
            xlabel="step", ylabel="loss")
     ax.legend(fontsize=7)
     ax = axes[0][1]
-    ax.bar(labels, [done[k]["tokens_per_s"] for k in labels], color="tab:green")
-    ax.set(title="throughput (median step)", ylabel="tokens / s")
+    ax.bar(labels, [done[k]["target_tokens_per_s"] for k in labels], color="tab:green")
+    ax.set(title="throughput (median step)", ylabel="target tokens / s (labels a loss counts)")
     ax = axes[1][0]
     bottom = [0.0] * len(labels)
     for key, color in (("params_bytes", "tab:blue"), ("grads_bytes", "tab:orange"),

@@ -13,14 +13,27 @@ MiB = 2 ** 20
 
 
 def layouts(spec) -> dict:
-    """{label: spec}: the spec, and at cp 1 beside it where its cp is above 1."""
+    """{label: spec}: the spec, and at cp 1 beside it where its cp is above 1, on the same global
+    batch: cp 1 has cp times the data-parallel ranks, so each takes 1/cp of the rows (a smaller
+    micro-batch, else fewer micro-batches); otherwise cp 1 would run cp times the rows a step."""
+    from parallel.spec.errors import SpecError
     from parallel.spec.io import load_spec
 
     cp = spec.topology.cp
     if cp == 1:
         return {"cp 1": spec}
     data = spec.model_dump(mode="json", exclude_unset=True)
-    data.pop("global_batch_size", None)  # the rows per step follow the data-parallel size
+    data.pop("global_batch_size", None)
+    mbs, accum = spec.micro_batch_size, spec.grad_accum_steps
+    if mbs % cp == 0:
+        data["micro_batch_size"] = mbs // cp
+    elif accum % cp == 0:
+        data["grad_accum_steps"] = accum // cp
+    else:
+        raise SpecError([("micro_batch_size", f"{mbs} (x grad_accum_steps {accum}): bench --seq "
+                          f"compares cp {cp} with cp 1 on the same global batch, whose cp {cp} "
+                          f"times as many data-parallel ranks each take 1/{cp} of the rows; pick a "
+                          f"micro_batch_size or grad_accum_steps that cp {cp} divides")])
     return {"cp 1": load_spec({**data, "topology": {**data["topology"], "cp": 1}}),
             f"cp {cp}": spec}
 
@@ -42,6 +55,7 @@ def seq_sweep(spec, names, seqs: list[int], budget_gib: float | None, options: d
                              "peak_bytes": peak, "planned_bytes": r.get("peak_planned_bytes"),
                              "ms_per_step": r["median_s"] * 1e3 if ran else None,
                              "tokens_per_s": r.get("tokens_per_s"),
+                             "target_tokens_per_s": r.get("target_tokens_per_s"),
                              "fits": ran and (budget_gib is None or (
                                  peak is not None and peak <= budget_gib * 2 ** 30)),
                              "why": None if ran else (r.get("skipped") or
