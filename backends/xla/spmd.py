@@ -154,6 +154,12 @@ class XlaSpmdEngine(_Xla):
     def _input_sharding(self) -> dict:
         import torch_xla.distributed.spmd as xs
 
+        if len(self.mesh.mesh_shape) > 2:
+            # cp's mesh (fsdp, seq, model): a row's spec leaves the model axis out, and torch_xla
+            # 2.9's ShardingSpec fails on that partial replication inside MpDeviceLoader
+            # ("IndexError: too many indices for tensor of dimension 2", measured); the batch
+            # goes over whole and _to_device lays each micro-batch out as the step's own batches
+            return {}
         return {"input_sharding": xs.ShardingSpec(self.mesh, ("fsdp", self._seq))}
 
     @property

@@ -75,6 +75,18 @@ def rank_slice(batch, rank, rows):
     return {"input_ids": mine, "labels": mine}
 
 
+def fed(engine, batches):
+    """The step batches as users feed them: every global batch's rows in one dataset, through
+    engine.dataloader (each rank's rows, placed on the device as the backend places a loader's:
+    XLA's MpDeviceLoader with its input sharding). Its sampler deals each step's rows out over
+    the data-parallel ranks (rank r: rows r, r + W, ...), so a step holds the global batch's rows,
+    as one process does."""
+    rows = [{k: v[i] for k, v in (b if isinstance(b, dict) else {"input_ids": b, "labels": b}
+                                  ).items()} for b in batches for i in range(len(next(iter(
+                                      b.values())) if isinstance(b, dict) else b))]
+    return engine.dataloader(rows, shuffle=False, name=f"parity-{engine.step}")
+
+
 def run_case(case, phase, ckpt_root, known: dict):
     # "resume_spec": the checkpoint loads into another layout or backend (the transfer cases)
     spec = load_spec(case["resume_spec"] if phase == "resume" and "resume_spec" in case
@@ -106,8 +118,8 @@ def run_case(case, phase, ckpt_root, known: dict):
         engine.load(ckpt)
         start = engine.step
     losses, norms = [], []
-    for step in range(start, case["steps"]):
-        result = engine.train_step(rank_slice(batches[step], engine.dp_rank, rows))
+    for step, batch in zip(range(start, case["steps"]), fed(engine, batches[start:])):
+        result = engine.train_step(batch)
         losses.append(result.loss)
         norms.append(result.grad_norm)
         if phase == "train" and engine.step == case["save_at"]:
