@@ -50,26 +50,64 @@ def named_groups(groups: list[dict], names_per_group: list[list[str]]) -> list[d
     return [{**hyperparams(g), "params": names} for g, names in zip(groups, names_per_group)]
 
 
+# Accelerate's save_state (and HF Trainer's checkpoint-N, which calls it) with FSDP's sharded state
+# dict: the model's DCP and the optimizer's DCP in folders of their own (accelerate.utils.fsdp_utils:
+# FSDP_MODEL_NAME, OPTIMIZER_NAME), Trainer's step in trainer_state.json
+PEER_MODEL, PEER_OPTIM, PEER_STEP = "pytorch_model_fsdp_0", "optimizer_0", "trainer_state.json"
+
+
 def read_dcp(src: Path, trust: bool = False, stream: bool = True,  # noqa: ARG001 - data only
              budget: int | None = None):
     """torch DCP written from get_state_dict: {"model": ..., "optim"/"optimizer": ...} or bare
-    model keys, without a template. Streamed (`stream`): parts of at most `budget` bytes (default:
-    the largest source file's; dcp_parts), each read from the source by its own DCP load when it is
-    written, one in memory at a time; else loaded whole."""
+    model keys, without a template; or an Accelerate / HF Trainer FSDP checkpoint directory
+    (`pytorch_model_fsdp_0/` and `optimizer_0/`), whole: weights and optimizer state by parameter
+    name. Streamed (`stream`): parts of at most `budget` bytes (default: the largest source file's;
+    dcp_parts), each read from the source by its own DCP load when it is written, one in memory at
+    a time; else loaded whole."""
     from parallel.checkpoint.portable import SafeReader
 
-    if not (src / ".metadata").is_file():
-        raise CheckpointImportError(f"{src}: no .metadata file; not a torch.distributed.checkpoint directory")
-    # one reader for every load: DCP's index (O(keys x writers)) is parsed once, and checked here,
-    # before DCP, which swallows a failing read
-    reader = SafeReader(str(src))
-    metadata = reader.read_metadata()
+    folders = [src]
+    if not (src / ".metadata").is_file() and (src / PEER_MODEL / ".metadata").is_file():
+        folders = [src / PEER_MODEL] + ([src / PEER_OPTIM] if (src / PEER_OPTIM / ".metadata")
+                                        .is_file() else [])
+    if not (folders[0] / ".metadata").is_file():
+        raise CheckpointImportError(f"{src}: no .metadata file; not a torch.distributed.checkpoint "
+                                    f"directory (nor Accelerate's, with {PEER_MODEL}/ in it)")
+    # one reader per folder for every load: DCP's index (O(keys x writers)) is parsed once, and
+    # checked here, before DCP, which swallows a failing read
+    readers = [SafeReader(str(f)) for f in folders]
+    metadata = [r.read_metadata() for r in readers]
+    if not any(_model_keys(m) for m in metadata):
+        raise CheckpointImportError(
+            f"{src}: holds no model weights ({len(metadata[0].state_dict_metadata)} entries, none a "
+            "model tensor): an optimizer state alone, as Accelerate's optimizer_N folder; import the "
+            f"checkpoint directory above it, which holds {PEER_MODEL}/ too")
+    step = peer_step(src)
     if not stream:
-        return _portable(_load_keys(reader, None), src), None, 1
+        sd: dict = {}
+        for r in readers:
+            sd.update(_load_keys(r, None))
+        return _portable(sd, src), step, 1
     if budget is None:
-        budget = max((f.stat().st_size for f in src.glob("*.distcp")), default=0)
-    parts = [set(keys) for keys in dcp_parts(metadata, budget)]  # looked up per index entry
-    return Streamed(lambda i: _portable(_load_keys(reader, parts[i]), src), len(parts)), None, 1
+        budget = max((f.stat().st_size for d in folders for f in d.glob("*.distcp")), default=0)
+    parts = [(r, set(keys)) for r, m in zip(readers, metadata) for keys in dcp_parts(m, budget)]
+    return Streamed(lambda i: _portable(_load_keys(*parts[i]), src), len(parts)), step, 1
+
+
+def _model_keys(metadata) -> list[str]:
+    return [k for k in metadata.state_dict_metadata if not k.startswith(("optim.", "optimizer."))]
+
+
+def peer_step(src: Path) -> int | None:
+    """HF Trainer's global_step (trainer_state.json beside the state), else None (--step)."""
+    from parallel.files import load_json
+
+    if not (src / PEER_STEP).is_file():
+        return None
+    step = load_json(src / PEER_STEP, "HF Trainer's state", follow=False).get("global_step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointImportError(f"{src / PEER_STEP}: global_step {step!r} is not a step count")
+    return step
 
 
 def dcp_parts(metadata, budget: int) -> list[list[str]]:

@@ -28,9 +28,8 @@ def model_and_batches(size: str = "tiny"):
     return build_llama(llama_config("tiny", **SIZES[size])), global_batches(5, 1, ROWS)
 
 
-def fsdp2_dcp(out: Path, size: str = "tiny"):
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+def fsdp2_trained(size: str = "tiny"):
+    """An FSDP2 loop as torchtitan's docs write it: every block, then the root; 3 AdamW steps."""
     from torch.distributed.fsdp import fully_shard
 
     model, batches = model_and_batches(size)
@@ -45,8 +44,34 @@ def fsdp2_dcp(out: Path, size: str = "tiny"):
         model(input_ids=mine, labels=mine).loss.backward()
         opt.step()
         opt.zero_grad()
+    return model, opt
+
+
+def fsdp2_dcp(out: Path, size: str = "tiny"):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, opt = fsdp2_trained(size)
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=out)
+
+
+def accelerate_fsdp2(out: Path):
+    """The same loop saved by Accelerate 1.11's own FSDP writers (what `accelerator.save_state` and
+    HF Trainer's checkpoint-N call with SHARDED_STATE_DICT): pytorch_model_fsdp_0/ and
+    optimizer_0/, each a DCP, and Trainer's trainer_state.json with the step."""
+    from accelerate import PartialState
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import save_fsdp_model, save_fsdp_optimizer
+    from transformers import TrainerState
+
+    model, opt = fsdp2_trained()
+    state = PartialState()  # the process group already made: Accelerate reads rank and world
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
+    save_fsdp_model(plugin, state, model, str(out))
+    save_fsdp_optimizer(plugin, state, opt, model, str(out))
+    if state.is_main_process:
+        TrainerState(global_step=STEPS).save_to_json(str(out / "trainer_state.json"))
 
 
 def deepspeed_zero2(out: Path, stage: int = 2, size: str = "tiny", frozen: bool = False):
@@ -147,7 +172,7 @@ def xla_fsdp_v1(out: Path, size: str = "tiny", flavor: str = "", ranks: int = 1)
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--which", required=True, help="comma-separated: fsdp2_dcp,deepspeed_zero2,"
+    p.add_argument("--which", required=True, help="comma-separated: fsdp2_dcp,accelerate_fsdp2,deepspeed_zero2,"
                    "deepspeed_zero3,xla,xla_flat,xla_dim0,deepspeed_zero2_frozen,deepspeed_zero3_frozen")
     p.add_argument("--root", required=True)
     p.add_argument("--size", default="tiny", choices=SIZES,
@@ -161,6 +186,7 @@ def main():
             deepspeed_universal_resume(Path(args.root))
             continue
         {"fsdp2_dcp": lambda out: fsdp2_dcp(out, args.size), "deepspeed_zero2": deepspeed_zero2,
+         "accelerate_fsdp2": accelerate_fsdp2,
          "xla": lambda out: xla_fsdp_v1(out, args.size, ranks=args.xla_ranks),
          "xla_flat": lambda out: xla_fsdp_v1(out, args.size, "flat", args.xla_ranks),
          "xla_dim0": lambda out: xla_fsdp_v1(out, args.size, "dim0", args.xla_ranks),

@@ -1,7 +1,8 @@
 """Native checkpoints in, Hugging Face weights out, corruption caught.
 
 Plain loops with no polyshard in them (tests/distributed/native_worker.py) write a torch DCP directory
-(FSDP2), a DeepSpeed ZeRO-2 checkpoint and XLA FSDP v1 shard files after 3 AdamW steps (and DeepSpeed's
+(FSDP2), the same FSDP2 run through Accelerate's own FSDP writers (a save_state / HF Trainer
+checkpoint directory: model and optimizer DCPs apart, Trainer's step), a DeepSpeed ZeRO-2 checkpoint and XLA FSDP v1 shard files after 3 AdamW steps (and DeepSpeed's
 `ds_to_universal` turns the ZeRO-2 one into a universal checkpoint; the XLA run, with
 flatten_parameters and each block wrapped, is cut as its 2 ranks would have saved it);
 `polyshard ckpt import` converts each, and FSDP1 and ZeRO-3 (2 ranks) resume from them: steps 4-5
@@ -28,7 +29,9 @@ TARGETS = {"fsdp1": {"backend": "fsdp", "fsdp": {"version": 1}, **TWO},
            "zero3": {"backend": "deepspeed", "shard": "full", **TWO}}
 # kind -> folder; xla_flat: flatten_parameters, nested, cut as 2 ranks save it (reshard_in_place)
 NATIVE = {"dcp": "fsdp2_dcp", "deepspeed": "deepspeed_zero2", "xla": "xla_flat",
-          "deepspeed-universal": "deepspeed_universal"}
+          "deepspeed-universal": "deepspeed_universal",
+          # Accelerate's / HF Trainer's FSDP2 checkpoint directory, imported whole (kind dcp)
+          "accelerate": "accelerate_fsdp2"}
 FROZEN = ("deepspeed_zero2_frozen", "deepspeed_zero3_frozen")  # embedding, block 0's attention
 
 
@@ -80,16 +83,24 @@ def polyshard(*args):
 def imported(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("import")
     native, root = tmp / "native", tmp / "ckpt"
-    torchrun(2, [str(DIST / "native_worker.py"), "--which", "fsdp2_dcp,deepspeed_zero2,"
-                 + ",".join(FROZEN), "--root", str(native)], timeout=300)
+    torchrun(2, [str(DIST / "native_worker.py"), "--which", "fsdp2_dcp,accelerate_fsdp2,"
+                 "deepspeed_zero2," + ",".join(FROZEN), "--root", str(native)], timeout=300)
     torchrun(1, [str(DIST / "native_worker.py"), "--which", "xla_flat", "--root", str(native)],
              timeout=300, env={"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1", "USE_TORCH_XLA": "1"})
     reshard_in_place(native / "xla_flat", 2)
     to_universal(native)
     for kind, folder in NATIVE.items():
-        step = [] if kind.startswith("deepspeed") else ["--step", 3]  # DeepSpeed records its steps
-        out = polyshard("ckpt", "import", kind, native / folder, root / f"native_{kind}-adamw", *step)
+        # DeepSpeed records its steps, HF Trainer's trainer_state.json too
+        step = [] if kind.startswith(("deepspeed", "accelerate")) else ["--step", 3]
+        out = polyshard("ckpt", "import", "dcp" if kind == "accelerate" else kind, native / folder,
+                        root / f"native_{kind}-adamw", *step)
         assert out.returncode == 0, out.stderr[-3000:]
+    # Accelerate's optimizer folder alone: refused, naming the directory to import (it made a
+    # checkpoint of 0 tensors and exited 0)
+    out = polyshard("ckpt", "import", "dcp", native / "accelerate_fsdp2" / "optimizer_0",
+                    tmp / "optimizer-only")
+    assert out.returncode == 2 and "holds no model weights" in out.stderr, out.stderr
+    assert not (tmp / "optimizer-only").exists()
     good = root / "native_deepspeed-adamw"
     for name in ("truncated", "flipped"):  # beside the good ones: one launch loads them all
         shutil.copytree(good, root / f"{name}-adamw")
