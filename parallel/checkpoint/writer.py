@@ -69,7 +69,7 @@ class WriterProcess:
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
         proc = subprocess.Popen(
-            [sys.executable, "-m", "parallel.checkpoint.writer", str(theirs.fileno()),
+            [sys.executable, "-P", "-m", "parallel.checkpoint.writer", str(theirs.fileno()),
              str(os.getpid())], pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
         theirs.close()
         _send(ours, pickle.dumps(init))  # read once the writer has imported torch; we go on

@@ -67,7 +67,7 @@ def notebook_launch(fn: Callable, spec, *args, timeout: float | None = None) -> 
         (tmp / "spec.json").write_text(json.dumps(data))  # current_spec() in the ranks reads it
         shared = {**launch_env(run, tmp / "spec.json"), **env,
                   "PYTHONPATH": os.pathsep.join(sys.path)}
-        with job_ranks([sys.executable, "-m", "parallel.launch.notebook", str(tmp / "job.dill"),
+        with job_ranks([sys.executable, "-P", "-m", "parallel.launch.notebook", str(tmp / "job.dill"),
                         str(tmp / "rank")], nproc, shared) as procs:
             return _collect(procs, tmp, timeout)
 

@@ -60,7 +60,7 @@ class LaunchArgs:
 def torchrun_command(spec: Spec, args: LaunchArgs, script: str, script_args: list[str]) -> list[str]:
     nnodes = spec.topology.nodes
     # torchrun's own launcher, reporting a failure once (parallel/launch/agent.py)
-    cmd = [sys.executable, "-m", "parallel.launch.agent",
+    cmd = [sys.executable, "-P", "-m", "parallel.launch.agent",
            "--nproc-per-node", str(spec.topology.procs_per_node),
            "--nnodes", str(nnodes), "--max-restarts", str(args.max_restarts)]
     endpoint = args.rdzv_endpoint or spec.topology.rdzv_endpoint

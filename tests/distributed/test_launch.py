@@ -16,21 +16,31 @@ POLYSHARD = [sys.executable, "-m", "parallel.cli"]
 
 
 def launch(tmp_path, sets, env=None, steps=3, flags=()):
-    cmd = [*POLYSHARD, "launch", *flags, *[x for s in sets for x in ("--set", s)], "configs/demo.yaml",
-           "examples/train_lm.py", "--model-size", "tiny", "--stop-at", str(steps),
+    """The installed `polyshard` command run from a working directory holding a `parallel/`
+    package of its own: polyshard's children (the launch agent, the async writer) start with -P,
+    so it runs in none of them (it ran in both: #65)."""
+    planted = tmp_path / "cwd" / "parallel"
+    planted.mkdir(parents=True)
+    marker = tmp_path / "planted-ran"
+    (planted / "__init__.py").write_text(f"open({str(marker)!r}, 'a').write('ran\\n')\n")
+    cmd = [str(Path(sys.executable).parent / "polyshard"), "launch", *flags,
+           *[x for s in sets for x in ("--set", s)], str(ROOT / "configs/demo.yaml"),
+           str(ROOT / "examples/train_lm.py"), "--model-size", "tiny", "--stop-at", str(steps),
            "--save", str(tmp_path / "ckpt")]
     clean = {k: v for k, v in os.environ.items() if k not in ("USE_TORCH_XLA", "PJRT_DEVICE")}
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=ROOT,
-                         env={**clean, **(env or {})})
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=280, cwd=planted.parent,
+                         env={**clean, "PYTHONPATH": str(ROOT), **(env or {})})
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-5000:]
     assert "saved step 3" in text and "Defaulting to PJRT_DEVICE" not in text, text[-3000:]
+    assert not marker.exists(), "the working directory's parallel/ ran in a child"
     return text
 
 
 @pytest.mark.timeout(300)
 def test_launch_fsdp_two_ranks_quietly_and_tracked(tmp_path):
-    text = launch(tmp_path, [f"tracking.dir={tmp_path / 'track'}", "tracking.every=1"])
+    text = launch(tmp_path, [f"tracking.dir={tmp_path / 'track'}", "tracking.every=1",
+                             "checkpoint.async_save=true"])  # its writer process too
     assert "fsdp (full, fp32) on 2 rank(s)" in text
     assert "[Gloo]" not in text, text[-3000:]  # hidden by default (parallel/launch/quiet.py)
     # the demo spec's trackers: one run, steps 1-3, from the main rank only
@@ -137,3 +147,4 @@ def test_one_host_listens_on_loopback_only(tmp_path):
 
     seen = [ip for rank in (0, 1) for ip in json.loads((tmp_path / f"addr.{rank}").read_text())]
     assert seen and set(seen) == {"127.0.0.1"}, seen
+
