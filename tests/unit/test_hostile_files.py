@@ -439,3 +439,20 @@ dist.destroy_process_group()
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                           timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+
+
+def test_bench_disk_probe_writes_only_a_new_file_of_its_own(tmp_path):
+    """bench --save's disk probe: a planted link or FIFO at the name it used (#65) is never opened
+    (the 1 GiB write went through the link; the FIFO hung it), and nothing but its own file goes."""
+    import os
+
+    from parallel.tools.bench.disk import disk_gbps
+
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"keep")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / ".polyshard-disk-probe").symlink_to(outside)
+    os.mkfifo(tmp_path / "d" / "fifo")
+    got = disk_gbps(tmp_path / "d", size=8 << 20)
+    assert got["write_gbps"] > 0 and outside.read_bytes() == b"keep"
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == [".polyshard-disk-probe", "fifo"]
