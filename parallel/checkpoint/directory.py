@@ -201,11 +201,20 @@ def _older_steps(path: Path):
     step being published); anything else is not ours to judge, and is left alone."""
     now = _name_step(path.name)
     for d in path.parent.iterdir():
-        step = _name_step(d.name)
-        if d == path or step is None or (now is not None and step >= now) or not is_ours(d):
-            continue
-        if read_manifest(d)["step"] == step:
+        step = step_checkpoint(d)
+        if d != path and step is not None and (now is None or step < now):
             yield step, d
+
+
+def step_checkpoint(d: Path) -> int | None:
+    """N for a checkpoint maybe_save wrote as step-N: a directory (not a link) named step-N whose
+    manifest polyshard wrote says step N; None for anything else (a planted step-00000009 whose
+    manifest claims step 10**18 is not one, for retention and for resume's fallback alike)."""
+    step = _name_step(d.name)
+    if step is None or not is_ours(d):
+        return None
+    manifest = read_manifest(d)
+    return step if manifest["step"] == step and manifest.get("writer") == "polyshard" else None
 
 
 def _name_step(name: str) -> int | None:

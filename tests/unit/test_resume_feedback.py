@@ -42,6 +42,15 @@ def test_resume_says_what_it_did(tmp_path):
         with pytest.raises(ResumeError, match="step-00000002.*latest_valid"):
             engine.resume()
         engine.spec.checkpoint.resume = "latest_valid"
+        # a planted step-00000009 whose manifest claims step 10**18: intact, newest by name, and
+        # not ours (name and manifest disagree, keep_last's rule): never the fallback (#65)
+        import json
+        import shutil
+
+        planted = tmp_path / "run" / "step-00000009"
+        shutil.copytree(tmp_path / "run" / "step-00000002", planted)
+        manifest = json.loads((planted / "manifest.json").read_text())
+        (planted / "manifest.json").write_text(json.dumps({**manifest, "step": 10 ** 18}))
         assert engine.resume()["step"] == 2 and engine.step == 2
         assert any("WARNING" in s and "step-00000003" in s and "falling back" in s for s in said)
     finally:

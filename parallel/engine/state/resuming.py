@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from parallel.checkpoint.directory import LATEST, STEP_NAME, resolve
+from parallel.checkpoint.directory import LATEST, STEP_NAME, resolve, step_checkpoint
 from parallel.checkpoint.manifest import Verification
 from parallel.checkpoint.safe import CheckpointError
 
@@ -60,11 +60,12 @@ def _after_damage(root: Path, mode: str, load, say, err: CheckpointError) -> dic
 
 
 def newest_intact(root: Path, exclude: Path) -> Path | None:
-    """The newest step-N checkpoint under `root` (by the N of its name) that verifies: every rank
-    checks its share of each candidate's digests, newest first (collective, like a load)."""
-    candidates = sorted((d for d in root.iterdir() if STEP_NAME.fullmatch(d.name)
-                         and d.resolve() != exclude.resolve() and not d.is_symlink()),
-                        key=lambda d: int(d.name[5:]), reverse=True)
+    """The newest step-N checkpoint under `root` (by the N of its name, which its manifest must
+    say too: keep_last's rule, directory.step_checkpoint) that verifies: every rank checks its share
+    of each candidate's digests, newest first (collective, like a load)."""
+    steps = {d: step_checkpoint(d) for d in root.iterdir() if d.resolve() != exclude.resolve()}
+    candidates = sorted((d for d, n in steps.items() if n is not None), key=steps.get,
+                        reverse=True)
     for path in candidates:
         try:
             Verification(path).agree()
