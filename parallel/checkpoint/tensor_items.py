@@ -14,6 +14,7 @@ transforms (compression, extensions) is read by DCP's own reader.
 from __future__ import annotations
 
 import io
+import os
 import warnings
 from pathlib import Path
 
@@ -32,19 +33,27 @@ class TensorItems:
     def __init__(self):
         self._layouts: dict[bytes, tuple | None] = {}  # pickle bytes -> layout (None: torch.load)
 
-    def load(self, raw: bytes) -> torch.Tensor:
+    @staticmethod
+    def _unpickle(raw: bytes, name: str) -> torch.Tensor:
+        """The project's one unpickler of foreign files (safe.torch_load): a code pickle is refused
+        naming what it asked for, never a traceback (#65: this called torch.load itself)."""
+        from parallel.checkpoint.safe import torch_load
+
+        return torch_load(_Named(raw, name), "a tensor item of a DCP checkpoint")
+
+    def load(self, raw: bytes, name: str = "a DCP item") -> torch.Tensor:
         try:
             archive = torch._C.PyTorchFileReader(io.BytesIO(raw))
             pickled = archive.get_record("data.pkl")
         except RuntimeError as err:  # torch.load would fail the same way on it
             raise ValueError(f"not a torch.save archive ({str(err).splitlines()[0]})") from None
         if pickled not in self._layouts:
-            tensor = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+            tensor = self._unpickle(raw, name)
             self._layouts[pickled] = _layout(archive, tensor)
             return tensor
         layout = self._layouts[pickled]
         if layout is None:
-            return torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+            return self._unpickle(raw, name)
         record, dtype, nbytes, size, stride, offset = layout
         start = archive.get_record_offset(record)
         if start + nbytes > len(raw):
@@ -53,6 +62,14 @@ class TensorItems:
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             flat = torch.frombuffer(raw, dtype=torch.uint8, count=nbytes, offset=start)
         return flat.view(dtype).as_strided(size, stride, offset)
+
+
+class _Named(io.BytesIO):
+    """An item's bytes, named by its file in what safe.torch_load says."""
+
+    def __init__(self, raw: bytes, name: str):
+        super().__init__(raw)
+        self.name = name
 
 
 def _layout(archive, tensor) -> tuple | None:
@@ -81,7 +98,12 @@ def read_items(reader, plan, planner, load_bytes) -> Future:
     for name, items in per_file.items():
         path = reader.fs.concat_path(reader.path, name)
         with reader.fs.create_stream(path, "rb") as stream:
+            size = os.fstat(stream.fileno()).st_size
             for offset, length, item in sorted(items, key=lambda x: x[0]):
+                if offset < 0 or length < 0 or offset + length > size:  # before any allocation
+                    raise DamagedItemError(f"{Path(path)}: the item of {item.dest_index.fqn} lies "
+                                           f"at {offset}, {length} bytes, outside the file's "
+                                           f"{size}; the checkpoint is damaged or crafted")
                 stream.seek(offset)
                 raw = stream.read(length)
                 if len(raw) != length:
@@ -92,7 +114,7 @@ def read_items(reader, plan, planner, load_bytes) -> Future:
                     load_bytes(item, io.BytesIO(raw))
                     continue
                 try:
-                    whole = tensors.load(raw)
+                    whole = tensors.load(raw, f"{Path(path)}: {item.dest_index.fqn}")
                 except ValueError as err:
                     raise DamagedItemError(f"{Path(path)}: the item of {item.dest_index.fqn}: "
                                            f"{err}; the checkpoint is damaged") from None

@@ -82,3 +82,26 @@ def test_a_truncated_data_file_is_refused_naming_it(tmp_path):
     data.write_bytes(data.read_bytes()[:1000])
     with pytest.raises(UnsafeFileError, match=data.name):
         dcp_load({"w": torch.zeros(64, 64)}, SafeReader(str(tmp_path)))
+
+
+def test_a_code_pickle_and_an_item_beyond_its_file_are_refused_by_name(tmp_path):
+    """An item whose pickle asks for code goes through the project's one unpickler (it called
+    torch.load itself: a traceback); an index claiming an item far past its file (2**50 bytes) is
+    refused before any read is allocated, as is a negative offset (#65)."""
+    import pickle
+
+    class Code:
+        def __reduce__(self):
+            return (print, ("ran",))
+
+    with pytest.raises(UnsafeFileError, match="crafted item: refused.*load print"):
+        TensorItems().load(saved(Code()), "crafted item")
+    dcp.save({"w": torch.randn(8, 8)}, checkpoint_id=str(tmp_path), no_dist=True)
+    meta_file = tmp_path / ".metadata"
+    for offset, length in ((0, 1 << 50), (-8, 64)):
+        meta = pickle.loads(meta_file.read_bytes())
+        for info in meta.storage_data.values():
+            info.offset, info.length = offset, length
+        meta_file.write_bytes(pickle.dumps(meta))
+        with pytest.raises(UnsafeFileError, match="outside the file"):
+            dcp_load({"w": torch.zeros(8, 8)}, SafeReader(str(tmp_path)))
