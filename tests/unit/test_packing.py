@@ -141,6 +141,10 @@ def test_a_map_style_packed_loader_says_what_it_cut_and_trains(tmp_path):
         assert abs(result.loss - reference.item()) < 1e-6
         with pytest.raises(ValueError, match="pack_to and collate_fn together"):
             engine.dataloader(docs, pack_to=24, collate_fn=lambda x: x)
+        # rows whose N x N masks exceed the host's memory: refused up front, naming the fix (#65)
+        with pytest.raises(ValueError, match=r"pack_to=16,777,216.*GiB, beyond this host's memory"
+                                             r".*flash_attention_2"):
+            engine.dataloader(docs, pack_to=1 << 24)
     finally:
         engine.close()
 

@@ -254,7 +254,8 @@ class EngineSetup(EngineCalls):
             raise ValueError("engine.dataloader(pack_to=...): call it after engine.prepare(): how "
                              "attention is confined to each document depends on the model's "
                              "attention implementation")
-        mode = packing.mask_mode(self.attention, self.spec.precision)
+        mode = packing.mask_mode(self.attention, self.spec.precision, self.samples_per_step,
+                                 pack_to, self.device)
         return packing.Packer(pack_to, pad_token_id, self.say), packing.collate(mode)
 
     @property

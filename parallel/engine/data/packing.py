@@ -71,17 +71,39 @@ def flattened_problem(batch) -> str | None:
             "build the model with attn_implementation='flash_attention_2'")
 
 
-def mask_mode(impl: str | None, precision: str) -> str:
-    """'positions' (flash attention: no mask), 'bool' (sdpa) or an additive mask's dtype name."""
+def mask_mode(impl: str | None, precision: str, rows: int = 1, n: int = 0, device=None) -> str:
+    """'positions' (flash attention: no mask), 'bool' (sdpa) or an additive mask's dtype name;
+    with `rows` rows of `n` tokens a batch, refused where the batch's N x N masks alone exceed
+    the memory of `device` (a CUDA device's, else the host's): pack_to=1<<24 asked for 256 TiB a
+    row and died allocating it (#65)."""
     if impl in FLASH:
         return "positions"
     if impl == "sdpa":
+        _check_masks(rows, n, 1, device)
         return "bool"
     if impl == "eager":
-        return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[precision]
+        dtype = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[precision]
+        _check_masks(rows, n, getattr(torch, dtype).itemsize, device)
+        return dtype
     raise ValueError(f"engine.dataloader(pack_to=...): the model's attention implementation is "
                      f"{impl!r}; packing confines attention to each document with eager, sdpa or "
                      "flash_attention_2/3 (attn_implementation= when the model is built)")
+
+
+def _check_masks(rows: int, n: int, itemsize: int, device) -> None:
+    need = rows * n * n * itemsize
+    if device is not None and getattr(device, "type", None) == "cuda":
+        have, where = torch.cuda.get_device_properties(device).total_memory, "the GPU's memory"
+    else:
+        import psutil
+
+        have, where = psutil.virtual_memory().total, "this host's memory"
+    if need > have:
+        raise ValueError(f"engine.dataloader(pack_to={n:,}): each batch's {rows} packed row(s) need "
+                         f"N x N attention masks of {need / 2**30:,.1f} GiB, beyond {where} "
+                         f"({have / 2**30:,.1f} GiB); build the model with "
+                         "attn_implementation='flash_attention_2' (no mask: documents bounded by "
+                         "their positions) or pick a smaller pack_to")
 
 
 def document(item) -> tuple[list[int], list[int]]:
