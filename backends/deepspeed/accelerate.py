@@ -87,7 +87,7 @@ def _autotp_world(imp: Import) -> None:
 
 def _from_plugin(imp: Import, ds: dict) -> None:
     stage = ds.get("zero_stage", 2)
-    if stage not in SHARD_OF_STAGE:
+    if isinstance(stage, (list, dict, set)) or stage not in SHARD_OF_STAGE:  # unhashable: refused too
         imp.problems.append(("deepspeed_config.zero_stage", f"{stage!r} is no ZeRO stage; 0-3"))
         return
     imp.set("shard", SHARD_OF_STAGE[stage], "deepspeed_config.zero_stage",

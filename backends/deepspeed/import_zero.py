@@ -35,7 +35,9 @@ def zero_section(imp: Import, zero) -> None:
                              "or 3"))
         return
     hpz = fields.pop("zero_hpz_partition_size", (None, 1))[1]
-    if stage == 3 and hpz not in (1, None, "auto"):
+    if _wrong_type(hpz):
+        imp.problems.append(("zero_optimization.zero_hpz_partition_size", _wrong_type(hpz)))
+    elif stage == 3 and hpz not in (1, None, "auto"):
         imp.set("shard", "hybrid", "zero_optimization.zero_hpz_partition_size")
         imp.set("topology.shard_group_size", int(hpz), "zero_optimization.zero_hpz_partition_size")
     else:
@@ -63,7 +65,10 @@ def _zero_knobs(imp: Import, fields: dict) -> None:
     for field, path in spec_fields.items():
         key, value = fields.pop(field, (None, None))
         source = f"zero_optimization.{key or schema.json_key(field)}"
-        if value == "auto" and field == "gather_16bit_weights_on_model_save":
+        wrong = _wrong_type(value)
+        if wrong:  # a list or mapping where DeepSpeed's config model takes a number or a flag
+            imp.problems.append((source, wrong))
+        elif value == "auto" and field == "gather_16bit_weights_on_model_save":
             imp.set(path, False, source, "auto", "auto: false (accelerate fills it so; DeepSpeed "
                     "drops \"auto\" and defaults to false)")
         elif value == "auto" and key == schema.json_key(field):  # the spelling HF fills
@@ -95,10 +100,27 @@ def _zero_knobs(imp: Import, fields: dict) -> None:
                     f"zero_optimization.{key}", "native", "kept verbatim for DeepSpeed")
 
 
+def _wrong_type(value) -> str | None:
+    """Why DeepSpeed's own config model would refuse `value` for a number or flag field, or
+    None: absent, "auto", a flag, a number, or a string of a whole number (pydantic's lax int)."""
+    if value is None or value == "auto" or isinstance(value, (bool, int, float)):
+        return None
+    if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+        return None
+    return (f"{value!r}: DeepSpeed takes a number (or \"auto\", or true / false for a flag) "
+            "here; write one")
+
+
 def _offload(imp: Import, optimizer, param) -> None:
     blocks = {"offload_optimizer": optimizer, "offload_param": param}
     devices = {k: (b or {}).get("device", "none") if isinstance(b, dict) else "none"
                for k, b in blocks.items()}
+    bad = {k: d for k, d in devices.items() if not isinstance(d, str)}
+    if bad:  # DeepSpeed's OffloadDeviceEnum takes none, cpu or nvme
+        for k, d in bad.items():
+            imp.problems.append((f"zero_optimization.{k}.device", f"{d!r}: DeepSpeed offloads to "
+                                 "\"none\", \"cpu\" or \"nvme\""))
+        return
     if devices["offload_param"] != "none" and devices["offload_optimizer"] == "none":
         imp.refuse("zero_optimization.offload_param", "offloads parameters but not the optimizer; "
                    "polyshard's offload: params moves both (as FSDP's CPU offload does): add "

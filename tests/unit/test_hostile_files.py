@@ -398,6 +398,18 @@ def test_numbers_on_the_command_line_are_bounded(capsys, flag, argv, monkeypatch
      "  zero_stage: 2\n  gradient_clipping: .nan\n", "gradient_clipping"),
     ("accelerate", "distributed_type: DEEPSPEED\nnum_processes: 2\ndeepspeed_config:\n"
      "  zero_stage: 2\n  gradient_accumulation_steps: 0\n", "gradient_accumulation_steps"),
+    # round three (#65): lists and mappings where numbers, flags or devices belong (tracebacks)
+    *[("deepspeed", json.dumps({"zero_optimization": {"stage": 3, key: bad}}), key)
+      for key in ("reduce_bucket_size", "stage3_prefetch_bucket_size",
+                  "stage3_param_persistence_threshold", "stage3_gather_16bit_weights_on_model_save",
+                  "zero_hpz_partition_size") for bad in ([], {})],
+    ("deepspeed", '{"zero_optimization": {"stage": 3, "offload_param": {"device": []}}}',
+     "zero_optimization.offload_param.device"),
+    ("deepspeed", '{"zero_optimization": {"stage": 3, "offload_optimizer": {"device": {}}}}',
+     "zero_optimization.offload_optimizer.device"),
+    ("deepspeed", '{"zero_optimization": {"reduce_bucket_size": "5e8"}}', "reduce_bucket_size"),
+    ("accelerate", "distributed_type: DEEPSPEED\nnum_processes: 2\ndeepspeed_config:\n"
+     "  zero_stage: []\n", "zero_stage"),
 ])
 def test_imported_configs_with_hostile_numbers_are_exit_2(tmp_path, capsys, kind, text, said):
     file = tmp_path / ("a.json" if kind == "deepspeed" else "a.yaml")
