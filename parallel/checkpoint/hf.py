@@ -25,6 +25,7 @@ from parallel.checkpoint.hf_files import (  # noqa: F401 - ExportError, DTYPES: 
     MAX_SHARD_BYTES,
     ExportError,
     Reading,
+    model_class,
     Weights,
     plain_weights,
     write_hf,
@@ -168,12 +169,11 @@ def _meta_peft_model(cfg: dict, peft_cfg: dict, adapter: str):
     import transformers
 
     data = {k: v for k, v in cfg.items() if k not in ("dtype", "torch_dtype")}
-    archs = cfg.get("architectures")
-    arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
-    cls = getattr(transformers, arch, None) if arch and arch.isidentifier() else None
-    if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)):
-        raise ExportError(f"hf_config.json: architectures {str(archs)[:80]} names no transformers "
-                          "model class; pass --config with the model's config.json")
+    cls = model_class(cfg)
+    if cls is None:
+        raise ExportError(f"hf_config.json: architectures {str(cfg.get('architectures'))[:80]} "
+                          "names no transformers model class; pass --config with the model's "
+                          "config.json")
     if adapter not in peft_cfg["adapters"]:
         raise ExportError(f"--adapter {adapter!r}: the run has {sorted(peft_cfg['adapters'])}")
     try:

@@ -211,10 +211,20 @@ class SafetensorsFile:
         remove_ours(self.tmp)
 
 
-def _generation_config(cfg: dict, out: Path) -> None:
+def model_class(cfg: dict):
+    """The transformers model class a config's `architectures` names, or None: only a
+    PreTrainedModel subclass counts (an export whose architectures named a function, `pipeline`,
+    called it: a traceback, #65), looked up by an identifier, never anything else."""
     import transformers
 
-    cls = getattr(transformers, str((cfg.get("architectures") or [None])[0]), None)
+    archs = cfg.get("architectures")
+    arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
+    cls = getattr(transformers, arch, None) if arch and arch.isidentifier() else None
+    return cls if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel) else None
+
+
+def _generation_config(cfg: dict, out: Path) -> None:
+    cls = model_class(cfg)
     if cls is not None and cls.can_generate():
         from transformers import GenerationConfig, PretrainedConfig
 

@@ -323,6 +323,19 @@ def test_an_hf_config_in_a_checkpoint_is_bounded(ckpt, tmp_path, capsys, changes
     assert code == 2 and said in err, err
 
 
+@pytest.mark.parametrize("archs", [["pipeline"], ["os"], "LlamaForCausalLM", {"0": "x"}, [3]])
+def test_an_hf_export_whose_architectures_name_no_model_class_writes_no_generation_config(
+        ckpt, tmp_path, capsys, archs):
+    """`ckpt export --to hf`: architectures naming a function (transformers.pipeline was called
+    `.can_generate()` on: a traceback, #65), a module, a bare string or a mapping is no model
+    class: the weights export and no generation config is guessed."""
+    _edit_json(ckpt / "hf_config.json", architectures=archs)
+    relist(ckpt)
+    code, err = cli(capsys, "ckpt", "export", "--to", "hf", ckpt, tmp_path / "out")
+    assert code == 0, err
+    assert not (tmp_path / "out" / "generation_config.json").exists()
+
+
 # -- sizes, numbers, stores ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("config", [
