@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import zipfile
 from pathlib import Path
@@ -115,7 +116,43 @@ def load_index(path: Path):
                               f"{err})") from None
     for name in files:  # DCP opens these relative to the directory: they must stay in it
         child_name(name, "its index names the data file", path.parent)
+    _check_sizes(index, path)
     return index
+
+
+def _check_sizes(index, path: Path) -> None:
+    """Sizes the index claims, against the data files, before anything is allocated (#65: a
+    [2**20, 2**20] tensor was allocated, an item's 2**50-byte length read): every item inside its
+    file, and no tensor larger than all the data there is (uncompressed: without DCP's stream
+    transforms, every byte of a tensor is stored)."""
+    import math
+
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    data = index.storage_data or {}
+    sizes = {}
+    for name in {info.relative_path for info in data.values()}:
+        try:
+            sizes[name] = os.lstat(path.parent / name).st_size
+        except OSError:  # a missing file: the read names it
+            return
+    for info in data.values():
+        if not (0 <= info.offset and 0 <= info.length and info.offset + info.length
+                <= sizes[info.relative_path]):
+            raise UnsafeFileError(f"{path}: an item lies at {info.offset}, {info.length} bytes, "
+                                  f"outside {info.relative_path} ({sizes[info.relative_path]} "
+                                  "bytes); the checkpoint is damaged or crafted")
+    if any(getattr(info, "transform_descriptors", None) for info in data.values()):
+        return
+    total = sum(sizes.values())
+    for fqn, entry in index.state_dict_metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            dims = list(entry.size)
+            need = math.prod(dims) * entry.properties.dtype.itemsize
+            if any(d < 0 for d in dims) or need > total:
+                raise UnsafeFileError(f"{path}: {fqn} claims shape {dims} ({need:,} bytes), more "
+                                      f"than the {total:,} bytes of data the checkpoint holds; it "
+                                      "is damaged or crafted")
 
 
 def safe_reader_class(base):

@@ -103,5 +103,20 @@ def test_a_code_pickle_and_an_item_beyond_its_file_are_refused_by_name(tmp_path)
         for info in meta.storage_data.values():
             info.offset, info.length = offset, length
         meta_file.write_bytes(pickle.dumps(meta))
-        with pytest.raises(UnsafeFileError, match="outside the file"):
+        with pytest.raises(UnsafeFileError, match="outside"):
             dcp_load({"w": torch.zeros(8, 8)}, SafeReader(str(tmp_path)))
+
+
+def test_an_index_claiming_a_tensor_beyond_the_data_is_refused_before_allocating(tmp_path):
+    """A .metadata claiming a [2**20, 2**20] tensor (4 TiB) is refused naming the entry before any
+    template is allocated: `ckpt import dcp` allocated it (#65)."""
+    import pickle
+
+    from parallel.checkpoint.importers import read_dcp
+
+    dcp.save({"model": {"w": torch.randn(8, 8)}}, checkpoint_id=str(tmp_path), no_dist=True)
+    meta = pickle.loads((tmp_path / ".metadata").read_bytes())
+    meta.state_dict_metadata["model.w"].size = torch.Size([1 << 20, 1 << 20])
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(meta))
+    with pytest.raises(UnsafeFileError, match=r"model.w claims shape \[1048576, 1048576\]"):
+        read_dcp(tmp_path)
