@@ -182,7 +182,7 @@ def safe_reader_class(base):
             if not any(getattr(self.storage_data[i.storage_index], "transform_descriptors", None)
                        for i in plan.items):
                 try:
-                    return read_items(self, plan, planner, checked)
+                    return read_items(self, plan, planner, checked, torch_load)
                 except DamagedItemError as err:
                     raise UnsafeFileError(str(err)) from None
             planner.load_bytes = checked  # DCP's own reader, for its stream transforms

@@ -30,16 +30,16 @@ class DamagedItemError(ValueError):
 class TensorItems:
     """torch.save'd single tensors (DCP's tensor items) by the layout of their pickle."""
 
-    def __init__(self):
+    def __init__(self, unpickle=None):
+        """`unpickle(file, what)`: the project's one unpickler of foreign files (safe.torch_load,
+        which SafeReader hands over): a code pickle refused naming what it asked for, never a
+        traceback (#65: this called torch.load itself); None: torch's weights_only load."""
         self._layouts: dict[bytes, tuple | None] = {}  # pickle bytes -> layout (None: torch.load)
+        self._load = unpickle or (lambda file, what: torch.load(file, map_location="cpu",
+                                                                  weights_only=True))
 
-    @staticmethod
-    def _unpickle(raw: bytes, name: str) -> torch.Tensor:
-        """The project's one unpickler of foreign files (safe.torch_load): a code pickle is refused
-        naming what it asked for, never a traceback (#65: this called torch.load itself)."""
-        from parallel.checkpoint.safe import torch_load
-
-        return torch_load(_Named(raw, name), "a tensor item of a DCP checkpoint")
+    def _unpickle(self, raw: bytes, name: str) -> torch.Tensor:
+        return self._load(_Named(raw, name), "a tensor item of a DCP checkpoint")
 
     def load(self, raw: bytes, name: str = "a DCP item") -> torch.Tensor:
         try:
@@ -84,7 +84,7 @@ def _layout(archive, tensor) -> tuple | None:
             tensor.stride(), tensor.storage_offset())
 
 
-def read_items(reader, plan, planner, load_bytes) -> Future:
+def read_items(reader, plan, planner, load_bytes, unpickle=None) -> Future:
     """DCP's FileSystemReader.read_data (torch 2.9) for items without stream transforms: byte
     entries go to `load_bytes(item, BytesIO)`, tensors into the planner's destinations."""
     from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -94,7 +94,7 @@ def read_items(reader, plan, planner, load_bytes) -> Future:
     for item in plan.items:
         info = reader.storage_data[item.storage_index]
         per_file.setdefault(info.relative_path, []).append((info.offset, info.length, item))
-    tensors = TensorItems()
+    tensors = TensorItems(unpickle)
     for name, items in per_file.items():
         path = reader.fs.concat_path(reader.path, name)
         with reader.fs.create_stream(path, "rb") as stream:

@@ -108,3 +108,16 @@ class ParallelDims:
             out.append(("topology.ep", f"{self.ep} must divide the ranks it borrows from, dp_shard "
                         f"x cp = {self.dp_shard * self.cp}; pick a divisor of it"))
         return out
+
+
+def world_problems(world: int, product: int, topology) -> list[tuple[str, str]]:
+    """The model-parallel product against the world size, named by the dimensions the topology
+    sets (cp 4 alone is cp's error, not tp's: it blamed topology.tp)."""
+    if world % product == 0:
+        return []
+    degrees = {n: getattr(topology, n) for n in ("tp", "cp", "pp")}
+    named = [n for n, v in degrees.items() if v > 1]
+    what = f"{product} (" + " x ".join(f"{n} {degrees[n]}" for n in named) + ")" \
+        if len(named) > 1 else f"{product}"
+    return [(" x ".join(f"topology.{n}" for n in named), f"{what} does not divide the world size "
+             f"{world}; pick degrees whose product divides it, or change the world size")]

@@ -19,7 +19,7 @@ from typing import Annotated, Any, ClassVar, Literal, Protocol
 from pydantic import Field, field_validator, model_validator
 
 from parallel.spec.compiling import Compile
-from parallel.spec.dims import HYBRID, ParallelDims
+from parallel.spec.dims import HYBRID, ParallelDims, world_problems
 from parallel.spec.errors import SpecError, rule_error
 from parallel.spec.sections import (MAX_BATCH, Checkpointing, LossScale, MoE, Section, Topology,
                                      Wrap)
@@ -281,15 +281,8 @@ class Spec(Section):
         if t.tp == 1 and t.tp_plan is not None:
             problems.append(("topology.tp_plan", "is set but topology.tp is 1, so nothing is "
                              "split; set tp > 1 or remove tp_plan"))
-        model = self.process_tp * self.process_cp * t.pp  # SPMD: the runtime checks its devices
-        if not problems and self.world_size % model:  # named by the dimensions set: cp 4 alone
-            # is cp's error, not tp's
-            named = [n for n, v in (("tp", t.tp), ("cp", t.cp), ("pp", t.pp)) if v > 1]
-            product = f"{model} (" + " x ".join(f"{n} {getattr(t, n)}" for n in named) + ")" \
-                if len(named) > 1 else f"{model}"
-            problems.append((" x ".join(f"topology.{n}" for n in named), f"{product} does not "
-                             f"divide the world size {self.world_size}; pick degrees whose "
-                             "product divides it, or change the world size"))
+        if not problems:  # SPMD: the runtime checks its devices
+            problems += world_problems(self.world_size, self.process_tp * self.process_cp * t.pp, t)
         for name in descriptor.capabilities.unsupported:  # every field the backend names
             value = self
             for part in name.split("."):

@@ -3,6 +3,8 @@ its documents run one by one (1e-6) with eager and sdpa attention, trained throu
 rows keep documents whole; the plan is best-fit; streams (torch's and Hugging Face's) resume exactly
 from the document read ahead."""
 
+import re
+
 import pytest
 import torch
 from torch.utils.data import IterableDataset
@@ -181,3 +183,26 @@ def test_flattened_batches_train_each_document_alone_or_are_refused():
     assert flattened_problem({**batch, "attention_mask": torch.ones_like(batch["input_ids"])}) is None
     rows = {"input_ids": batch["input_ids"], "position_ids": torch.arange(25)[None]}
     assert flattened_problem(rows) is None  # one document a row
+
+
+@pytest.mark.parametrize("doc,said", [
+    ({"input_ids": ["5", "6"]}, "document 0's input_ids holds str '5'"),
+    ({"input_ids": [1, None]}, "holds NoneType"),
+    ({"input_ids": [[1, 2], [3]]}, "holds list"),
+    ({"input_ids": [1.0, 2.7]}, "holds float '1.0'"),
+    ({"input_ids": [1, 2 ** 70]}, "outside the vocabulary (0 to 255)"),
+    ({"input_ids": [1, 256]}, "holds 256, outside the vocabulary"),
+    ({"input_ids": [1, 2], "labels": [-100, -5]}, "labels holds -5"),
+    ({"input_ids": torch.tensor([1.0, 2.0])}, "a torch.float32 tensor"),
+    ({"input_ids": "hello"}, "input_ids str 'hello'"),
+    ({"text": "hello"}, "document 0 has no input_ids"),
+])
+def test_hostile_documents_are_refused_naming_their_index(doc, said):
+    """Packed documents from a stranger's dataset (#65): every id a whole number in the model's
+    vocabulary, labels also -100; a float was truncated silently, None and nested lists were
+    tracebacks."""
+    from parallel.engine.data.documents import document
+
+    assert document({"input_ids": [1, 2], "labels": [-100, 2]}, 0, 256) == ([1, 2], [-100, 2])
+    with pytest.raises(ValueError, match=re.escape(said)):
+        packing.PackedRows([doc], 8, 0, lambda line: None, vocab=256)

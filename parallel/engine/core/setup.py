@@ -62,8 +62,7 @@ class EngineSetup(EngineCalls):
         self.objective = Objective(None, self.dims.dp_cp)  # set from the model in _record_params
         self.experts: Experts | None = None  # mixture-of-experts blocks, from _record_params
         self.router: RouterLoss | None = None  # their load-balancing loss, global (router.py)
-        self.forward_kwargs: dict = {}  # passed to every forward besides the batch (below)
-        self.confines_flattened = True  # documents side by side stay apart (packing.py)
+        self.forward_kwargs, self.confines_flattened = {}, True  # (below; packing.py)
         self.tiled: TiledLoss | None = None  # sequence.loss_tile's patched lm_head, likewise
         self.attention: str | None = None  # the HF model's attention implementation, likewise
         self.context: ContextParallel | None = None  # topology.cp's split and attention, likewise
@@ -256,7 +255,8 @@ class EngineSetup(EngineCalls):
                              "attention implementation")
         mode = packing.mask_mode(self.attention, self.spec.precision, self.samples_per_step,
                                  pack_to, self.device)
-        return packing.Packer(pack_to, pad_token_id, self.say), packing.collate(mode)
+        vocab = packing.vocab_of(self.model)  # every document's ids checked against it
+        return packing.Packer(pack_to, pad_token_id, self.say, vocab), packing.collate(mode)
 
     @property
     def samples_per_step(self) -> int:
@@ -284,10 +284,9 @@ class EngineSetup(EngineCalls):
 
 
 def forward_kwargs(model: nn.Module, router: bool) -> dict:
-    """What the engine's forwards pass a Hugging Face model besides the batch: use_cache=False (a
-    training forward needs no KV cache, and with one transformers' masks skip finding the documents
-    of a flattened row: measured 1.2e-2 off on a tiny Llama under sdpa); output_router_logits=False
-    where the balancing loss is the engine's, over the global batch (router.py)."""
+    """What the engine's forwards pass an HF model besides the batch: use_cache=False (with a KV
+    cache transformers' masks skip a flattened row's documents: 1.2e-2 off, tiny Llama, sdpa);
+    output_router_logits=False where the engine's balancing loss is global (router.py)."""
     import inspect
 
     from parallel.engine.core.objective import base_model

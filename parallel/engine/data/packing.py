@@ -25,6 +25,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset
 
 from parallel.engine.core.objective import IGNORE_INDEX
+from parallel.engine.data.documents import document, vocab_of  # noqa: F401 - vocab_of: the engine's
 
 FLASH = ("flash_attention_2", "flash_attention_3")
 
@@ -104,23 +105,6 @@ def _check_masks(rows: int, n: int, itemsize: int, device) -> None:
                          f"({have / 2**30:,.1f} GiB); build the model with "
                          "attn_implementation='flash_attention_2' (no mask: documents bounded by "
                          "their positions) or pick a smaller pack_to")
-
-
-def document(item) -> tuple[list[int], list[int]]:
-    """(token ids, labels) of one document: a dict with input_ids (and labels, e.g. an SFT prompt
-    masked with -100), or a sequence of token ids."""
-    ids = item["input_ids"] if isinstance(item, dict) else item
-    labels = item.get("labels", ids) if isinstance(item, dict) else ids
-    ids, labels = _ints(ids), _ints(labels)
-    if len(ids) != len(labels) or not ids:
-        raise ValueError(f"engine.dataloader(pack_to=...): a document has {len(ids)} input_ids "
-                         f"and {len(labels)} labels; each needs at least one token and as many "
-                         "labels as tokens")
-    return ids, labels
-
-
-def _ints(values) -> list[int]:
-    return values.tolist() if isinstance(values, torch.Tensor) else [int(v) for v in values]
 
 
 def make_row(docs: list[tuple[list[int], list[int]]], n: int, pad_id: int) -> dict:
@@ -218,24 +202,25 @@ class _FreeSpace:
 class Packer:
     """What engine.dataloader(pack_to=N) hands the loader: documents as rows of N tokens."""
 
-    def __init__(self, n: int, pad_id: int, say: Callable[[str], None]):
-        self.n, self.pad_id, self.say = n, pad_id, say
+    def __init__(self, n: int, pad_id: int, say: Callable[[str], None], vocab: int | None = None):
+        self.n, self.pad_id, self.say, self.vocab = n, pad_id, say, vocab
 
     def rows(self, docs) -> PackedRows:
         """A map-style dataset of documents, planned once."""
-        return PackedRows(docs, self.n, self.pad_id, self.say)
+        return PackedRows(docs, self.n, self.pad_id, self.say, self.vocab)
 
     def stream(self, share) -> PackedStream:
         """This rank's share of a stream of documents, packed as it is read."""
-        return PackedStream(share, self.n, self.pad_id, self.say)
+        return PackedStream(share, self.n, self.pad_id, self.say, self.vocab)
 
 
 class PackedRows(Dataset):
     """A map-style dataset of documents as packed rows, planned once over their lengths."""
 
-    def __init__(self, docs, n: int, pad_id: int, say: Callable[[str], None]):
-        self.docs, self.n, self.pad_id = docs, n, pad_id
-        lengths = [len(document(docs[i])[0]) for i in range(len(docs))]
+    def __init__(self, docs, n: int, pad_id: int, say: Callable[[str], None],
+                 vocab: int | None = None):
+        self.docs, self.n, self.pad_id, self.vocab = docs, n, pad_id, vocab
+        lengths = [len(document(docs[i], i, vocab)[0]) for i in range(len(docs))]
         self.rows = plan_rows(lengths, n)
         cut = [x for x in lengths if x > n]
         if cut:
@@ -250,7 +235,7 @@ class PackedRows(Dataset):
         return len(self.rows)
 
     def __getitem__(self, i: int) -> dict:
-        docs = [document(self.docs[j]) for j in self.rows[i]]
+        docs = [document(self.docs[j], j, self.vocab) for j in self.rows[i]]
         return make_row([(ids[:self.n], labels[:self.n]) for ids, labels in docs], self.n,
                         self.pad_id)
 
@@ -260,8 +245,9 @@ class PackedStream(IterableDataset):
     position: the share's own (Hugging Face) or documents read (torch), and the document read ahead
     that starts the next row."""
 
-    def __init__(self, share, n: int, pad_id: int, say: Callable[[str], None]):
-        self.share, self.n, self.pad_id, self.say = share, n, pad_id, say
+    def __init__(self, share, n: int, pad_id: int, say: Callable[[str], None],
+                 vocab: int | None = None):
+        self.share, self.n, self.pad_id, self.say, self.vocab = share, n, pad_id, say, vocab
         self.read, self.carry, self.told = 0, None, False
 
     def __iter__(self) -> Iterator[dict]:
@@ -270,7 +256,7 @@ class PackedStream(IterableDataset):
             row, used, self.carry = [self.carry], len(self.carry[0]), None
         for item in self.share:
             self.read += 1
-            ids, labels = document(item)
+            ids, labels = document(item, f"{self.read} of this rank's stream", self.vocab)
             if len(ids) > self.n:
                 self._tell(len(ids))
                 ids, labels = ids[:self.n], labels[:self.n]
