@@ -51,7 +51,7 @@ def read_deepspeed(src: Path, trust: bool = False, stream: bool = True):
     import_deepspeed()
     from deepspeed.utils import zero_to_fp32 as z
 
-    from backends.deepspeed.stream_import import streamed_zero
+    from backends.deepspeed.stream_import import checked_partitions, streamed_zero
 
     tag_dir = _tag_dir(src, "latest")
     with contextlib.redirect_stdout(io.StringIO()):  # zero_to_fp32 prints progress
@@ -90,7 +90,11 @@ def read_deepspeed(src: Path, trust: bool = False, stream: bool = True):
                                         "partitions; a rank's file is missing")
         if stream:
             return streamed_zero(models, optim_files, stage, world, optim, frozen), steps, world
-        return _merged(models, [optim(f) for f in optim_files], stage, world), steps, world
+        shapes = [dict(g) for g in models[0].param_shapes]
+        saved = [optim(f) for f in optim_files]
+        for f, one in zip(optim_files, saved):
+            checked_partitions(one, shapes, stage, world, f)
+        return _merged(models, saved, stage, world), steps, world
 
 
 def _merged(models, saved: list, stage: int, world: int) -> dict:

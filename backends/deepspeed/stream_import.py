@@ -34,9 +34,7 @@ def streamed_zero(models, optim_files: list, stage: int, world: int, load, froze
 
     def part(i: int) -> dict:
         saved = load(optim_files[i])
-        key = "single_partition_of_fp32_groups" if stage <= 2 else "fp32_flat_groups"
-        flats = saved[key]
-        raw = saved.get("base_optimizer_state", saved.get("optimizer_state_dict"))
+        flats, raw = checked_partitions(saved, shapes, stage, world, optim_files[i])
         groups = sorted(raw["state"])
         keys = [k for k, v in raw["state"][groups[0]].items() if torch.is_tensor(v) and v.dim() == 1
                 and v.numel() > 1]
@@ -63,6 +61,42 @@ def streamed_zero(models, optim_files: list, stage: int, world: int, load, froze
             raw["param_groups"], per_group)}}
 
     return Streamed(part, world)
+
+
+def checked_partitions(saved: dict, shapes: list[dict], stage: int, world: int, path):
+    """(fp32 partitions, base optimizer state) of one rank's optimizer file, refused naming it
+    where they cannot be what param_shapes says (#65: an empty state was a traceback, partitions
+    shorter than their parameters imported with exit 0): a flat fp32 tensor per group, an optimizer
+    state with entries, and partitions that cover every parameter (ZeRO-1/2: the group's
+    parameters and DeepSpeed's alignment paddings over world equal partitions; ZeRO-3: each
+    parameter's ceil(numel / world) piece)."""
+    from parallel.checkpoint.importers import CheckpointImportError
+
+    key = "single_partition_of_fp32_groups" if stage <= 2 else "fp32_flat_groups"
+    flats = saved.get(key)
+    raw = saved.get("base_optimizer_state", saved.get("optimizer_state_dict"))
+    if not (isinstance(flats, list) and flats and all(torch.is_tensor(f) and f.dim() == 1
+                                                     for f in flats)):
+        raise CheckpointImportError(f"{path}: no fp32 partitions ({key}); not a ZeRO-{stage} "
+                                    "optimizer file, or a damaged one")
+    if not (isinstance(raw, dict) and isinstance(raw.get("state"), dict) and raw["state"]):
+        raise CheckpointImportError(f"{path}: holds no optimizer state (no step was taken, or it "
+                                    "is damaged); import a checkpoint saved after a step")
+    if stage <= 2:
+        paddings = saved.get("param_alignment_paddings") or []
+        needs = [sum(math.prod(s) for s in group.values())
+                 + sum(paddings[g] if g < len(paddings) else []) for g, group in enumerate(shapes)]
+        haves = [world * f.numel() for f in flats]
+    else:
+        needs = [sum(math.ceil(math.prod(s) / world) for g in shapes for s in g.values())]
+        haves = [sum(f.numel() for f in flats)]
+    for g, need in enumerate(needs):
+        have = haves[g] if g < len(haves) else 0
+        if need > have:
+            raise CheckpointImportError(f"{path}: group {g}'s partitions hold {have:,} values over "
+                                        f"{world} rank(s), and its parameters (param_shapes) need "
+                                        f"{need:,}; the checkpoint is damaged or crafted")
+    return flats, raw
 
 
 def _frozen_part(frozen, shapes: dict, stage: int, rank: int, world: int) -> dict:

@@ -257,3 +257,37 @@ def test_frozen_parameters_come_through_a_zero_import(imported, which):
     assert len(frozen) == 5 and "model.embed_tokens.weight" in frozen, frozen
     for name in frozen:
         assert torch.equal(model[name].reshape(initial[name].shape), initial[name]), name
+
+
+@needs_both
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("damage", ["short partition", "empty state"])
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_zero_checkpoint_whose_partitions_cannot_be_its_parameters_is_refused(
+        imported, tmp_path, damage, stream):
+    """Rank 1's fp32 partition cut to half its length imported with exit 0 (its parameters filled
+    from nothing); an optimizer file with no state was a traceback (#65). Both are refused naming
+    the file, streamed or merged, and nothing is written."""
+    from backends.deepspeed.native_checkpoint import read_deepspeed
+    from parallel.checkpoint.importers import CheckpointImportError
+
+    tmp, _ = imported
+    src = tmp_path / "zero2"
+    shutil.copytree(tmp / "native" / "deepspeed_zero2", src)
+    (optim,) = src.glob("*/zero_pp_rank_1_*optim_states.pt")
+    saved = torch.load(optim, weights_only=False)  # the test's own file: trusted
+    state = saved["optimizer_state_dict"]
+    if damage == "short partition":
+        flat = state["single_partition_of_fp32_groups"][0]
+        state["single_partition_of_fp32_groups"][0] = flat[:flat.numel() // 2].clone()
+    else:
+        state["base_optimizer_state"]["state"] = {}
+    torch.save(saved, optim)
+    with pytest.raises(CheckpointImportError, match=optim.name):
+        got = read_deepspeed(src, stream=stream)[0]
+        if stream:  # parts are read when written: every part, as the import writes them
+            for i in range(got.writers):
+                got.part(i)
+    out = polyshard("ckpt", "import", "deepspeed", src, tmp_path / "out")
+    assert out.returncode == 2 and optim.name in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "out").exists()
