@@ -15,7 +15,7 @@ import torch
 from parallel.checkpoint.importers import CheckpointImportError, named_groups
 from parallel.checkpoint.portable import clean_name
 from parallel.checkpoint.optim_state import shared_step
-from parallel.checkpoint.safe import child_name, read_text, torch_load
+from parallel.checkpoint.safe import child_name, own_folder, read_text, torch_load
 from backends.deepspeed.library import import_deepspeed
 
 
@@ -39,7 +39,8 @@ def _tag_dir(src: Path, pointer: str) -> Path:
     if not (src / pointer).is_file():
         return src
     text = read_text(src / pointer, f"DeepSpeed's {pointer} pointer", 4096, follow=False)
-    return src / child_name(text.strip(), f"its {pointer} file", src)
+    return own_folder(src / child_name(text.strip(), f"its {pointer} file", src),
+                      f"the checkpoint {pointer} names")
 
 
 def read_deepspeed(src: Path, trust: bool = False, stream: bool = True):
@@ -148,6 +149,8 @@ def read_deepspeed_universal(src: Path, trust: bool = False):
 
     tag_dir = _tag_dir(src, "latest_universal")
     zero, model_file = tag_dir / "zero", tag_dir / "mp_rank_00_model_states.pt"
+    if zero.is_symlink():
+        own_folder(zero, "zero/")
     if not zero.is_dir() or not model_file.is_file():
         raise CheckpointImportError(f"{tag_dir}: not a DeepSpeed universal checkpoint (needs zero/ "
                                     "and mp_rank_00_model_states.pt, as ds_to_universal writes)")
@@ -157,6 +160,8 @@ def read_deepspeed_universal(src: Path, trust: bool = False):
     raws = [n for shapes in states["param_shapes"] for n in shapes]
     folders = {raw: zero / child_name(raw, "a parameter name", model_file) for raw in raws}
     for raw, folder in folders.items():
+        if folder.is_symlink():
+            own_folder(folder, f"parameter {raw}'s folder")
         if not (folder / "fp32.pt").is_file():
             raise CheckpointImportError(f"{folder / 'fp32.pt'}: missing (parameter {raw})")
     extra = _whole_entries(states, model_file)  # buffers and frozen parameters, by name

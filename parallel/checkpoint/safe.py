@@ -182,7 +182,7 @@ def safe_reader_class(base):
             if not any(getattr(self.storage_data[i.storage_index], "transform_descriptors", None)
                        for i in plan.items):
                 try:
-                    return read_items(self, plan, planner, checked, torch_load)
+                    return read_items(self, plan, planner, checked, torch_load, open_data_file)
                 except DamagedItemError as err:
                     raise UnsafeFileError(str(err)) from None
             planner.load_bytes = checked  # DCP's own reader, for its stream transforms
@@ -201,6 +201,32 @@ def child_name(name: str, what: str, where: Path) -> str:
             or "\\" in name or "\x00" in name or len(name) > 255):
         raise UnsafeFileError(f"{where}: {what} {name!r} is not a plain name inside {where}")
     return name
+
+
+def own_folder(path: Path, what: str) -> Path:
+    """A folder inside a foreign checkpoint (DeepSpeed's tag directory, a universal checkpoint's
+    zero/ and zero/<name>/): a directory of its own, never a symbolic link followed out (#65)."""
+    if path.is_symlink() or not path.is_dir():
+        raise UnsafeFileError(f"{path}: {what} is " + ("a symbolic link" if path.is_symlink()
+                              else "not a folder") + "; a checkpoint's folders are its own, "
+                              "never followed elsewhere (copy it with cp -rL to import its files)")
+    return path
+
+
+def open_data_file(path: str | Path):
+    """A checkpoint's data file for reading: opened without following a link and without blocking
+    (a FIFO would hang the read), and refused unless it is a regular file (#65)."""
+    import stat
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as err:
+        raise UnsafeFileError(f"{path}: cannot be opened as a plain file ({err.strerror}); a "
+                              "checkpoint's data file is never a link") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UnsafeFileError(f"{path}: not a regular file (a FIFO or a device?); refused")
+    return os.fdopen(fd, "rb")
 
 
 def relative_inside(name: str, root: Path, what: str) -> Path:

@@ -84,7 +84,7 @@ def _layout(archive, tensor) -> tuple | None:
             tensor.stride(), tensor.storage_offset())
 
 
-def read_items(reader, plan, planner, load_bytes, unpickle=None) -> Future:
+def read_items(reader, plan, planner, load_bytes, unpickle=None, open_file=None) -> Future:
     """DCP's FileSystemReader.read_data (torch 2.9) for items without stream transforms: byte
     entries go to `load_bytes(item, BytesIO)`, tensors into the planner's destinations."""
     from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -95,9 +95,10 @@ def read_items(reader, plan, planner, load_bytes, unpickle=None) -> Future:
         info = reader.storage_data[item.storage_index]
         per_file.setdefault(info.relative_path, []).append((info.offset, info.length, item))
     tensors = TensorItems(unpickle)
+    open_file = open_file or (lambda path: reader.fs.create_stream(path, "rb"))
     for name, items in per_file.items():
         path = reader.fs.concat_path(reader.path, name)
-        with reader.fs.create_stream(path, "rb") as stream:
+        with open_file(path) as stream:  # no link, no FIFO: a regular file of the checkpoint
             size = os.fstat(stream.fileno()).st_size
             for offset, length, item in sorted(items, key=lambda x: x[0]):
                 if offset < 0 or length < 0 or offset + length > size:  # before any allocation

@@ -318,3 +318,32 @@ def test_an_import_report_prints_patterns_as_written(tmp_path, capsys):
             {"patterns": [r".*\.[qkv]_proj\.weight$"], "partition_type": "column"}]}}}))
     code, err = cli(capsys, "import", "deepspeed", path, "--set", "topology.procs_per_node=2")
     assert code == 0 and "*.[qkv]_proj" in err, err
+
+
+def test_imports_never_follow_a_link_or_open_a_fifo_inside_the_source(tmp_path, capsys):
+    """`ckpt import` (#65): a DCP data file that is a link out of SRC or a FIFO (which hung the
+    import), and DeepSpeed's tag directory or a universal zero/<name>/ folder that is a link, are
+    refused naming them; nothing outside is read."""
+    import torch.distributed.checkpoint as dcp
+
+    outside = tmp_path / "outside"
+    dcp.save({"model": {"w": torch.randn(4, 4)}}, checkpoint_id=str(outside), no_dist=True)
+    for plant in ("link", "fifo"):
+        src = tmp_path / f"dcp-{plant}"
+        dcp.save({"model": {"w": torch.randn(4, 4)}}, checkpoint_id=str(src), no_dist=True)
+        (data,) = src.glob("*.distcp")
+        data.unlink()
+        if plant == "link":
+            data.symlink_to(next(outside.glob("*.distcp")))
+        else:
+            os.mkfifo(data)
+        code, err = cli(capsys, "ckpt", "import", "dcp", src, tmp_path / f"out-{plant}", "--step", 1)
+        assert code == 2 and data.name in err, err
+        assert not (tmp_path / f"out-{plant}").exists()
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (ds / "global_step1").symlink_to(tmp_path / "elsewhere")
+    (ds / "latest").write_text("global_step1")
+    code, err = cli(capsys, "ckpt", "import", "deepspeed", ds, tmp_path / "out-ds")
+    assert code == 2 and "symbolic link" in err and "global_step1" in err, err
