@@ -1,5 +1,5 @@
-"""Hugging Face tools inside a polyshard ZeRO-3 job (2 gloo ranks): transformers sees ZeRO-3 (so
-`generate` keeps ranks in step), a from_pretrained factory under deepspeed.zero_init loads the weights
+"""Hugging Face tools inside a polyshard ZeRO-3 job (2 gloo ranks): transformers sees ZeRO-3 inside
+engine.unwrap() (so `generate` keeps ranks in step) and not outside it, a from_pretrained factory under deepspeed.zero_init loads the weights
 into the partitions, and sampling with early EOS on ranks that stop at different steps finishes."""
 
 import json
@@ -24,13 +24,18 @@ if True:  # one engine per process: DeepSpeed keeps its process groups for the p
     loss = engine.eval_step({"input_ids": mine, "labels": mine})
     # rank 1 stops after its first token (every token is its EOS), rank 0 samples on: without
     # synced_gpus rank 1 would leave generate while rank 0 still gathers parameters (a hang)
-    module = engine.model.module
+    # the model called directly, as the docs say: inside engine.unwrap(), where transformers sees
+    # ZeRO-3 (#64: outside it, and after the job, a plain from_pretrained stays plain)
+    outside = is_deepspeed_zero3_enabled()
     torch.manual_seed(engine.rank)
-    generated = module.generate(mine[:1, :4], max_new_tokens=6, do_sample=True, pad_token_id=0,
-                                eos_token_id=list(range(256)) if engine.rank == 1 else 10_000)
+    with engine.unwrap() as module:
+        inside = is_deepspeed_zero3_enabled()
+        generated = module.generate(mine[:1, :4], max_new_tokens=6, do_sample=True,
+                                    pad_token_id=0,
+                                    eos_token_id=list(range(256)) if engine.rank == 1 else 10_000)
     counts = [None, None]
     torch.distributed.all_gather_object(counts, generated.shape[1] - 4)
-    result = {"zero3_seen": is_deepspeed_zero3_enabled(), "loss": loss, "new_tokens": counts}
+    result = {"zero3_seen": inside, "outside_unwrap": outside, "loss": loss, "new_tokens": counts}
     rank = engine.rank
     engine.close()
 if rank == 0:

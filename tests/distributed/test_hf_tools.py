@@ -27,6 +27,7 @@ def test_zero3_is_what_transformers_expects(tmp_path, zero_init):
                  str(tmp_path / "out.json"), "zero_init" if zero_init else "plain"], timeout=240)
     run = json.loads((tmp_path / "out.json").read_text())
     assert run["zero3_seen"] is True, run  # generate(synced_gpus=None) then syncs the ranks
+    assert run["outside_unwrap"] is False, run  # only while built and inside unwrap (#64)
     assert abs(run["loss"] - expected) < 1e-5, (run["loss"], expected)  # from_pretrained's weights
     assert run["new_tokens"] == [6, 1], run  # each rank stopped where it stopped, no hang
     assert run["after_close"] is False
