@@ -147,20 +147,25 @@ def write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def open_append(path: Path, what: str):
-    """A run file opened to append (metrics.jsonl), refused when it is a link or not a regular
-    file (a FIFO would block the job, a link would write elsewhere)."""
+def open_plain(path: Path, what: str, flags: int, mode: str, **kwargs):
+    """`path` opened as a regular file of its own: no link followed, no FIFO waited on (opened
+    non-blocking, checked, then blocking again); refused naming `what` otherwise."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK,
-                     0o644)
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
     except OSError as err:
-        raise FileError(f"{path}: cannot append to it ({what}: {err.strerror}; a symbolic link "
+        raise FileError(f"{path}: cannot open it ({what}: {err.strerror}; a symbolic link "
                         "or a FIFO is refused)") from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise FileError(f"{path}: not a regular file ({what})")
     os.set_blocking(fd, True)
-    return os.fdopen(fd, "a", encoding="utf-8")
+    return os.fdopen(fd, mode, **kwargs)
+
+
+def open_append(path: Path, what: str):
+    """A run file opened to append (metrics.jsonl), refused when it is a link or not a regular
+    file (a FIFO would block the job, a link would write elsewhere)."""
+    return open_plain(path, what, os.O_WRONLY | os.O_APPEND | os.O_CREAT, "a", encoding="utf-8")
 
 
 def plain_folder(path: Path, what: str) -> Path:

@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 
 from parallel.checkpoint.tensor_items import DamagedItemError, read_items
-from parallel.files import FileError, load_json, read_bytes, read_text, regular_file  # noqa: F401
+from parallel.files import (FileError, load_json, open_plain, read_bytes, read_text,  # noqa: F401
+                            regular_file)
 
 
 TABLE_LIMIT = 256 << 20  # a manifest or hash table (grows with the files a checkpoint has)
@@ -214,19 +215,12 @@ def own_folder(path: Path, what: str) -> Path:
 
 
 def open_data_file(path: str | Path):
-    """A checkpoint's data file for reading: opened without following a link and without blocking
-    (a FIFO would hang the read), and refused unless it is a regular file (#65)."""
-    import stat
-
+    """A checkpoint's data file for reading (files.open_plain): no link followed, no FIFO waited
+    on (a FIFO hung an import, #65)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError as err:
-        raise UnsafeFileError(f"{path}: cannot be opened as a plain file ({err.strerror}); a "
-                              "checkpoint's data file is never a link") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise UnsafeFileError(f"{path}: not a regular file (a FIFO or a device?); refused")
-    return os.fdopen(fd, "rb")
+        return open_plain(Path(path), "a checkpoint's data file", os.O_RDONLY, "rb")
+    except FileError as err:
+        raise UnsafeFileError(str(err)) from None
 
 
 def relative_inside(name: str, root: Path, what: str) -> Path:
