@@ -45,7 +45,7 @@ def measure_startup(spec, model: str, seq: int, pairs: int = 5, timeout: float =
         ours_out, theirs_out = Path(tmp) / "ours.json", Path(tmp) / "native.json"
         ours_cmd = [sys.executable, "-P", "-m", "parallel.cli", "launch", str(spec_file), str(JOB),
                     f"--model={model}", f"--seq={seq}", f"--out={ours_out}"]
-        theirs_cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+        theirs_cmd = [sys.executable, "-P", "-m", "torch.distributed.run", "--standalone",
                       "--nproc-per-node", str(spec.topology.procs_per_node),
                       str(NATIVE_DIR / script), f"--model={model}", f"--seq={seq}",
                       f"--global-rows={rows}", "--warmup=0", "--steps=1", "--startup",
