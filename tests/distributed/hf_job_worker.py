@@ -196,13 +196,18 @@ def reload_alone(engine, path: Path) -> dict:
     from transformers import AutoModelForCausalLM
     from transformers.integrations import is_deepspeed_zero3_enabled
 
-    inside = None  # XLA FSDP v1 refuses unwrap (generate() records why)
+    inside, refused = None, None  # XLA FSDP v1 refuses unwrap (generate() records why)
     try:
-        with engine.unwrap():
+        with engine.unwrap() as model:
             inside = is_deepspeed_zero3_enabled()
+            try:  # the library's own save_pretrained on a sharded model: refused, naming ours
+                model.save_pretrained(path.parent / f"own-{engine.rank}")
+            except RuntimeError as err:
+                refused = str(err)
+        assert "save_pretrained" not in vars(model)  # the model's own method is back
     except RuntimeError:
         pass
-    out = {"inside_unwrap": inside, "after": is_deepspeed_zero3_enabled()}
+    out = {"inside_unwrap": inside, "after": is_deepspeed_zero3_enabled(), "own_save": refused}
     if engine.rank == 0:
         model = AutoModelForCausalLM.from_pretrained(path)
         out["params"] = sum(p.numel() for p in model.parameters())

@@ -125,6 +125,8 @@ def test_evaluate_generate_unwrap_and_registered_state(job, name):
         reload = r["alone_reload"]
         unwrapped = None if "unwrap_error" in r else zero3
         assert reload["inside_unwrap"] == unwrapped and not reload["after"], (name, rank, reload)
+        if unwrapped is not None and r["world_size"] > 1:  # unwrap().save_pretrained: ours named
+            assert "engine.save_pretrained(directory)" in reload["own_save"], (name, reload)
     assert ranks[0]["alone_reload"]["params"] > 0, name
     # and checkpoint.hf_at_end: engine.close() wrote the same weights as run/hf-step-N, alone there
     r = ranks[0]

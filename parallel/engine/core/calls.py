@@ -54,8 +54,30 @@ class EngineCalls(BackendHooks):
 
     @contextmanager
     def _unwrapped_whole(self):
-        with self._whole_rows(), self._unwrapped() as model:
+        with self._whole_rows(), self._unwrapped() as model, self._no_own_save(model):
             yield model
+
+    @contextmanager
+    def _no_own_save(self, model):
+        """The library's `model.save_pretrained` refused inside unwrap on several ranks, naming
+        engine.save_pretrained (#65): each rank holds its shards (every rank would write its own
+        partial files into the same directory) or, replicated, every rank would write the same
+        files at once. The model's own method is back after the block."""
+        if self.world_size == 1 or not hasattr(model, "save_pretrained"):
+            yield
+            return
+
+        def refused(*args, **kwargs):
+            raise RuntimeError(f"model.save_pretrained inside engine.unwrap() on {self.world_size} "
+                               "ranks: each rank holds its own shards of the model; call "
+                               "engine.save_pretrained(directory) on every rank, which writes the "
+                               "whole model in Hugging Face format from all of them")
+
+        model.save_pretrained = refused  # an instance attribute over the class's method
+        try:
+            yield
+        finally:
+            del model.save_pretrained
 
     def _whole_rows(self):
         """With topology.cp, the model's own attention over whole rows (every rank of a cp group
