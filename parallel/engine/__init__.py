@@ -12,7 +12,17 @@
   (preempt.py), non-finite losses (nonfinite.py), did compile run (compile.py).
 - observe/: what people look at: trackers (tracking.py, trackers.py), the progress bar
   (progress_bar.py), FLOPs and MFU (flops.py).
-- infer/: evaluation (evaluate.py) and generation (generate.py) on the sharded model.
+- infer/: evaluation (evaluate.py) and generation (generate.py) on the sharded model. Its
+  evaluate.py is importable as parallel.engine.evaluate too, the metrics' path before the grouping
+  (#40), which scripts wrote (tests/unit/test_public_names.py).
 - state/: checkpoints (checkpointing.py) and the user's registered state (user_state.py).
 
 The process group the engine runs in is parallel/dist.py, outside the engine."""
+
+import sys as _sys
+
+from parallel.engine.infer import evaluate as _evaluate
+
+# `from parallel.engine.evaluate import token_accuracy`, as scripts wrote it before the grouping:
+# the same module object under its old name (a regroup broke such a script: #65)
+_sys.modules.setdefault(f"{__name__}.evaluate", _evaluate)
