@@ -131,8 +131,9 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=bounded(float, 1e-6, 1e9), metavar="GIB", help="--seq sweep: "
                    "the memory per rank a length must stay within")
     p.add_argument("--data", help="your batches: module:function returning the global batches "
-                   "(dicts of tensors, e.g. an HF collator's), called with those of rows, seq, "
-                   "steps, seed, vocab_size it names (default: random ids, the same on every cell)")
+                   "(dicts of tensors, e.g. an HF collator's) or tokenized documents (packed into "
+                   "rows of --seq), called with those of rows, seq, steps, seed, vocab_size it "
+                   "names (default: random ids, the same on every cell)")
     p.add_argument("--out", default="runs/bench", help="directory for bench.json/csv/png")
     p.add_argument("--vs-native", action="store_true", help="also run each cell's hand-written "
                    "loop (benchmarks/) and report polyshard's step time over it")

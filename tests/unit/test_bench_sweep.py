@@ -40,3 +40,35 @@ def test_a_spec_with_cp_is_swept_beside_its_cp1_layout_on_the_same_global_batch(
     with pytest.raises(SpecError, match="micro_batch_size"):
         layouts(load_spec({"backend": "fsdp", "micro_batch_size": 1,
                            "topology": {"procs_per_node": 4, "cp": 2}}))
+
+
+def test_bench_data_packs_a_users_documents_as_pack_to_does(tmp_path, monkeypatch):
+    """`bench --data module:function` yielding tokenized documents (not batches): packed into rows
+    of --seq tokens by polyshard's packer, with the masks the model's attention takes, so
+    benchmarking one's own packed data needs no polyshard internals (#64)."""
+    import types
+
+    import torch
+
+    from parallel.tools.bench.cell import batch_source
+    from parallel.toy import build_llama, llama_config
+
+    (tmp_path / "my_docs.py").write_text(
+        "def documents(seed):\n"
+        "    import random\n"
+        "    rng = random.Random(seed)\n"
+        "    while True:\n"
+        "        n = rng.randint(3, 20)\n"
+        "        yield {'input_ids': [rng.randrange(256) for _ in range(n)]}\n")
+    monkeypatch.chdir(tmp_path)
+    model = build_llama(llama_config("tiny"))
+    model.config._attn_implementation = "sdpa"
+    args = types.SimpleNamespace(data="my_docs:documents", global_rows=4, seq=32, warmup=1,
+                                 steps=2)
+    batches = batch_source(args, model, seed=0, precision="fp32")
+    assert len(batches) == 3
+    for b in batches:
+        assert b["input_ids"].shape == (4, 32) and b["attention_mask"].shape == (4, 1, 32, 32)
+        assert b["attention_mask"].dtype == torch.bool
+        assert (b["position_ids"] == 0).sum() > 4  # several documents a row, positions restart
+        assert (b["labels"] == -100).any()  # each document's first token is no target

@@ -78,7 +78,7 @@ def main() -> None:
     params_total = sum(p.numel() for p in model.parameters())
     flops = flops_per_token(*model_flops(model), args.seq)  # counted as the tracker's train/mfu
     engine.prepare(model, optimizer_arg(args.optimizer, args.lr))
-    batches = batch_source(args, model, spec.seed)
+    batches = batch_source(args, model, spec.seed, spec.precision)
     native = None
     if args.native:
         script, *flags = args.native.split()
@@ -161,11 +161,13 @@ def run_steps(engine, batches: list[dict], native, warmup: int) -> dict:
             "grads_peak": grads_peak[0], "counter": counter}
 
 
-def batch_source(args, model, seed: int) -> list[dict]:
+def batch_source(args, model, seed: int, precision: str = "fp32") -> list[dict]:
     """warm-up + timed global batches: the shared random ids (parallel/tools/parity/cell.py), or
     the user's `--data module:function`, called with the arguments it names of rows (the global
     batch's), seq, steps, seed and vocab_size, yielding dicts of tensors (input_ids, labels,
-    attention_mask, ... as an HF collator gives them) of `rows` rows each."""
+    attention_mask, ... as an HF collator gives them) of `rows` rows each, or yielding tokenized
+    documents (dicts whose input_ids is one sequence), which are packed into rows of `seq` tokens
+    as engine.dataloader(pack_to=seq) packs them."""
     steps = args.warmup + args.steps
     if not args.data:
         return [{"input_ids": ids, "labels": ids} for ids in global_batches(
@@ -179,14 +181,45 @@ def batch_source(args, model, seed: int) -> list[dict]:
     offered = {"rows": args.global_rows, "seq": args.seq, "steps": steps, "seed": seed,
                "vocab_size": getattr(getattr(model, "config", None), "vocab_size", None)}
     named = inspect.signature(factory).parameters
-    got = [dict(b) for b in itertools.islice(factory(**{k: v for k, v in offered.items()
-                                                         if k in named}), steps)]
+    source = iter(factory(**{k: v for k, v in offered.items() if k in named}))
+    first = next(source, None)
+    if is_document(first):  # documents, not batches: packed into rows of seq as pack_to packs
+        return packed_batches(itertools.chain([first], source), args, model, precision, steps)
+    got = [dict(b) for b in itertools.islice(itertools.chain([first] if first else [], source),
+                                            steps)]
     wrong = [i for i, b in enumerate(got) if len(b.get("input_ids", ())) != args.global_rows]
     if len(got) < steps or wrong:
         raise SystemExit(f"--data {args.data}: gave {len(got)} batches (needs {steps}) "
                          f"{f'and batch {wrong[0]} has not {args.global_rows} rows ' if wrong else ''}"
                          f"of input_ids: every batch is the global batch, `rows` rows")
     return got
+
+
+def is_document(item) -> bool:
+    """One tokenized document (a dict whose input_ids is a 1-D sequence), not a batch of rows."""
+    ids = item.get("input_ids") if isinstance(item, dict) else None
+    return ids is not None and (ids.dim() == 1 if torch.is_tensor(ids) else
+                                bool(ids) and not isinstance(ids[0], (list, tuple)))
+
+
+def packed_batches(docs, args, model, precision: str, steps: int) -> list[dict]:
+    """`steps` global batches of `rows` packed rows of `seq` tokens from a stream of documents,
+    with polyshard's packer and the masks the model's attention takes (parallel/engine/data/
+    packing.py): benchmarking one's own packed data needs no polyshard internals."""
+    from parallel.engine.data import packing
+
+    mode = packing.mask_mode(packing.attention_of(model), precision, args.global_rows, args.seq)
+    stream = packing.PackedStream(docs, args.seq, 0, lambda line: None, packing.vocab_of(model))
+    collate, rows, out = packing.collate(mode), [], []
+    for row in stream:
+        rows.append(row)
+        if len(rows) == args.global_rows:
+            out.append(collate(rows))
+            rows = []
+            if len(out) == steps:
+                return out
+    raise SystemExit(f"--data {args.data}: its documents filled {len(out)} batches of "
+                     f"{args.global_rows} rows of {args.seq} tokens; {steps} are needed")
 
 
 def token_counts(timed: list[dict]) -> dict:
