@@ -137,7 +137,8 @@ def _offload(imp: Import, optimizer, param) -> None:
         imp.problems.append(("zero_optimization.offload_optimizer.device", f"{device!r}: DeepSpeed "
                              "offloads to cpu or nvme"))
         return
-    imp.set("offload", level, f"zero_optimization.{'offload_param' if level == 'params' else 'offload_optimizer'}.device")
+    block = "offload_param" if level == "params" else "offload_optimizer"
+    imp.set("offload", level, f"zero_optimization.{block}.device")
     if device == "nvme":
         imp.set("deepspeed.offload_device", "nvme", "zero_optimization.offload_*.device")
     _offload_details(imp, blocks)

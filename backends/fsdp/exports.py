@@ -37,7 +37,8 @@ def to_accelerate(spec: Spec) -> dict:
         kind = "MULTI_GPU" if spec.world_size > 1 else "NO"
         return {**common_accelerate(spec), "distributed_type": kind}
     f = spec.fsdp
-    fsdp = {"fsdp_version": f.version, "fsdp_offload_params": spec.offload == "params", **accelerate_wrap(spec),
+    fsdp = {"fsdp_version": f.version, "fsdp_offload_params": spec.offload == "params",
+            **accelerate_wrap(spec),
             "fsdp_state_dict_type": "FULL_STATE_DICT" if spec.state_dict == "full"
             else "SHARDED_STATE_DICT",
             "fsdp_cpu_ram_efficient_loading": f.cpu_ram_efficient_loading,

@@ -34,7 +34,8 @@ def add_parser(sub) -> None:
                    "(with `latest` or a tag dir); xla: dir of XLA FSDP *rank-R-of-N* shard files")
     a.add_argument("src")
     a.add_argument("out")
-    a.add_argument("--step", type=bounded(int, 0, 1 << 62), help="optimizer steps taken (when the source has no record)")
+    a.add_argument("--step", type=bounded(int, 0, 1 << 62),
+                   help="optimizer steps taken (when the source has no record)")
     a.add_argument("--trust-checkpoint", action="store_true",
                    help="unpickle the source's files fully: they may run any code they hold; only "
                    "for files whose origin you trust (by default they are read as data)")

@@ -1,4 +1,5 @@
-"""`polyshard import accelerate|deepspeed FILE` and `polyshard export --to accelerate|deepspeed|hf-trainer`."""
+"""`polyshard import accelerate|deepspeed FILE` and `polyshard export --to
+accelerate|deepspeed|hf-trainer`."""
 
 from __future__ import annotations
 

@@ -63,14 +63,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=bounded(float, 1e-6, 1 << 30), help="GiB per device")
     p.add_argument("--seq", type=SEQ, default=2048)
     p.add_argument("--json", action="store_true", help="every number as JSON on stdout")
-    p.add_argument("--per-node", type=bounded(int, 1, 1 << 10), default=8, help="devices per node: which collectives "
+    p.add_argument("--per-node", type=bounded(int, 1, 1 << 10), default=8,
+                   help="devices per node: which collectives "
                    "cross nodes (default 8)")
     for flag, default, what in (("intra-gbps", 300.0, "GB/s between ranks of a node"),
                                 ("inter-gbps", 50.0, "GB/s per rank across nodes"),
                                 ("pcie-gbps", 25.0, "GB/s host <-> device (offload)"),
                                 ("context-gib", 0.5, "GiB the CUDA context takes"),
                                 ("fragmentation", 0.10, "allocator fragmentation, a fraction")):
-        p.add_argument(f"--{flag}", type=bounded(float, 0.0, 0.99) if flag == "fragmentation" else GBPS, default=default, help=f"{what} (default {default})")
+        kind = bounded(float, 0.0, 0.99) if flag == "fragmentation" else GBPS
+        p.add_argument(f"--{flag}", type=kind, default=default, help=f"{what} (default {default})")
     cli_plan.add_dryrun(command("dryrun", "build one rank of a world of N in this process (fake "
                                 "process group), run a step, and print its measured memory and "
                                 "collectives beside plan's"), add_spec_args)
@@ -80,11 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_launch(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nproc", type=bounded(int, 1, 1 << 10), help="processes per node (sets topology.procs_per_node)")
+    p.add_argument("--nproc", type=bounded(int, 1, 1 << 10),
+                   help="processes per node (sets topology.procs_per_node)")
     p.add_argument("--nnodes", type=bounded(int, 1, 1 << 16), help="number of nodes (sets topology.nodes)")
     p.add_argument("--node-rank", type=bounded(int, 0, (1 << 16) - 1), help="this node's rank (multi-node)")
     p.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous (multi-node)")
-    p.add_argument("--max-restarts", type=bounded(int, 0, 1000), default=0, help="elastic restarts on failure")
+    p.add_argument("--max-restarts", type=bounded(int, 0, 1000), default=0,
+                   help="elastic restarts on failure")
     p.add_argument("--verbose", action="store_true", help="show third-party start-up noise "
                    "(gloo's peer-connection lines, torchrun's banner), hidden by default")
     p.add_argument("--emit", choices=["tpu-vm", "slurm", "k8s"], help="print what runs this job on "
@@ -112,7 +116,8 @@ def _add_parity(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=SEQ, default=32, help="tokens per sample")
     p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
     p.add_argument("--lr", type=bounded(float, 0.0, 1e6), default=1e-2)
-    p.add_argument("--tol", type=bounded(float, 0.0, 1e6), help="loss tolerance (default 1e-5 fp32, 5e-2 bf16/fp16)")
+    p.add_argument("--tol", type=bounded(float, 0.0, 1e6),
+                   help="loss tolerance (default 1e-5 fp32, 5e-2 bf16/fp16)")
     p.add_argument("--json", help="also write every number to this file")
 
 
@@ -139,11 +144,13 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
                    "loop (benchmarks/) and report polyshard's step time over it")
     p.add_argument("--wide", action="store_true", help="every column (default: a table that fits "
                    "80 columns; bench.csv always has every column)")
-    p.add_argument("--startup", type=bounded(int, 0, 1000), default=0, metavar="PAIRS", help="also time start-up to the "
+    p.add_argument("--startup", type=bounded(int, 0, 1000), default=0, metavar="PAIRS",
+                   help="also time start-up to the "
                    "first step: `polyshard launch` of the spec's job against torchrun of the "
                    "backend's hand-written loop, PAIRS alternating runs (median)")
     p.add_argument("--save", action="store_true", help="also time how long a sync and an async "
                    "save (checkpoint.async_save) of the trained state block training")
-    p.add_argument("--profile", type=bounded(int, 0, 1000), default=0, metavar="STEPS", help="with --vs-native: "
+    p.add_argument("--profile", type=bounded(int, 0, 1000), default=0, metavar="STEPS",
+                   help="with --vs-native: "
                    "after the timed steps, profile STEPS more of each side (torch.profiler); "
                    "traces and an operator-by-operator difference go to OUT/profile-CELL/")

@@ -119,7 +119,8 @@ def add_dryrun(p, add_spec_args) -> None:
                    "(built on the meta device; only this rank's shards get memory)")
     p.add_argument("--world", type=COUNT, required=True, help="ranks of the job (any number: one "
                    "process plays one of them over torch's fake process group)")
-    p.add_argument("--rank", type=bounded(int, 0, WORLD - 1), default=1, help="which rank to build (default 1: rank 0 "
+    p.add_argument("--rank", type=bounded(int, 0, WORLD - 1), default=1,
+                   help="which rank to build (default 1: rank 0 "
                    "would build the whole model where a real job loads it)")
     p.add_argument("--seq", type=SEQ, default=16, help="tokens per sample of the two steps run")
     p.add_argument("--json", action="store_true", help="every number as JSON on stdout")

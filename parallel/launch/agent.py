@@ -4,7 +4,8 @@ Without this, a job whose ranks all raise the same SpecError prints one tracebac
 torchrun's ChildFailedError block with another traceback; the message the user needs is buried.
 
 Worker side (`parallel.dist.install_error_report`, called when a polyshard process starts under a
-launcher that gives it an error file): an uncaught exception is written to torchelastic's per-worker error file
+launcher that gives it an error file): an uncaught exception is written to torchelastic's
+per-worker error file
 (its usual JSON, plus the exact time and the rank) and, when it is one of polyshard's own errors
 (their messages name the field, the cause and the fix), printed as one line instead of a traceback.
 Agent side (`python -m parallel.launch.agent TORCHRUN_ARGS`): torchrun's own `run`, with ChildFailedError

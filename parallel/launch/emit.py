@@ -31,9 +31,8 @@ def slurm_script(spec: Spec, spec_path: str, overrides: list[str], script: str,
                  max_restarts: int = 0, cpus_per_task: int | None = None) -> str:
     """One srun task per node; each runs torchrun (via polyshard launch) for that node's GPUs. The
     rendezvous lives on the first node of the allocation; --kill-on-bad-exit ends every node when
-    one fails, instead of leaving the others waiting in a collective. The one task holds every
-    rank of its node: Slurm gives a task one CPU unless --cpus-per-task says more
-    (CPUS_PER_PROCESS per rank by default). --open-mode=append: a requeued run adds to the log."""
+    one fails, instead of leaving the others waiting in a collective. Its CPUs: CPUS_PER_PROCESS a
+    rank (Slurm's default is one a task); --open-mode=append: a requeued run adds to the log."""
     nodes, procs = spec.topology.nodes, spec.topology.procs_per_node
     cpus = cpus_per_task or CPUS_PER_PROCESS * procs
     gpus = f"#SBATCH --gpus-per-node={procs}\n" if get(spec.backend).launch.accelerator else ""
@@ -62,7 +61,8 @@ def slurm_script(spec: Spec, spec_path: str, overrides: list[str], script: str,
 # The trap comes first: bash's default for USR1 is to exit, so a notice that arrived before it was set
 # would end the job with no checkpoint and no requeue. Until srun runs, the notice is only recorded.
 notice=0 sent=0 pid=
-forward() {{ notice=1 woke=1; if [ -n "$pid" ] && [ "$sent" -eq 0 ]; then sent=1; kill -USR1 "$pid" 2>/dev/null; fi; }}
+forward() {{ notice=1 woke=1; if [ -n "$pid" ] && [ "$sent" -eq 0 ]; then sent=1
+  kill -USR1 "$pid" 2>/dev/null; fi; }}
 trap forward USR1
 head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-1}}

@@ -21,8 +21,7 @@ from pydantic import Field, field_validator, model_validator
 from parallel.spec.compiling import Compile
 from parallel.spec.dims import HYBRID, ParallelDims, world_problems
 from parallel.spec.errors import SpecError, rule_error
-from parallel.spec.sections import (MAX_BATCH, Checkpointing, LossScale, MoE, Section, Topology,
-                                     Wrap)
+from parallel.spec.sections import MAX_BATCH, Checkpointing, LossScale, MoE, Section, Topology, Wrap
 from parallel.spec.sequence import Sequence
 from parallel.spec.tracking import Tracking
 
@@ -61,10 +60,8 @@ class Spec(Section):
     ] = "full"
     offload: Annotated[
         Literal["none", "optimizer", "params"],
-        Field(
-            description="What lives in CPU memory between uses. optimizer: optimizer state and its "
-            "step. params: parameters and gradients too (implies optimizer)."
-        ),
+        Field(description="What lives in CPU memory between uses. optimizer: optimizer state and its "
+              "step. params: parameters and gradients too (implies optimizer)."),
     ] = "none"
     precision: Annotated[
         Literal["fp32", "bf16", "fp16"],
@@ -107,7 +104,8 @@ class Spec(Section):
     ] = 1
     grad_accum_steps: Annotated[
         int,
-        Field(ge=1, le=MAX_BATCH, description="Micro-batches per optimizer step. A step's batch on each rank holds "
+        Field(ge=1, le=MAX_BATCH,
+              description="Micro-batches per optimizer step. A step's batch on each rank holds "
               "micro_batch_size * grad_accum_steps samples; how their losses combine: loss_weighting."),
     ] = 1
     loss_weighting: Annotated[
@@ -154,7 +152,8 @@ class Spec(Section):
               "raise and skip read the loss to the host once per step (docs/reliability.md)."),
     ] = "raise_deferred"
     timeout_s: Annotated[
-        float, Field(gt=0, le=7 * 86400, description="Collective timeout in seconds: a stalled rank fails the "
+        float, Field(gt=0, le=7 * 86400,
+                     description="Collective timeout in seconds: a stalled rank fails the "
                      "job after this long instead of hanging.")
     ] = 600.0
     topology: Annotated[Topology, Field(description="Hosts and processes.")] = Topology()

@@ -62,7 +62,8 @@ class Topology(Section):
     ] = 1
     cp: Annotated[
         int,
-        Field(ge=1, le=MAX_WORLD, description="Context-parallel degree N: each row's tokens split over N ranks "
+        Field(ge=1, le=MAX_WORLD,
+              description="Context-parallel degree N: each row's tokens split over N ranks "
               "(every rank of a cp group is fed the same rows; polyshard keeps 1/N of each row "
               "on each, labels shifted first) and attention run over whole rows with 1/N of the "
               "heads (Ulysses: an all-to-all before and after the model's own attention). Inside "
@@ -72,12 +73,14 @@ class Topology(Section):
     ] = 1
     pp: Annotated[
         int,
-        Field(ge=1, le=MAX_WORLD, description="Pipeline-parallel degree N: the layers split into N stages over "
+        Field(ge=1, le=MAX_WORLD,
+              description="Pipeline-parallel degree N: the layers split into N stages over "
               "ranks. No backend implements it yet: N > 1 is refused naming the backend."),
     ] = 1
     ep: Annotated[
         int,
-        Field(ge=1, le=MAX_WORLD, description="Expert-parallel degree N: a mixture-of-experts layer's experts "
+        Field(ge=1, le=MAX_WORLD,
+              description="Expert-parallel degree N: a mixture-of-experts layer's experts "
               "split over N ranks borrowed from data (and context) parallelism. No backend "
               "implements it yet: N > 1 is refused naming the backend (docs/moe.md)."),
     ] = 1
@@ -85,7 +88,8 @@ class Topology(Section):
         dict[Annotated[str, StringConstraints(min_length=1, max_length=512)],
              Literal["colwise", "rowwise", "colwise_rep"]] | None,
         Field(max_length=4096, description="With tp > 1 (at most 4,096 entries of 512 "
-              "characters: a plan names module patterns, not every module): {module path (fnmatch, from the model's root, e.g. "
+              "characters: a plan names module patterns, not every module): {module path "
+              "(fnmatch, from the model's root, e.g. "
               "`model.layers.*.mlp.up_proj`): style}; colwise splits a Linear's outputs, rowwise "
               "its inputs (then sums over the TP group), colwise_rep splits outputs and gathers "
               "them whole (an LM head). Unset: the model's own plan (Hugging Face's "
@@ -145,7 +149,8 @@ class Checkpointing(Section):
     ] = ["SIGTERM", "SIGUSR1"]
     preemption_grace_s: Annotated[
         float,
-        Field(gt=0, le=65535, description="Seconds between the scheduler's signal and its kill: what `polyshard "
+        Field(gt=0, le=65535,
+              description="Seconds between the scheduler's signal and its kill: what `polyshard "
               "launch --emit` asks for (Slurm `--signal=B:USR1@N`, Kubernetes "
               "terminationGracePeriodSeconds). Leave room for a few steps and one save."),
     ] = 120.0

@@ -75,7 +75,8 @@ def tp_comm_bytes(cfg: dict | None, spec, seq: int, rowwise: int = 2, colwise: i
     """Bytes one rank all-reduces per step for tensor parallelism without sequence parallelism, as
     torch's DTensor runs it (counted by `polyshard dryrun`): per layer and micro-batch, s x b x h in
     the compute dtype for each rowwise output in forward (all but the last again in activation
-    checkpointing's recomputation) and each colwise module's input gradient in backward (Hugging Face's Llama-style
+    checkpointing's recomputation) and each colwise module's input gradient in backward (Hugging
+    Face's Llama-style
     plan: 2 rowwise, o/down; 5 colwise, q/k/v/gate/up: one all-reduce each, where Megatron fuses
     q/k/v and gate/up into 2); plus the head's logits gathered whole once forward and its input
     gradient all-reduced. With topology.cp each rank's tensors hold seq / cp tokens."""

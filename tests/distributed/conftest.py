@@ -27,6 +27,6 @@ def shared(request, tmp_path_factory):
     item = getattr(request, "_pyfuncitem", None)
     request.config.stash[SHARED_SECONDS] = (item.nodeid.split("::")[0] if item else None,
                                             time.perf_counter() - start)
-    print(f"\nshared launches: {[(l['phase'], l['nproc'], len(l['jobs']), l['seconds']) for l in run.launches]}",
-          file=sys.stderr)
+    launches = [(l['phase'], l['nproc'], len(l['jobs']), l['seconds']) for l in run.launches]
+    print(f"\nshared launches: {launches}", file=sys.stderr)
     return {name: (tmp, run) for name, tmp in tmps.items()}

@@ -1,5 +1,6 @@
 """Hugging Face tools inside a polyshard ZeRO-3 job (2 gloo ranks): transformers sees ZeRO-3 inside
-engine.unwrap() (so `generate` keeps ranks in step) and not outside it, a from_pretrained factory under deepspeed.zero_init loads the weights
+engine.unwrap() (so `generate` keeps ranks in step) and not outside it, a from_pretrained factory
+under deepspeed.zero_init loads the weights
 into the partitions, and sampling with early EOS on ranks that stop at different steps finishes."""
 
 import json

@@ -172,7 +172,8 @@ def xla_fsdp_v1(out: Path, size: str = "tiny", flavor: str = "", ranks: int = 1)
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--which", required=True, help="comma-separated: fsdp2_dcp,accelerate_fsdp2,deepspeed_zero2,"
+    p.add_argument("--which", required=True,
+                   help="comma-separated: fsdp2_dcp,accelerate_fsdp2,deepspeed_zero2,"
                    "deepspeed_zero3,xla,xla_flat,xla_dim0,deepspeed_zero2_frozen,deepspeed_zero3_frozen")
     p.add_argument("--root", required=True)
     p.add_argument("--size", default="tiny", choices=SIZES,

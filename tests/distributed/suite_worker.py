@@ -5,7 +5,8 @@ see: the process group stays (a worker's destroy_process_group at its end is hel
 job), the signal handlers a job's engines installed (preemption) are put back, the collector runs,
 transformers forgets a ZeRO-3 configuration a job left registered, DeepSpeed the groups and AutoTP
 mode its engines left (what closing them releases: parallel/engine's DeepSpeed `_release` and
-`_destroy_process_group`), and a barrier keeps the ranks together. A job that raises ends the launch (its peers would wait in the next
+`_destroy_process_group`), and a barrier keeps the ranks together. A job that raises ends the
+launch (its peers would wait in the next
 job's collectives): the jobs after it report no output.
 
     torchrun --nproc-per-node N suite_worker.py --jobs JOBS.json

@@ -2,7 +2,8 @@
 checkpoint holds the state of the step it was taken at although training went on while it was
 written (a fresh engine resumes from it with the same losses), a second save waits for the first,
 `latest` moves to the newest published one, a writer process killed mid-write is reported on every
-rank and leaves `latest` where it was (checkpoint.async_writer: thread runs too), and save blocks for less time than a synchronous save of
+rank and leaves `latest` where it was (checkpoint.async_writer: thread runs too), and save blocks
+for less time than a synchronous save of
 the same state (measured 0.02 s against 0.19 s on FSDP2; the ratio is reported by `polyshard bench`,
 only the direction is asserted here)."""
 

@@ -2,7 +2,8 @@
 
 Plain loops with no polyshard in them (tests/distributed/native_worker.py) write a torch DCP directory
 (FSDP2), the same FSDP2 run through Accelerate's own FSDP writers (a save_state / HF Trainer
-checkpoint directory: model and optimizer DCPs apart, Trainer's step), a DeepSpeed ZeRO-2 checkpoint and XLA FSDP v1 shard files after 3 AdamW steps (and DeepSpeed's
+checkpoint directory: model and optimizer DCPs apart, Trainer's step), a DeepSpeed ZeRO-2
+checkpoint and XLA FSDP v1 shard files after 3 AdamW steps (and DeepSpeed's
 `ds_to_universal` turns the ZeRO-2 one into a universal checkpoint; the XLA run, with
 flatten_parameters and each block wrapped, is cut as its 2 ranks would have saved it);
 `polyshard ckpt import` converts each, and FSDP1 and ZeRO-3 (2 ranks) resume from them: steps 4-5

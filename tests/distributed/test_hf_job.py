@@ -95,8 +95,9 @@ def test_evaluate_generate_unwrap_and_registered_state(job, name):
                                                                     r["packed_eval_ref"])
         assert max(abs(a - b) for a, b in zip(r["packed_losses"], r["packed_ref"])) <= 1e-5, (
             name, r["packed_losses"], r["packed_ref"])
+        steps = [f"{abs(a - b):.1e}" for a, b in zip(r["packed_losses"], r["packed_ref"])]
         print(f"{name} rank {rank}: packed eval {abs(r['packed_eval'] - r['packed_eval_ref']):.1e} "
-              f"off one by one, steps {[f'{abs(a - b):.1e}' for a, b in zip(r['packed_losses'], r['packed_ref'])]}")
+              f"off one by one, steps {steps}")
         if "unwrap_error" in r:
             assert name == "xla1" and "XLA FSDP v1" in r["unwrap_error"]
         else:

@@ -1,7 +1,8 @@
 """A steady-state step costs what the native loop's step costs: counted per step, never timed
 (parallel/tools/bench/counting.py counts both sides by one rule). For every variant in the registry
 that has a hand-written loop (FSDP2, FSDP1, ZeRO-0/1/2/3 at 2 gloo ranks, XLA FSDP v1 on the CPU
-client's 1 process, and FSDP2 at tp 2 against torchtitan's apply_tp by hand), against the hand-written loop in benchmarks/ running the same job: the same
+client's 1 process, and FSDP2 at tp 2 against torchtitan's apply_tp by hand), against the
+hand-written loop in benchmarks/ running the same job: the same
 collectives op for op, zero store calls, and device-to-host reads equal to the native loop's when
 the loop reads the loss every step (as the native loop does), one fewer when it does not
 (on_nonfinite: raise_deferred, the default); with on_nonfinite: raise the step's own read replaces

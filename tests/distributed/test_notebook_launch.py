@@ -1,5 +1,6 @@
 """`notebook_launch` (parallel/launch/notebook.py): every case of the registry started as children of
-the test process, as a notebook starts them (spawned, the function carried by dill by value), the same losses as one
+the test process, as a notebook starts them (spawned, the function carried by dill by value), the
+same losses as one
 process on the global batch; a failing rank raises here, naming it, and ends the others."""
 
 import matrix

@@ -43,7 +43,8 @@ def test_import_parallel_without_optional_backends():
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "deepspeed"
     lazy = subprocess.run([sys.executable, "-c", "import sys, parallel.cli.main, parallel.registry, "
-                           "parallel.launch.torchrun; print('deepspeed' in sys.modules, 'torch_xla' in sys.modules)"],
+                           "parallel.launch.torchrun; print('deepspeed' in sys.modules, "
+                           "'torch_xla' in sys.modules)"],
                           capture_output=True, text=True, timeout=120)
     assert lazy.stdout.split() == ["False", "False"], lazy.stderr  # imported only on demand
 

@@ -1,4 +1,5 @@
-"""Parameters by name across sharding (parallel/engine/model/params.py): tied weights survive a device move, param
+"""Parameters by name across sharding (parallel/engine/model/params.py): tied weights survive a
+device move, param
 groups built before prepare are switched onto the sharded parameters, the param_groups hook groups by
 the model as built, and an optimizer that does not hold every trainable parameter exactly once is
 refused with the names."""

@@ -46,7 +46,8 @@ def _mutable_globals(path: Path) -> list[str]:
         targets = node.targets if isinstance(node, ast.Assign) else \
             [node.target] if isinstance(node, ast.AnnAssign) and node.value is not None else []
         value = getattr(node, "value", None)
-        mutable = isinstance(value, (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp)) or (
+        mutable = isinstance(value, (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp,
+                                     ast.SetComp)) or (
             isinstance(value, ast.Call) and getattr(value.func, "id", "") in ("list", "dict", "set", "deque"))
         found += [f"{path.name}:{node.lineno} {ast.unparse(t)}" for t in targets if mutable]
         found += [f"{path.name}:{node.lineno} global" for n in ast.walk(node)

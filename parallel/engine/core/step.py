@@ -1,5 +1,6 @@
 """What a training step is made of, apart from the Engine that runs it: what it returns, how an
-optimizer is built, how gradients are measured and clipped (the batch side: parallel/engine/data/batches.py)."""
+optimizer is built, how gradients are measured and clipped (the batch side:
+parallel/engine/data/batches.py)."""
 
 from __future__ import annotations
 

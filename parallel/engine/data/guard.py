@@ -35,9 +35,9 @@ def batch_problem(batch, signature: dict | None, rows_expected: int) -> tuple[st
     if signature is not None and mine != signature:
         missing = sorted(set(signature) - set(mine))
         changed = sorted(k for k in set(signature) & set(mine) if signature[k] != mine[k])
+        changes = [(k, signature[k], mine[k]) for k in changed]
         return (f"keys/dtypes differ from the first batch: missing {missing}, extra "
-                f"{sorted(set(mine) - set(signature))}, changed {[(k, signature[k], mine[k]) for k in changed]}"
-                ), mine
+                f"{sorted(set(mine) - set(signature))}, changed {changes}"), mine
     sizes = {str(k): (v.shape[0] if v.dim() else 0) for k, v in items}
     if any(s == 0 for s in sizes.values()):
         return f"empty batch (rows per entry: {sizes})", mine

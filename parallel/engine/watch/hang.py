@@ -1,7 +1,8 @@
 """Hang reports that cost nothing while the job is healthy (docs/reliability.md, "Hangs").
 
 A rank records what it is doing in a Python attribute (the engine's `Progress`): no store write, no
-collective. Each engine runs one daemon thread (`HangWatch`, for a process group of 2+ ranks) that sends a single `wait` on the key HANG to the
+collective. Each engine runs one daemon thread (`HangWatch`, for a process group of 2+ ranks) that
+sends a single `wait` on the key HANG to the
 job's c10d store and then sleeps inside it: the store holds that one request, so a healthy job sends
 the store nothing per step, at any world size. When a collective times out (or loses its peer), the
 rank it failed on sets HANG; every live rank's watcher wakes, appends its progress and its main

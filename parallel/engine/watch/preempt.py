@@ -84,7 +84,8 @@ class AgreedFlag:
         self.ring.append((step, host, event))
 
     def agreed(self, step: int) -> float:
-        """The fraction of ranks signalled in step `step - lag` (0 when none, or when that step was not recorded)."""
+        """The fraction of ranks signalled in step `step - lag` (0 when none, or when that step was
+        not recorded)."""
         while self.ring and self.ring[0][0] < step - self.lag:
             self.free.append(self.ring.popleft()[1])
         if not self.ring or self.ring[0][0] != step - self.lag:

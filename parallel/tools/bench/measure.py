@@ -3,7 +3,8 @@ a rank holds in parameters, gradients and optimizer state.
 
 Counting: every torch.distributed collective, whoever calls it (FSDP1, FSDP2, DeepSpeed's comm layer,
 which keeps its own references to torch.distributed's functions), reaches the dispatcher as a c10d op,
-so a TorchDispatchMode sees them all (counting.OpWatch, which also sees those DTensor issues). All-gather counts its output (the gathered tensor),
+so a TorchDispatchMode sees them all (counting.OpWatch, which also sees those DTensor issues).
+All-gather counts its output (the gathered tensor),
 reduce-scatter its input, all-reduce and broadcast their tensor. XLA's collectives are compiled into
 the graph and never reach c10d: they are not counted (reported as such, never estimated).
 """

@@ -259,7 +259,8 @@ def loss_gap(r: dict) -> float | None:
     return max(abs(a - b) for a, b in zip(r["losses"], native["losses"]))
 
 
-CSV_KEYS = ["median_s", "p90_s", "tokens_per_s", "target_tokens_per_s", "loss_first", "loss_last", "params_bytes",
+CSV_KEYS = ["median_s", "p90_s", "tokens_per_s", "target_tokens_per_s", "loss_first", "loss_last",
+            "params_bytes",
             "grads_bytes", "optimizer_bytes", "rss_peak_bytes", "mfu", "peak_measured_bytes",
             "peak_planned_bytes", "peak_error"]
 

@@ -11,9 +11,9 @@ from parallel.tools.bench.report import MiB, loss_gap, save_text, vs_native
 # target tok/s: tokens a loss counts (labels not -100) per second; tok/s (wide) counts every position
 # fed, padding included, which made packed rows look 1.4x faster where their targets ran 3.3x
 NARROW = ("cell", "ms/step", "target tok/s", "loss", "MiB/rank", "x native", "Δ loss")
-WIDE = ("cell", "step ms (med / p90)", "target tok/s (all)", "loss", "params MiB", "grads MiB", "optim MiB",
-        "RSS MiB", "peak MiB (plan, error)", "AG / RS / AR MiB/step", "MFU", "native ms", "x native", "Δ loss", "save blocks",
-        "compile")
+WIDE = ("cell", "step ms (med / p90)", "target tok/s (all)", "loss", "params MiB", "grads MiB",
+        "optim MiB", "RSS MiB", "peak MiB (plan, error)", "AG / RS / AR MiB/step", "MFU", "native ms",
+        "x native", "Δ loss", "save blocks", "compile")
 
 
 def _gap(r: dict) -> str:
