@@ -1,6 +1,8 @@
 """The Hugging Face side of an export: weights read from a checkpoint's DCP state and written as
 safetensors shards with their index, config.json and generation config (hf.py decides what is
-exported; engine.save_pretrained and checkpoint.hf_at_end write through `write_hf`)."""
+exported; `ckpt export --to hf`, and save_pretrained where it stages a checkpoint (a PEFT run's
+adapter, XLA), write through `write_hf`; every other save_pretrained writes each rank's pieces in
+place: hf_gather.py)."""
 
 from __future__ import annotations
 

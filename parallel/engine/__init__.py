@@ -4,10 +4,11 @@
   public calls that hand to a part (calls.py), what a step minimises (objective.py) and returns
   (step.py).
 - data/: the batch side: resumable loaders (loaders.py, resumable.py), the batch check (guard.py),
-  splitting and moving batches (batches.py).
+  splitting and moving batches (batches.py), documents packed into rows (packing.py, documents.py).
 - model/: what is done to the model before and while it trains: parameters by name (params.py), shard
   units and activation checkpointing (wrap.py), the tensor-parallel plan (tp_plan.py), compile
-  (compile.py), mixture-of-experts bookkeeping (experts.py).
+  (compile.py), mixture-of-experts bookkeeping (experts.py) and their router's loss (router.py), a
+  tiled loss (tiled_loss.py), context parallelism (context_parallel.py).
 - watch/: parts that watch the run and say what went wrong: hangs (hang.py), preemption
   (preempt.py), non-finite losses (nonfinite.py), did compile run (compile.py).
 - observe/: what people look at: trackers (tracking.py, trackers.py), the progress bar

@@ -1,8 +1,8 @@
 """The engine's public calls that hand straight to a part it owns: checkpoints (checkpointing.py),
 the user's registered state (user_state.py), evaluation (evaluate.py), the tracker and progress bar
 (tracking.py, progress_bar.py), and generation (a backend hook). Each is a line or two, kept here so
-that base.py reads as the set-up and the step; the parts are the engine's objects, made in its
-__init__ (`checkpoints`, `preemption`, `user_state`, `tracker`)."""
+that setup.py reads as the set-up and engine.py as the step; the parts are the engine's objects,
+made in its __init__ (`checkpoints`, `preemption`, `user_state`, `tracker`)."""
 
 from __future__ import annotations
 
