@@ -93,8 +93,7 @@ def statistics(logits: torch.Tensor, top_k: int, tokens: torch.Tensor | None):
     """Over this rank's tokens of every layer: (tokens whose k-th choice is each expert [k, E], no
     gradient; tokens counted, a scalar; router probabilities summed per expert [E])."""
     probs = torch.softmax(logits, dim=-1)
-    chosen = torch.topk(probs, top_k, dim=-1).indices
-    hits = nn.functional.one_hot(chosen, probs.shape[-1]).to(probs.dtype)
+    chosen = torch.topk(probs, top_k, dim=-1).indices  # [rows, k]
     if tokens is None:
         weight = torch.ones(probs.shape[0], device=probs.device, dtype=probs.dtype)
     else:  # the layers' logits are concatenated, each over the micro-batch's tokens in order
@@ -103,7 +102,10 @@ def statistics(logits: torch.Tensor, top_k: int, tokens: torch.Tensor | None):
             raise ValueError(f"moe.router_loss: {probs.shape[0]} router rows for a mask of "
                              f"{flat.numel()} tokens")
         weight = flat.repeat(probs.shape[0] // flat.numel())
-    counts = (hits * weight[:, None, None]).sum(0).detach()
+    # counted by index, not through Hugging Face's one-hot [rows, k, E] (at 64 experts, top-8,
+    # 48 layers of 32k tokens: 3.2 GB of floats for k x E numbers)
+    counts = torch.zeros(top_k, probs.shape[-1], device=probs.device, dtype=probs.dtype)
+    counts.scatter_add_(1, chosen.T, weight.detach().expand(top_k, -1))
     return counts, weight.sum().detach(), (probs * weight[:, None]).sum(0)
 
 
