@@ -5,6 +5,9 @@
   --kill-in-save K              rank R SIGKILLs itself inside the save of step K, after writing its
                                 own files and before the checkpoint is complete
   --stall-step K                rank R sleeps 120 s before step K (its peers time out)
+  --alone-step K                after step K, rank R runs a collective of its own (an all_reduce
+                                between steps, as a reload on one rank does) while the others
+                                sleep 20 s outside any collective
   --bad-batch-step K            rank R's batch for step K has no labels (BatchError on that rank)
   --signal-step K               rank R (or every rank with --kill-rank -1) sends itself SIGTERM right
                                 after step K, first launch only (a preemption notice); K = 0:
@@ -144,7 +147,7 @@ def main():
     p.add_argument("--kill-rank", type=int, default=1)
     p.add_argument("--sleep", type=float, default=0.0, help="seconds after each step (a slow job)")
     p.add_argument("--found", help="a restart's view of checkpoint.dir, written by rank 0")
-    for flag in ("--kill-step", "--kill-in-save", "--stall-step", "--bad-batch-step",
+    for flag in ("--kill-step", "--kill-in-save", "--stall-step", "--alone-step", "--bad-batch-step",
                  "--signal-step", "--signal-in-save"):
         p.add_argument(flag, type=int)
     args = p.parse_args()
@@ -201,6 +204,11 @@ def main():
             if faulty and fresh and args.signal_in_save and result.step == args.signal_in_save + 1:
                 os.kill(os.getpid(), signal.SIGTERM)  # a second signal: still one checkpoint
             engine.maybe_save()
+            if args.alone_step and result.step == args.alone_step:
+                if faulty:  # the user's own collective, entered by this rank alone
+                    torch.distributed.all_reduce(torch.ones(1))
+                else:
+                    time.sleep(20)
             time.sleep(args.sleep)
             if engine.step >= args.steps:
                 break

@@ -367,6 +367,29 @@ def test_stalled_rank_fails_the_launch_naming_it(tmp_path, backend):
         "launch exit code": proc.returncode, "launch seconds": round(seconds, 1)})
 
 
+@needs_both
+@pytest.mark.timeout(300)
+def test_a_collective_one_rank_entered_alone_is_named(tmp_path):
+    """After step 2, rank 0's own code runs an all_reduce the other rank never enters (as a reload
+    on one rank under ZeRO-3 did: issue #64). Outside the engine's guard, torch alone would fail it
+    at timeout_s naming neither the call nor rank 1. The hang watch's sampler names both at half
+    of timeout_s, while rank 0 still waits."""
+    proc, seconds = launch(spec(tmp_path, "alone", timeout_s=6), tmp_path / "a.jsonl",
+                           "--alone-step", "2", "--kill-rank", "0", timeout=200)
+    assert proc.returncode != 0
+    text = proc.stdout + proc.stderr
+    line = next((x for x in text.splitlines() if "polyshard hang watch: rank 0" in x), None)
+    assert line is not None, text[-3000:]
+    assert "torch.distributed.all_reduce (called at elastic_worker.py:" in line, line
+    assert "rank 1 at 'step 2: done'" in line and "time.sleep(20)" in line, line
+    assert "1 of 2 ranks are in it" in line, line
+    assert seconds < 90, seconds
+    record("faults-alone-collective", {
+        "fault": "rank 0 runs all_reduce alone after step 2, timeout_s 6",
+        "outcome": line[line.index("polyshard hang watch"):][:300],
+        "launch seconds": round(seconds, 1)})
+
+
 @pytest.mark.timeout(300)
 def test_bad_batch_ends_the_launch_naming_the_rank(tmp_path):
     """No collective tells the healthy rank: torchrun's agent ends the job when rank 1 raises."""

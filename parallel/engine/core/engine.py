@@ -201,6 +201,7 @@ class Engine(EngineSetup):
         self.check_finite(wait=True)  # a deferred non-finite loss is never silently dropped
         self.checkpoints.close()  # an async save in flight is published (or raises) first
         self.tracker.close()
+        self.hang.close()  # the barrier below is this engine's last collective, not a user's
         if dist.is_initialized():
             dist.barrier()
             # only a group this engine made: the user's own (or another engine's, still training,

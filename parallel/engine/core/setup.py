@@ -48,7 +48,7 @@ class EngineSetup(EngineCalls):
         self.spec = spec
         self._launch_env = pdist.launch_env()  # restored at close (a library may add to it)
         self.ctx = pdist.init_distributed(spec.timeout_s)
-        self.hang = HangWatch(self.ctx.rank)  # idle until a collective times out; never per step
+        self.hang = HangWatch(self.ctx.rank, spec.timeout_s, spec.checkpoint.dir)  # never per step
         self.progress = self.hang.progress
         self.dims = spec.dims  # every parallel dimension, built once
         self._check_world()

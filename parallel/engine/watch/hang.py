@@ -9,6 +9,9 @@ rank it failed on sets HANG; every live rank's watcher wakes, appends its progre
 thread's innermost frames to one key, and the failing rank reads that key once to name the ranks
 that are elsewhere. A rank whose process is gone sends nothing: it is named as silent.
 
+A collective the user's own code runs outside the engine's guard, entered by one rank alone, is
+named by stall.py's sampler at half of `timeout_s`, through the same reports.
+
 On NCCL jobs the same report is made when a collective raises; a timeout the NCCL watchdog catches
 aborts the process instead, and the flight recorder (enabled by `polyshard launch`) dumps every
 rank's last collectives.
@@ -26,6 +29,8 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
+
+from parallel.engine.watch.stall import StallWatch, in_collective, stall_text
 
 HANG = "polyshard/hang"
 REPORTS = "polyshard/hang/reports"
@@ -58,20 +63,46 @@ class HangWatch:
     writes) and, for a process group with more than one rank, one watcher thread that reports it
     when any rank's collective fails."""
 
-    def __init__(self, rank: int):
+    def __init__(self, rank: int, timeout_s: float = 600.0, report_dir: str | None = None):
+        """`timeout_s`: the process group's; a call into torch.distributed that has waited half
+        of it is reported (stall.py). `report_dir`: where hang-report files go (default: the
+        working directory, as the engine's timeout errors write them)."""
         self.rank, self.progress = rank, Progress()
+        self.timeout_s, self.report_dir, self.stall = timeout_s, report_dir or os.getcwd(), None
         store = _store()
         if store is None or dist.get_world_size() == 1:
             return
         group = dist.group.WORLD  # one watcher per process group: two would both report for a rank
         if any(getattr(t, "watched_group", None) is group for t in threading.enumerate()):
             return
+        self.stall = StallWatch(timeout_s / 2, self._stalled)
         # A clone has its own connection: the main thread's store calls never queue behind the wait.
         thread = threading.Thread(target=_watch, args=(store.clone(), rank, dist.get_world_size(),
                                                        threading.main_thread(), self.progress),
                                   name="polyshard-hang-watch", daemon=True)
         thread.watched_group = group
         thread.start()
+
+    def _stalled(self, where, waited_s: float) -> None:
+        """The sampler's report: every rank's place gathered by the first rank to ask for it."""
+        collector = _collector(self.rank)
+        if collector is not None and collector != self.rank:
+            reports, text = None, (f"rank {self.rank} has waited {waited_s:.0f} s in "
+                                   f"torch.distributed.{where.api} (called at {where.caller}); "
+                                   f"rank {collector} gathered every rank's report")
+        else:
+            reports = collect_reports()
+            text = stall_text(self.rank, where, waited_s, self.timeout_s, reports,
+                              dist.get_world_size())
+        path = write_report(self.report_dir, self.rank, text, reports) if (
+            self.report_dir and reports) else None
+        print(f"polyshard hang watch: {text}" + (f". Every rank's Python stack: {path}" if path
+                                                 else ""), file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        """The sampler stops (the engine's close: its collectives are the job's last)."""
+        if self.stall is not None:
+            self.stall.close()
 
 
 def _watch(store, rank: int, world: int, main: threading.Thread, progress: Progress) -> None:
@@ -83,8 +114,10 @@ def _watch(store, rank: int, world: int, main: threading.Thread, progress: Progr
             if "timeout" not in str(err).lower():
                 return
     try:
+        inside = in_collective(_frame(main))
         line = json.dumps({"rank": rank, "progress": progress.describe(), "frames": _stack(main),
-                           "stack": "".join(traceback.format_stack(_frame(main)))})
+                           "stack": "".join(traceback.format_stack(_frame(main))),
+                           "collective": inside.api if inside else None})
         store.append(REPORTS, line + "\n")
         if store.add(REPORTED, 1) == world:
             store.set(ALL_IN, "1")
