@@ -192,16 +192,16 @@ class DeepSpeedEngine(Engine):
             write_model_optim(sink, self.ds.module, self.optimizer, sharded, self.rank,
                               on_cpu=self.device.type == "cpu")
 
-    def _load_model_optim(self, path: Path, manifest: dict) -> None:
+    def _load_model_optim(self, path: Path, manifest: dict, weights_only: bool = False) -> None:
         self.live.clear()
         if is_zero(self.optimizer):  # whatever wrote it: each rank reads its ranges in place
-            load_sharded(self.ds, path, self.split)
+            load_sharded(self.ds, path, self.split, weights_only)
         elif master_names(self.ds):
-            load_unfused(self.ds, path, self.split)
+            load_unfused(self.ds, path, self.split, weights_only)
         elif self.split is not None:
-            load_plain(self.ds, self.optimizer, path, self.split)
+            load_plain(self.ds, self.optimizer, path, self.split, weights_only)
         else:
-            read_model_optim(path, self.ds.module, self.optimizer)
+            read_model_optim(path, self.ds.module, self.optimizer, weights_only)
 
     def state_tensors(self) -> dict:
         """Module parameters (ZeRO-3: this rank's partitions), the gradients ZeRO holds at the step

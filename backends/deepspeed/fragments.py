@@ -140,30 +140,26 @@ def _layout(ds, split) -> tuple:
     return model, state, groups, steps, aliases(tied_groups(ds.module))
 
 
-def load_sharded(ds, path: Path, split=None) -> None:
+def load_sharded(ds, path: Path, split=None, weights_only: bool = False) -> None:
     """Read each rank's ranges in place: fp32 masters and optimizer entries, then the model's
     weights from the masters (ZeRO-1/2: DeepSpeed's own all-gather of the partitions; ZeRO-3: each
-    rank's slice), the shared step counts and the groups' hyper-parameters."""
-    zero = ds.optimizer
-    base, dp_rank = zero.optimizer, dist.get_rank(zero.dp_process_group)
-    _init_zero_state(zero)  # a fresh optimizer has no state for the ranges to point at
-    relink(zero)
-    boxes = split.boxes if split else {}
-    names = {id(p): ps.clean_name(n) for n, p in ds.module.named_parameters()}
-    model, state, members, reader = {}, {}, [], ps.open_state(path)
-    for group, lps, flat in partitions(zero):
-        keys = _flat_keys(base, flat)
-        members.append((group, flat, [names[id(p)] for p in lps]))
-        for p in lps:
-            name = names[id(p)]
-            model[name], state[name] = _ranges(zero, p, flat, keys, boxes.get(name))
-            if "step" in base.state.get(flat, {}):
-                state[name]["step"] = torch.zeros(())
-    trained = set(model)
-    for name, p in _frozen(ds, trained).items():
-        model[name] = _frozen_part(p, dp_rank, boxes.get(name))  # every rank reads what it holds
+    rank's slice), the shared step counts and the groups' hyper-parameters. `weights_only`: the
+    masters, frozen parameters and buffers alone; no optimizer state created or linked (a link
+    made over no state would stay empty after DeepSpeed's first step)."""
+    zero, reader = ds.optimizer, ps.open_state(path)
+    base = zero.optimizer
+    if not weights_only:
+        optim_state.groups_template(path, reader)  # none stored: refused before state is made
+        _init_zero_state(zero)  # a fresh optimizer has no state for the ranges to point at
+        relink(zero)
+    model, state, members = _read_template(ds, split, weights_only)
     buffers = ps.buffers(ds.module)
-    model.update({k: torch.empty_like(v) for k, v in buffers.items()})
+    if weights_only:
+        if hasattr(zero, "checkpoint_event_prologue"):
+            zero.checkpoint_event_prologue()
+        ps.load_state({"model": _with_aliases(ds, model)}, path, reader=reader)
+        ds.module.load_state_dict({k: model[k] for k in buffers}, strict=False)
+        return _masters_to_model(zero)
     template = {"model": _with_aliases(ds, model),
                 "optim": {"state": state, "param_groups": optim_state.groups_template(path, reader)}}
     live = [[] for _ in base.param_groups]  # ZeRO-3's sub-groups collapse into their group
@@ -183,6 +179,29 @@ def load_sharded(ds, path: Path, split=None) -> None:
     for group, new in zip(base.param_groups, merged):
         group.update(new)
     _masters_to_model(zero)
+
+
+def _read_template(ds, split, weights_only: bool) -> tuple[dict, dict, list]:
+    """A load's views: (model ranges by name, buffers as fresh tensors included; optimizer
+    entries by name; each partition's (group, flat, names))."""
+    zero = ds.optimizer
+    base, dp_rank = zero.optimizer, dist.get_rank(zero.dp_process_group)
+    boxes = split.boxes if split else {}
+    names = {id(p): ps.clean_name(n) for n, p in ds.module.named_parameters()}
+    model, state, members = {}, {}, []
+    for group, lps, flat in partitions(zero):
+        keys = [] if weights_only else _flat_keys(base, flat)
+        members.append((group, flat, [names[id(p)] for p in lps]))
+        for p in lps:
+            name = names[id(p)]
+            model[name], state[name] = _ranges(zero, p, flat, keys, boxes.get(name))
+            if "step" in base.state.get(flat, {}) and not weights_only:
+                state[name]["step"] = torch.zeros(())
+    trained = set(model)
+    for name, p in _frozen(ds, trained).items():
+        model[name] = _frozen_part(p, dp_rank, boxes.get(name))  # every rank reads what it holds
+    model.update({k: torch.empty_like(v) for k, v in ps.buffers(ds.module).items()})
+    return model, state, members
 
 
 def _masters_to_model(zero) -> None:

@@ -85,9 +85,15 @@ def save_per_parameter(sink, state: dict, split, sharded: bool, is_main: bool) -
             ps.save_state(whole, sink, collective=False)
 
 
-def load_plain(ds, optimizer, path: Path, split) -> None:
-    """plain_state's inverse: each rank reads its TP shards in place."""
+def load_plain(ds, optimizer, path: Path, split, weights_only: bool = False) -> None:
+    """plain_state's inverse: each rank reads its TP shards in place (`weights_only`: the model's
+    alone, no optimizer state created)."""
     reader = ps.open_state(path)
+    if weights_only:
+        template = split.state({"model": plain_state(ds, optimizer)["model"]}, split.piece)
+        ps.load_state(template, path, reader=reader)
+        return
+    optim_state.groups_template(path, reader)  # none stored: refused before state is made
     optim_state.init_optimizer_state(optimizer)
     names = {id(p): ps.clean_name(n) for n, p in ds.module.named_parameters()}
     live = plain_state(ds, optimizer)
@@ -100,17 +106,22 @@ def load_plain(ds, optimizer, path: Path, split) -> None:
         group.update(new)
 
 
-def load_unfused(ds, path: Path, split=None) -> None:
+def load_unfused(ds, path: Path, split=None, weights_only: bool = False) -> None:
+    """The fp32 masters (one per parameter), frozen parameters and buffers, then the model's
+    weights from the masters, and (unless `weights_only`) the optimizer's state and groups."""
     names, base, reader = master_names(ds), ds.optimizer.optimizer, ps.open_state(path)
-    optim_state.init_optimizer_state(base)
+    if not weights_only:
+        optim_state.groups_template(path, reader)  # none stored: refused before state is made
+        optim_state.init_optimizer_state(base)
     masters = [m for group in ds.optimizer.fp32_groups for m in group]
     frozen = _frozen(ds, set(names.values()))
     template = {"model": _with_aliases(ds, {
                     **{names[id(m)]: m.detach().clone().cpu() for m in masters},
                     **{n: torch.empty(p.shape) for n, p in frozen.items()},
-                    **{k: torch.empty_like(v) for k, v in ps.buffers(ds.module).items()}}),
-                "optim": {"state": optim_state.optim_by_name(base, names)["state"],
-                          "param_groups": optim_state.groups_template(path, reader)}}
+                    **{k: torch.empty_like(v) for k, v in ps.buffers(ds.module).items()}})}
+    if not weights_only:
+        template["optim"] = {"state": optim_state.optim_by_name(base, names)["state"],
+                             "param_groups": optim_state.groups_template(path, reader)}
     reading = template if split is None else split.state(template, split.piece)  # in place
     ps.load_state(reading, path, reader=reader)
     for m in masters:
@@ -121,6 +132,8 @@ def load_unfused(ds, path: Path, split=None) -> None:
         for p, m in zip(lps, group):
             p.data.copy_(m.data)
     ds.module.load_state_dict({k: template["model"][k] for k in ps.buffers(ds.module)}, strict=False)
+    if weights_only:
+        return
     base.load_state_dict(optim_state.optim_for_torch(base, template["optim"]["state"],
                                          reading["optim"]["param_groups"], names))
 

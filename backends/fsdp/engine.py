@@ -108,9 +108,9 @@ class _TorchFSDP(ModuleStateTensors, Engine):
         write_model_optim(sink, self.model, self.optimizer, self.spec.state_dict == "sharded",
                           self.rank, on_cpu=self.device.type == "cpu", live=self.live)
 
-    def _load_model_optim(self, path: Path, manifest: dict) -> None:
+    def _load_model_optim(self, path: Path, manifest: dict, weights_only: bool = False) -> None:
         self.live.clear()  # it holds the state tensors the load replaces
-        read_model_optim(path, self.model, self.optimizer)
+        read_model_optim(path, self.model, self.optimizer, weights_only)
 
     def native_checkpoint(self):
         """(save, load) as torchtitan's checkpointer does it: torch DCP of get_state_dict's model
@@ -226,11 +226,11 @@ class FSDP1Engine(_TorchFSDP):
         flat_state.save(sink, self.model, self.optimizer, self.params.tied, self.is_main,
                         self.flat_live)
 
-    def _load_model_optim(self, path: Path, manifest: dict) -> None:
+    def _load_model_optim(self, path: Path, manifest: dict, weights_only: bool = False) -> None:
         self.flat_live.clear()
         if self.spec.state_dict == "sharded":
-            return flat_state.load(path, self.model, self.optimizer, self.params.tied)
-        super()._load_model_optim(path, manifest)
+            return flat_state.load(path, self.model, self.optimizer, self.params.tied, weights_only)
+        super()._load_model_optim(path, manifest, weights_only)
         repoint_offloaded(self.model)
 
     def _no_sync(self):

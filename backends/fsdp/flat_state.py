@@ -195,12 +195,19 @@ def save(sink, model, optimizer, tied: list[list[str]], is_main: bool,
     ps.save_state((live or LiveFlat()).get(model, optimizer, tied, is_main), sink)
 
 
-def load(path: Path, model, optimizer, tied: list[list[str]]) -> None:
+def load(path: Path, model, optimizer, tied: list[list[str]], weights_only: bool = False) -> None:
     """Read each rank's ranges into its shards and optimizer state in place, then the scalars,
-    buffers and the groups' hyper-parameters."""
+    buffers and the groups' hyper-parameters (`weights_only`: the shards and buffers alone)."""
+    reader = ps.open_state(path)
+    if weights_only:  # no optimizer state created: a fresh optimizer stays fresh
+        template = portable_state(model, optimizer, tied, is_main=False, reading=True)
+        ps.load_state({"model": template["model"]}, path, reader=reader)
+        _buffers_from(model, template["model"])
+        drop_stale_unsharded(model)
+        return
+    optim_state.groups_template(path, reader)  # none stored: refused before anything changes
     optim_state.init_optimizer_state(optimizer)  # a fresh optimizer has no state to read into
     template = portable_state(model, optimizer, tied, is_main=False, reading=True)
-    reader = ps.open_state(path)
     names = [g["params"] for g in template["optim"]["param_groups"]]
     # before anything is read in place: the same groups, or an error naming what moved
     merged = optim_state.merge_groups(optimizer.param_groups,
@@ -218,12 +225,16 @@ def load(path: Path, model, optimizer, tied: list[list[str]]) -> None:
                                              if key in state[n]}, group_names)
             if value is not None:
                 optimizer.state[p][key] = value.to(old) if torch.is_tensor(old) else type(old)(value)
-    with torch.no_grad():
-        for name, buf in persistent_buffers(model).items():
-            buf.copy_(template["model"][name])
+    _buffers_from(model, template["model"])
     for group, new in zip(optimizer.param_groups, merged):
         group.update(new)
     drop_stale_unsharded(model)
+
+
+def _buffers_from(model, read: dict) -> None:
+    with torch.no_grad():
+        for name, buf in persistent_buffers(model).items():
+            buf.copy_(read[name])
 
 
 def drop_stale_unsharded(model) -> None:

@@ -204,14 +204,22 @@ class XlaSpmdEngine(_Xla):
         if self.is_main:
             save_state(whole, sink, collective=False)
 
-    def _load_model_optim(self, path: Path, manifest: dict) -> None:
+    def _load_model_optim(self, path: Path, manifest: dict, weights_only: bool = False) -> None:
         from torch.distributed.checkpoint.state_dict import _init_optim_state
         from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner
 
+        own, reader = self.model.state_dict(), open_state(path)
+        if weights_only:  # the optimizer as it is: no state created
+            template = {"model": {clean_name(k): v for k, v in own.items()}}
+            load_state(template, path, planner=SPMDLoadPlanner(), reader=reader)
+            self.model.load_state_dict({k: template["model"][clean_name(k)] for k in own})
+            return
         # DCP loads into existing tensors: a fresh optimizer has no state yet (measured: "Missing
-        # key in checkpoint state_dict: optim."), so create it with a zero-lr step first.
+        # key in checkpoint state_dict: optim."), so create it with a zero-lr step first (after
+        # checking that there is optimizer state to read: a refused load changes nothing).
+        groups_template(path, reader)
         _init_optim_state(self.optimizer)
-        names, own, reader = self._names(), self.model.state_dict(), open_state(path)
+        names = self._names()
         osd = optim_by_name(self.optimizer, names)
         template = {"model": {clean_name(k): v for k, v in own.items()},
                     "optim": {"state": osd["state"], "param_groups": groups_template(path, reader)}}

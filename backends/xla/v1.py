@@ -129,23 +129,45 @@ class XlaFsdpEngine(_Xla):
         members = {id(p): [n for n, _ in m] for p, m in layout}
         return [[n for q in g["params"] for n in members[id(q)]] for g in self.optimizer.param_groups]
 
-    def _load_model_optim(self, path: Path, manifest: dict) -> None:
+    def _load_model_optim(self, path: Path, manifest: dict, weights_only: bool = False) -> None:
         """Each rank reads the ranges its flat shards hold into host buffers (one per shard and
-        optimizer entry: O(model / N)), then copies them to the device."""
+        optimizer entry: O(model / N)), then copies them to the device (`weights_only`: the
+        shards and buffers alone, the optimizer left as it is)."""
         import torch_xla
 
         layout = v1_layout(self.model)
-        init_optimizer_state(self.optimizer)  # entries to fill; lr 0 leaves the weights as they are
-        torch_xla.sync()
         reader = open_state(path)
-        merged = merge_groups(self.optimizer.param_groups, read_groups(path, reader),
-                              self._group_names(layout))  # before anything is read
+        merged = None
+        if not weights_only:
+            groups_template(path, reader)  # none stored: refused before state is made
+            init_optimizer_state(self.optimizer)  # entries to fill; lr 0 leaves the weights as they are
+            torch_xla.sync()
+            merged = merge_groups(self.optimizer.param_groups, read_groups(path, reader),
+                                  self._group_names(layout))  # before anything is read
+        hosts, model, state = self._host_buffers(layout, weights_only)
+        template = {"model": self._aliased({**model, **{
+                        k: torch.empty_like(v) for k, v in buffers(self.model).items()}})}
+        if not weights_only:
+            template["optim"] = {"state": state, "param_groups": groups_template(path, reader)}
+        loaded = load_state(template, path, reader=reader)["model"]
+        for p, _, host, _ in hosts:
+            p.data.copy_(host.to(self.device))
+        self.model.load_state_dict({k: loaded[clean_name(k)] for k in self.model.state_dict()
+                                    if "_fsdp_shard" not in k}, strict=False)
+        if not weights_only:
+            self._optimizer_from(hosts, state, merged)
+        drop_full_params(self.model)
+        torch_xla.sync()
+
+    def _host_buffers(self, layout, weights_only: bool) -> tuple[list, dict, dict]:
+        """Host buffers to read into: [(shard, members, weights, {key: entry})], the weights'
+        ranges by name, the optimizer entries' ranges by name (none when `weights_only`)."""
         model, state, hosts = {}, {}, []
         for p, members in layout:
             host = torch.zeros(p.numel(), dtype=p.dtype)  # XLA pads with zeros
             model.update(member_ranges(host, members, self.rank))
             entries = {}
-            for key, value in self.optimizer.state.get(p, {}).items():
+            for key, value in ({} if weights_only else self.optimizer.state.get(p, {})).items():
                 if torch.is_tensor(value) and value.shape == p.shape:
                     entries[key] = torch.zeros(p.numel(), dtype=value.dtype)
                     for name, r in member_ranges(entries[key], members, self.rank).items():
@@ -154,27 +176,22 @@ class XlaFsdpEngine(_Xla):
                     for name, _ in members:
                         state.setdefault(name, {})[key] = torch.zeros(())
             hosts.append((p, members, host, entries))
-        template = {"model": self._aliased({**model, **{
-                        k: torch.empty_like(v) for k, v in buffers(self.model).items()}}),
-                    "optim": {"state": state, "param_groups": groups_template(path, reader)}}
-        loaded = load_state(template, path, reader=reader)["model"]
+        return hosts, model, state
+
+    def _optimizer_from(self, hosts: list, state: dict, merged: list[dict]) -> None:
+        """The optimizer's state from the host entries read, with the checkpoint's groups."""
         order = {id(q): i for i, q in enumerate(q for g in self.optimizer.param_groups
                                                 for q in g["params"])}
         per_shard = {}
-        for p, members, host, entries in hosts:
-            p.data.copy_(host.to(self.device))
+        for p, members, _, entries in hosts:
             if id(p) not in order:  # frozen: no optimizer entry
                 continue
             step = single_step(state, [n for n, _ in members])
             per_shard[order[id(p)]] = {**{k: v.to(self.device) for k, v in entries.items()},
                                        **({"step": step} if step is not None else {})}
-        self.model.load_state_dict({k: loaded[clean_name(k)] for k in self.model.state_dict()
-                                    if "_fsdp_shard" not in k}, strict=False)
         groups = [{**g, "params": [order[id(q)] for q in live["params"]]}
                   for g, live in zip(merged, self.optimizer.param_groups)]
         self.optimizer.load_state_dict({"state": per_shard, "param_groups": groups})
-        drop_full_params(self.model)
-        torch_xla.sync()
 
 
 def drop_full_params(model) -> None:

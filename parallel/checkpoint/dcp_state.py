@@ -11,7 +11,9 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    get_model_state_dict,
     get_state_dict,
+    set_model_state_dict,
     set_state_dict,
 )
 
@@ -36,11 +38,18 @@ def write_model_optim(sink: Sink, model, optimizer, sharded: bool, rank: int,
         save_state({"model": msd, "optim": osd}, sink, collective=False)
 
 
-def read_model_optim(path: Path, model, optimizer) -> None:
+def read_model_optim(path: Path, model, optimizer, weights_only: bool = False) -> None:
     # The templates come from this run's own sharding: DCP reshards into them, whatever world size
-    # or backend wrote the files. get_state_dict also creates optimizer state that does not exist yet.
-    msd, osd = get_state_dict(model, optimizer)
+    # or backend wrote the files. get_state_dict also creates optimizer state that does not exist
+    # yet, so a weights-only load asks for the model's alone: the optimizer stays as it is.
     reader = open_state(path)
+    if weights_only:
+        msd = get_model_state_dict(model)
+        load_state({"model": msd}, path, reader=reader)
+        set_model_state_dict(model, msd)
+        return
+    groups_template(path, reader)  # none stored: refused before get_state_dict creates state
+    msd, osd = get_state_dict(model, optimizer)
     template = {"model": msd, "optim": {"state": osd["state"],
                                         "param_groups": groups_template(path, reader)}}
     load_state(template, path, reader=reader)

@@ -28,7 +28,8 @@ def groups_template(path: Path, reader: SafeReader | None = None) -> None:
     depends on the optimizer that wrote it, not on this run's."""
     if "optim.param_groups" not in stored_keys(path, reader):
         raise PortableStateError(f"{path / STATE_DIR}: no optimizer state (optim.param_groups); "
-                                 "load it with weights only, or resume from a training checkpoint")
+                                 "load its weights alone with engine.load(path, weights_only=True), or "
+                                 "resume from a training checkpoint")
     return None
 
 

@@ -45,8 +45,8 @@ class ReplicaEngine(Engine):
         write_model_optim(sink, self.model, self.optimizer, self.spec.state_dict == "sharded",
                           self.rank, on_cpu=self.device.type == "cpu")
 
-    def _load_model_optim(self, path, manifest):
-        read_model_optim(path, self.model, self.optimizer)
+    def _load_model_optim(self, path, manifest, weights_only=False):
+        read_model_optim(path, self.model, self.optimizer, weights_only)
 
 
 def translate(spec) -> dict:

@@ -115,6 +115,12 @@ def run_case(case, phase, ckpt_root, known: dict):
         mine = rank_slice(batches[0], engine.dp_rank, rows)
         engine.train_step(mine)
         engine.evaluate([mine])
+        # the weights alone first: the step and optimizer stay this engine's, and an evaluation
+        # on the next batch sees the loss the uninterrupted run saw there
+        engine.load(ckpt, weights_only=True)
+        after = rank_slice(batches[case["save_at"]], engine.dp_rank, rows)
+        out["weights_only"] = {"step": engine.step,
+                               "loss": engine.evaluate([after])["loss"]}
         engine.load(ckpt)
         start = engine.step
     losses, norms = [], []

@@ -102,6 +102,12 @@ def imported(tmp_path_factory):
                     tmp / "optimizer-only")
     assert out.returncode == 2 and "holds no model weights" in out.stderr, out.stderr
     assert not (tmp / "optimizer-only").exists()
+    # its model folder alone: weights only, loaded with engine.load(path, weights_only=True); a full
+    # checkpoint loads weights-only as well (transfer_worker's "weights_" sources)
+    out = polyshard("ckpt", "import", "dcp", native / "accelerate_fsdp2" / "pytorch_model_fsdp_0",
+                    root / "weights_accelerate-adamw", "--step", 3)
+    assert out.returncode == 0, out.stderr[-3000:]
+    shutil.copytree(root / "native_dcp-adamw", root / "weights_full-adamw")
     good = root / "native_deepspeed-adamw"
     for name in ("truncated", "flipped"):  # beside the good ones: one launch loads them all
         shutil.copytree(good, root / f"{name}-adamw")
@@ -130,6 +136,27 @@ def test_native_checkpoints_resume_with_optimizer_state(imported):
             assert res["start"] == 3
             diff = max(abs(a - b) for a, b in zip(res["loss"], ref[3:]))
             assert diff <= 1e-5, f"{kind} -> {target}: {res['loss']} vs {ref[3:]}"
+
+
+@needs_both
+@pytest.mark.timeout(900)
+def test_weights_only_load_keeps_a_fresh_optimizer(imported):
+    """engine.load(path, weights_only=True) on FSDP1 and ZeRO-3: Accelerate's model folder imported
+    alone (no optimizer state: a plain load is refused naming weights_only) and a full checkpoint
+    both continue as one process over the step-3 weights with a fresh AdamW, from step 0."""
+    _, results = imported
+    ref = results["reference-weights-adamw"]["loss"]
+    assert max(abs(a - b) for a, b in zip(ref, results["reference-adamw"]["loss"][3:])) > 1e-4, (
+        "a fresh optimizer must train otherwise than the resumed one, or this test shows nothing")
+    for source in ("weights_accelerate", "weights_full"):
+        for target in TARGETS:
+            res = results[f"{source}->{target}-adamw"]
+            assert "error" not in res, res["error"][-3000:]
+            assert res["start"] == 0
+            diff = max(abs(a - b) for a, b in zip(res["loss"], ref))
+            assert len(res["loss"]) == 2 and diff <= 1e-5, (source, target, res["loss"], ref)
+    refused = results["weights_accelerate->fsdp1-adamw"]["refused"]
+    assert refused and "weights_only=True" in refused, refused
 
 
 @needs_both

@@ -4,8 +4,11 @@ phase "save": for each source backend in this launch and each optimizer, train 3
 reference initial weights on the shared global batches, save to <root>/<source>-<optimizer>.
 phase "load": for each target backend in this launch and each checkpoint --plan lists for it (every
 saved one without --plan), a fresh engine over differently-initialised weights loads it and trains
-steps 4 and 5. Rank 0 writes every number, and the single-process reference losses, to --out; the
-pytest side asserts.
+steps 4 and 5. A checkpoint whose name starts with "weights_" is loaded with weights_only=True: the
+engine keeps its fresh optimizer and step 0, trains on steps 4 and 5's batches, and must give one
+process's losses over the saved weights with a fresh optimizer ("reference-weights-<optimizer>"); a
+plain load of it must be refused, naming weights_only. Rank 0 writes every number, and the
+single-process reference losses, to --out; the pytest side asserts.
 """
 
 import argparse
@@ -14,9 +17,10 @@ import traceback
 from pathlib import Path
 
 import torch
-from parity_worker import global_batches, optimizer_arg, rank_slice, reference
+from parity_worker import global_batches, optimizer_arg, rank_slice, reference, tiny
 
 from parallel import create_engine, load_spec
+from parallel.tools.parity.cell import one_process
 from parallel.toy import build_llama, llama_config
 
 GLOBAL_ROWS, STEPS, SAVE_AT = 4, 5, 3
@@ -84,13 +88,46 @@ def load_phase(backends, names, root, plan=None):
             try:
                 engine, rows = engine_for(backends[name], 99)  # other weights: only load() helps
                 engine.prepare(build_llama(llama_config("tiny")), optimizer_arg(opt))
-                engine.load(root / source)
                 batches = global_batches(STEPS, 1, GLOBAL_ROWS)
+                if source.startswith("weights_"):
+                    out[key] = weights_only(engine, rows, root / source, batches)
+                    continue
+                engine.load(root / source)
                 out[key] = {"start": engine.step,
                             "loss": train(engine, rows, batches, range(engine.step, STEPS))}
             except Exception:
                 out[key] = {"error": traceback.format_exc()}
     return out
+
+
+def weights_only(engine, rows, path: Path, batches) -> dict:
+    """A checkpoint without optimizer state: a plain load refused first (refused before anything
+    is read, so the engine is untouched). Then the weights alone: the engine's step stays 0, its
+    optimizer fresh; it trains on the batches after SAVE_AT."""
+    from parallel.checkpoint.portable import stored_keys
+
+    refused = None
+    if "optim.param_groups" not in stored_keys(path):
+        try:
+            engine.load(path)
+            refused = "loaded"
+        except Exception as err:  # noqa: BLE001 - what the refusal says is the result
+            refused = str(err)
+    engine.load(path, weights_only=True)
+    start = engine.step
+    return {"start": start, "refused": refused, "loss": [
+        engine.train_step(rank_slice(batches[s], engine.dp_rank, rows)).loss
+        for s in range(SAVE_AT, STEPS)]}
+
+
+def weights_reference(spec, opt: str, batches) -> list[float]:
+    """One process: SAVE_AT steps, then a fresh optimizer over those weights for the rest (what a
+    weights-only load of the step-SAVE_AT checkpoint continues)."""
+    torch.manual_seed(spec.seed)
+    model = tiny({})
+    one_process(model, optimizer_arg(opt), batches[:SAVE_AT], spec.grad_clip)
+    return [r["loss"] for r in one_process(model, optimizer_arg(opt), batches[SAVE_AT:],
+                                           spec.grad_clip)]
 
 
 def main():
@@ -117,6 +154,8 @@ def main():
         batches = global_batches(STEPS, 1, GLOBAL_ROWS)
         for opt in args.optimizers.split(","):
             results[f"reference-{opt}"] = {"loss": reference(spec, {"optimizer": opt}, batches, {})[0]}
+            if any(p.name.startswith("weights_") for p in root.iterdir()):
+                results[f"reference-weights-{opt}"] = {"loss": weights_reference(spec, opt, batches)}
         Path(args.out).write_text(json.dumps(results, indent=1))
     if torch.distributed.is_initialized():
         torch.distributed.barrier()

@@ -89,7 +89,7 @@ def test_the_checkpointer_writes_and_reads_through_the_backend_hooks_it_was_give
         save_state({"model": weights}, sink, collective=False)
 
     got = {}
-    part = Checkpointer(port, write, lambda path, manifest: got.update(read_model(path)),
+    part = Checkpointer(port, write, lambda path, manifest, weights_only: got.update(read_model(path)),
                         progress=type("P", (), {"at": lambda *a: None})(),
                         packages=("pydantic",))
     path = part.save(tmp_path / "ckpt")

@@ -103,10 +103,12 @@ class EngineCalls(BackendHooks):
         save_pretrained's max_shard_size (5 GB), so every rank writes a share."""
         return self.checkpoints.save_pretrained(directory, tokenizer, max_shard_bytes)
 
-    def load(self, path, trust: bool = False) -> dict:
+    def load(self, path, trust: bool = False, weights_only: bool = False) -> dict:
         """Verify and restore what `save` wrote, whichever backend and world size wrote it; `path`
-        may be a directory of checkpoints (its `latest`). Returns the manifest."""
-        return self.checkpoints.load(path, trust)
+        may be a directory of checkpoints (its `latest`). Returns the manifest. `weights_only`:
+        the model's weights alone, the optimizer and step left as they are (a checkpoint imported
+        without optimizer state, or a fine-tune starting from a trained model)."""
+        return self.checkpoints.load(path, trust, weights_only)
 
     def maybe_save(self) -> Path | None:
         """Save into checkpoint.dir/step-NNNNNNNN when checkpoint.every divides the step (not after

@@ -55,8 +55,10 @@ class BackendHooks(ABC):
         write goes through `portable.save_state(state, sink, ...)`)."""
 
     @abstractmethod
-    def _load_model_optim(self, path: Path, manifest: dict) -> None:
-        """Restore model and optimizer state from a verified checkpoint."""
+    def _load_model_optim(self, path: Path, manifest: dict, weights_only: bool = False) -> None:
+        """Restore model and optimizer state from a verified checkpoint; `weights_only`: the
+        model's weights and buffers alone (fp32 masters too where the backend keeps them), the
+        optimizer left as it is: no state created, none read (engine.load(weights_only=True))."""
 
     # ---- optional: plain torch unless the backend differs ----
     def _split(self, batch) -> list:

@@ -61,7 +61,8 @@ class Checkpointer:
     def __init__(self, engine: Checkpointed, write: Callable[[Sink], None],
                  read: Callable[[Path, dict], None], progress, packages: tuple[str, ...] = ()):
         """`write(sink)`: this rank's part of the model and optimizer state through the save's sink;
-        `read(path, manifest)`: restore them from a verified checkpoint (the backend's hooks).
+        `read(path, manifest, weights_only=...)`: restore them (or the weights alone) from a
+        verified checkpoint (the backend's hooks).
         `packages`: distributions whose versions the manifest records beside torch's."""
         self.engine, self.write, self.read, self.progress = engine, write, read, progress
         self.packages = packages
@@ -195,15 +196,18 @@ class Checkpointer:
         between, as torchtitan's maybe_wait_for_staging before its optimizer step."""
         self.saver.staged()
 
-    def load(self, path, trust: bool = False) -> dict:
+    def load(self, path, trust: bool = False, weights_only: bool = False) -> dict:
         with paused_gc():
-            return self._load(path, trust)
+            return self._load(path, trust, weights_only)
 
-    def _load(self, path, trust: bool) -> dict:
+    def _load(self, path, trust: bool, weights_only: bool) -> dict:
         """Verify `path` (manifest, sizes, digests), then restore everything `save` wrote, whichever
         backend and world size wrote it. `path` may be a directory of checkpoints: its `latest`.
         Every file is read as data: a crafted pickle is refused naming the file and what it asked
-        for (docs/security.md); `trust=True` unpickles fully, for files whose origin you trust."""
+        for (docs/security.md); `trust=True` unpickles fully, for files whose origin you trust.
+        `weights_only`: the model's weights and buffers alone; the optimizer, step, scheduler, RNG,
+        data position and registered objects stay this run's (a fine-tune starting from a
+        checkpoint, or one imported without optimizer state)."""
         e = self.engine
         self.saver.wait()  # a checkpoint still being written is published before anything is read
         path = resolve(path)
@@ -212,13 +216,18 @@ class Checkpointer:
         # load() on every rank, naming it; the model then holds what was read and must not be used.
         verifying = Verification(path)
         manifest = verifying.manifest
-        user = e.user_state.check(path, manifest, e.world_size)  # refused before anything is read
+        # refused before anything is read
+        user = None if weights_only else e.user_state.check(path, manifest, e.world_size)
         try:
-            self.read(path, manifest)
+            self.read(path, manifest, weights_only=weights_only)
         except BaseException:
             verifying.agree()  # a damaged file explains the failure better than the reader's error
             raise
         verifying.agree()
+        if weights_only:
+            e.say(f"load: the weights of {path} (step {manifest.get('step')}); optimizer and step "
+                  f"are this run's (step {e.step})")
+            return manifest
         # the small files through the one reader: listed in their writer's table, no link, bounded,
         # parsed into their schema (contents.py)
         files = Contents(path, manifest)
