@@ -114,29 +114,42 @@ def transient(spec, psi: float, unit: float, hidden: int | None = None) -> tuple
 def activations(cfg: dict | None, micro_batch: int, seq: int, precision: str,
                 checkpointing: bool, tp: int = 1, loss_tile: int | None = None,
                 offload: bool = False, cp: int = 1) -> float | None:
-    """Korthikanti et al. per layer, times layers, plus the logits (fp32); with full
-    recomputation each layer keeps its input, and one layer's whole activations exist again
-    while its backward runs. The 5as/h term is the stored attention scores: eager attention
-    keeps them, SDPA / flash attention (transformers' default) recompute them, so it is counted
-    only for `attn_implementation: eager`. Tensor parallelism without sequence parallelism
-    (their eq. 3): 10 of the 34 (norms, dropouts, residuals: whole on every rank) stay, 24 and
-    the scores split over tp; the logits are gathered whole (colwise_rep). `loss_tile`
-    (sequence.loss_tile): one tile's logits instead of the batch's. `offload`
-    (sequence.offload_activations): what backward keeps lives in host memory; the device holds
-    the layer in flight. `cp` (topology.cp, Ulysses): each rank holds seq / cp tokens (padded up)
-    through the model; eager's scores are over the whole row for a / (tp x cp) heads."""
+    """Bytes a Hugging Face decoder (Llama's layout: RMSNorm, attention, gated MLP) keeps for
+    backward, counted tensor by tensor per token (docs/bench.md, "The activation model"), times
+    layers, plus the loss's log-probabilities and what is in flight at the peak. With full
+    recomputation each layer keeps its input, and one layer's whole activations exist again while
+    its backward runs. Tensor parallelism without sequence parallelism: norms stay whole on every
+    rank, projections, MLP and heads split over tp. `loss_tile` (sequence.loss_tile): one tile's
+    logits instead of the batch's. `offload` (sequence.offload_activations): what backward keeps
+    lives in host memory; the device holds the layer in flight. `cp` (topology.cp, Ulysses): each
+    rank holds seq / cp tokens (padded up) through the model; eager's scores are over the whole row
+    for a / (tp x cp) heads."""
     if not cfg:
         return None
     h, a, layers, vocab = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_hidden_layers"], \
         cfg["vocab_size"]
-    s, b = -(-seq // cp), micro_batch
+    kv, inner = cfg.get("num_key_value_heads") or a, cfg.get("intermediate_size") or 4 * h
+    c = 4 if precision == "fp32" else 2  # bytes of the compute dtype
+    tokens = -(-seq // cp) * micro_batch
     eager = (cfg.get("_attn_implementation") or cfg.get("attn_implementation")) == "eager"
-    full = s * b * h * (10 + 24 / tp + (5 * a * seq / (h * tp) if eager else 0))
-    kept = (2 * s * b * h * layers + full) if checkpointing else full * layers
+    # each RMSNorm keeps its input in fp32 (upcast), the normalised input and its output
+    norms = 2 * (12 if c == 4 else 8) * h
+    # eager repeats k and v to every head and keeps the fp32 softmax (and its cast) per score;
+    # SDPA / flash keep q, k, v and their output, plus the contiguous copy o_proj reads
+    attention = (c * 4 * h + a * seq * (4 if c == 4 else 6)) if eager else \
+        c * (3 * h + 2 * h * kv / a)
+    mlp = 4 * c * inner  # gate (SiLU's input), its output, up, and their product (down's input)
+    layer = norms + (attention + mlp) / tp
+    kept = (c * h * layers + layer) if checkpointing else layer * layers
     if offload:
-        kept = full
-    scale = 2 if precision == "fp32" else 1
-    return scale * kept + 4 * min(s * b, loss_tile or s * b) * vocab
+        kept = layer
+    # the loss keeps its fp32 log-probabilities (the logits are freed with the forward's output)
+    tile = min(tokens, loss_tile or tokens)
+    # in flight at the peak, one at a time: the loss's backward (the gradients of the
+    # log-probabilities and of the logits, fp32), or one layer's (eager's two score-sized
+    # gradients, or the MLP's three)
+    backward = max(8 * tile * vocab, tokens * max(8 * a * seq if eager else 0, 3 * c * inner) / tp)
+    return tokens * kept + 4 * tile * vocab + backward
 
 
 def candidates(spec_data: dict) -> list[dict]:

@@ -69,20 +69,43 @@ def test_comm_seconds_follow_the_links_and_the_margin_is_stated():
     assert rows[0].margin == GiB
 
 
+def eager_minus_sdpa(cfg, seq: int, tokens: int) -> float:
+    """What eager attention keeps beyond SDPA per the activation model, in bf16: per layer and token,
+    k and v repeated to every head and one contiguous copy fewer (4h against 3h + 2h x kv / a, 2
+    bytes each) and 6 bytes per score (the fp32 softmax and its bf16 cast); in flight at the peak,
+    the larger of the loss's backward (8 bytes per logit) and one layer's: two fp32 score-sized
+    gradients against the MLP's three bf16 ones."""
+    h, a, kv, layers, inner, vocab = (cfg[k] for k in (
+        "hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers",
+        "intermediate_size", "vocab_size"))
+    per_layer = 2 * 4 * h - 2 * (3 * h + 2 * h * kv / a) + 6 * a * seq
+    loss = 8 * tokens * vocab
+    return (tokens * layers * per_layer + max(loss, tokens * 8 * a * seq)
+            - max(loss, tokens * 3 * 2 * inner))
+
+
 def test_activations_count_scores_only_for_eager_attention():
     cfg = {**LLAMA_8B}
     sdpa = activations(cfg, 1, 4096, "bf16", False)
     eager = activations({**cfg, "_attn_implementation": "eager"}, 1, 4096, "bf16", False)
-    assert eager - sdpa == pytest.approx(4096 * 4096 * 5 * 32 * 4096 / 4096 * 32)
+    assert eager - sdpa == pytest.approx(eager_minus_sdpa(cfg, 4096, 4096))
     ckpt = activations(cfg, 1, 4096, "bf16", True)
-    assert ckpt < sdpa / 4  # inputs kept, one layer recomputed at a time
+    loss = 12 * 4096 * cfg["vocab_size"]  # log-probabilities and their backward, either way
+    assert ckpt - loss < (sdpa - loss) / 4  # inputs kept, one layer recomputed at a time
+    # the scores grow with the square of the row: 4x at twice the length, the rest 2x
+    longer = activations({**cfg, "_attn_implementation": "eager"}, 1, 8192, "bf16", False)
+    assert 3.5 < (longer - activations(cfg, 1, 8192, "bf16", False)) / (eager - sdpa) < 4.5
 
 
 def test_a_tiled_loss_and_offloaded_activations_are_counted():
     cfg = {**LLAMA_8B}
     whole = activations(cfg, 1, 32768, "bf16", True)
     tiled = activations(cfg, 1, 32768, "bf16", True, loss_tile=1024)
-    assert whole - tiled == 4 * (32768 - 1024) * cfg["vocab_size"]  # fp32 logits: 1024 tokens
+    # fp32 log-probabilities kept (4 bytes a logit) for 1024 tokens, not 32768; in flight, the
+    # whole loss's backward (8 bytes a logit) against the larger of one tile's and one layer's
+    vocab, layer = cfg["vocab_size"], 3 * 2 * cfg["intermediate_size"]
+    assert whole - tiled == 4 * (32768 - 1024) * vocab + 8 * 32768 * vocab - max(
+        8 * 1024 * vocab, 32768 * layer)
     offloaded = activations(cfg, 1, 32768, "bf16", True, loss_tile=1024, offload=True)
     inputs = 2 * 32768 * cfg["hidden_size"] * cfg["num_hidden_layers"]  # each layer's, on the host
     assert tiled - offloaded == inputs
@@ -92,13 +115,14 @@ def test_cp_divides_each_ranks_tokens_and_the_longest_row_grows_with_it():
     cfg = {**LLAMA_8B}
     one = activations(cfg, 1, 131072, "bf16", True, loss_tile=1024)
     four = activations(cfg, 1, 131072, "bf16", True, loss_tile=1024, cp=4)
-    tile = 4 * 1024 * cfg["vocab_size"]  # one tile's fp32 logits, whatever the split
-    assert four - tile == pytest.approx((one - tile) / 4)  # every per-token term
+    tile = 4 * 1024 * cfg["vocab_size"]  # one tile's log-probabilities, whatever the split
+    # every per-token term (one layer's backward outweighs one tile's at both splits)
+    assert four - tile == pytest.approx((one - tile) / 4)
     # eager's scores: whole rows, a / (tp x cp) heads per rank
     eager = {**cfg, "_attn_implementation": "eager"}
     scores = activations(eager, 1, 8192, "bf16", False, cp=4) - activations(cfg, 1, 8192, "bf16",
                                                                             False, cp=4)
-    assert scores == pytest.approx(5 * 32 / 4 * 8192 * 8192 * 32)
+    assert scores == pytest.approx(eager_minus_sdpa(cfg, 8192, 8192 // 4))
     from parallel.tools.plan import longest_seq
 
     spec = load_spec("configs/tp8-cp4-llama3-8b.yaml")
