@@ -174,7 +174,7 @@ def seed_everything(seed: int) -> None:
 
 def rng_state() -> dict:
     """Every generator's state in types torch's weights_only unpickler reads (numpy's key array as
-    a tensor), so a checkpoint's RNG files load as data (parallel/checkpoint/safe.py)."""
+    a tensor), so a checkpoint's RNG files load as data (parallel/checkpoint/format/safe.py)."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     state = {"python": random.getstate(),
              "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),

@@ -1,6 +1,6 @@
 """Reading files from elsewhere (configs, specs, checkpoint tables) as bounded data: a regular file
 (not a FIFO, not a device), up to a size cap, UTF-8, with JSON / YAML nesting bounded and YAML aliases
-refused before they expand (docs/security.md). Checkpoint pickles: parallel/checkpoint/safe.py."""
+refused before they expand (docs/security.md). Checkpoint pickles: parallel/checkpoint/format/safe.py."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from parallel.checkpoint.chunks import Box, FlatRange
+from parallel.checkpoint.state.chunks import Box, FlatRange
 
 META = "ds_autotp_universal_checkpoint_meta"  # deepspeed.checkpoint.constants.DS_AUTOTP_UC_META
 

@@ -36,9 +36,9 @@ from backends.deepspeed.state import (
 )
 from backends.deepspeed.translate import STAGES, fill_model_autos, translate
 from parallel import dist as pdist
-from parallel.checkpoint.sink import Sink
-from parallel.checkpoint import portable as ps
-from parallel.checkpoint.dcp_state import read_model_optim, write_model_optim
+from parallel.checkpoint.background.sink import Sink
+from parallel.checkpoint.state import portable as ps
+from parallel.checkpoint.state.dcp_state import read_model_optim, write_model_optim
 from parallel.engine.core.engine import Engine
 from parallel.engine.model.tp_plan import resolve_plan
 from parallel.engine.core.step import OptimizerArg, build_optimizer, require_fp32

@@ -6,7 +6,7 @@ the ranks; DeepSpeed's `_hp_mapping` says which contiguous range [start, start +
 flattened view lands in this rank's partition, and gives views of the fp32 master and of each
 optimizer entry over it. ZeRO-3 partitions each parameter on its own: rank r holds elements
 [r * p, (r + 1) * p) of it, p = its partition size, at `grad_position` in its sub-group's flat fp32
-tensor. Either way the range is written as chunks of the full tensor (parallel/checkpoint/chunks.py):
+tensor. Either way the range is written as chunks of the full tensor (parallel/checkpoint/state/chunks.py):
 no rank gathers a parameter, and any backend at any world size reads the result. `LiveShards` keeps
 a save's views for the next saves while they are live.
 """
@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from parallel.checkpoint import optim_state
-from parallel.checkpoint import portable as ps
-from parallel.checkpoint.chunks import FlatRange, Kept
+from parallel.checkpoint.state import optim_state
+from parallel.checkpoint.state import portable as ps
+from parallel.checkpoint.state.chunks import FlatRange, Kept
 from parallel.engine.model.params import aliases, tied_groups
 
 from .state import _flat_keys, _frozen, _init_zero_state, _with_aliases, partitions, relink

@@ -1,5 +1,5 @@
 """DeepSpeed ZeRO checkpoints in (`polyshard ckpt import deepspeed`): plain DeepSpeed, Accelerate and
-Lightning write them. Every file is read as data (parallel/checkpoint/safe.py): torch's weights_only
+Lightning write them. Every file is read as data (parallel/checkpoint/format/safe.py): torch's weights_only
 unpickler plus the DeepSpeed classes these files hold (found with torch's
 get_unsafe_globals_in_checkpoint on ZeRO-2 and universal checkpoints DeepSpeed 0.19.8 wrote)."""
 
@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 
 from parallel.checkpoint.importers import CheckpointImportError, named_groups
-from parallel.checkpoint.portable import clean_name
-from parallel.checkpoint.optim_state import shared_step
-from parallel.checkpoint.safe import child_name, own_folder, read_text, torch_load
+from parallel.checkpoint.state.portable import clean_name
+from parallel.checkpoint.state.optim_state import shared_step
+from parallel.checkpoint.format.safe import child_name, own_folder, read_text, torch_load
 from backends.deepspeed.library import import_deepspeed
 
 
@@ -145,7 +145,7 @@ def read_deepspeed_universal(src: Path, trust: bool = False):
     parameter, the param groups in `zero/optimizer_state.pt`, and the model-states file for group
     membership, buffers, frozen and tied parameters. Streamed: one parameter's files in memory at a
     time (checkpoint/streamed.py), part 0 also the buffers, frozen parameters and param groups."""
-    from parallel.checkpoint.streamed import Streamed
+    from parallel.checkpoint.state.streamed import Streamed
 
     tag_dir = _tag_dir(src, "latest_universal")
     zero, model_file = tag_dir / "zero", tag_dir / "mp_rank_00_model_states.pt"

@@ -18,7 +18,7 @@ from backends.deepspeed.autotp import with_plan
 from backends.deepspeed.autotp_split import Split
 from backends.deepspeed.ops import announce_builds, check_locks
 from backends.deepspeed.translate import model_sized
-from parallel.checkpoint import portable as ps
+from parallel.checkpoint.state import portable as ps
 from parallel.engine.model.tp_plan import split_shapes
 from parallel.spec.errors import SpecError
 

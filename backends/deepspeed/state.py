@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from parallel.checkpoint import optim_state
-from parallel.checkpoint import portable as ps
+from parallel.checkpoint.state import optim_state
+from parallel.checkpoint.state import portable as ps
 from parallel.engine.model.params import aliases, tied_groups
 
 

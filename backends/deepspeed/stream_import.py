@@ -16,11 +16,11 @@ from __future__ import annotations
 import math
 import torch
 
-from parallel.checkpoint.chunks import FlatRange
+from parallel.checkpoint.state.chunks import FlatRange
 from parallel.checkpoint.importers import named_groups
-from parallel.checkpoint.optim_state import shared_step
-from parallel.checkpoint.portable import clean_name
-from parallel.checkpoint.streamed import Streamed
+from parallel.checkpoint.state.optim_state import shared_step
+from parallel.checkpoint.state.portable import clean_name
+from parallel.checkpoint.state.streamed import Streamed
 
 
 def streamed_zero(models, optim_files: list, stage: int, world: int, load, frozen) -> Streamed:

@@ -25,13 +25,13 @@ from pathlib import Path
 import torch
 
 from backends.deepspeed.library import import_deepspeed
-from parallel.checkpoint.directory import resolve
-from parallel.checkpoint.manifest import verify_checkpoint
+from parallel.checkpoint.format.directory import resolve
+from parallel.checkpoint.format.manifest import verify_checkpoint
 from parallel.checkpoint.importers import CheckpointImportError
-from parallel.checkpoint.safe import child_name
-from parallel.checkpoint.portable import open_state, read_tensors, tensor_shapes
+from parallel.checkpoint.format.safe import child_name
+from parallel.checkpoint.state.portable import open_state, read_tensors, tensor_shapes
 from parallel.files import write_atomic
-from parallel.checkpoint.optim_state import read_groups
+from parallel.checkpoint.state.optim_state import read_groups
 
 OPTIM_STATE = "optim.state."
 

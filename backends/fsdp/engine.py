@@ -24,8 +24,8 @@ from backends.fsdp.parallelize import (
     sync_from_rank0,
 )
 from backends.fsdp.translate import translate
-from parallel.checkpoint.dcp_state import LiveState, read_model_optim, write_model_optim
-from parallel.checkpoint.sink import Sink
+from parallel.checkpoint.state.dcp_state import LiveState, read_model_optim, write_model_optim
+from parallel.checkpoint.background.sink import Sink
 from parallel.engine.core.engine import Engine
 from parallel.engine.core.step import OptimizerArg, clip_grad_norm, require_fp32
 from parallel.engine.model.tp_plan import resolve_plan

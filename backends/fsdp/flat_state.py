@@ -1,7 +1,7 @@
 """FSDP1's portable state written and read in place, O(model / N) per rank, the way ZeRO's flat
 partitions are (backends/deepspeed/fragments.py): each rank's shard of a unit's FlatParameter holds a
 contiguous range of the flattened unit, so each original parameter's part of it is a contiguous
-range of that parameter, written as chunks of the full tensor (parallel/checkpoint/chunks.py).
+range of that parameter, written as chunks of the full tensor (parallel/checkpoint/state/chunks.py).
 
 Why not torch's `get_state_dict` / `set_state_dict` (what FSDP2 uses, and what FSDP1 used before):
 for FSDP1 they build a ShardedTensor per parameter and unflatten the optimizer's flat state through
@@ -21,9 +21,9 @@ from typing import NamedTuple
 
 import torch
 
-from parallel.checkpoint import optim_state
-from parallel.checkpoint import portable as ps
-from parallel.checkpoint.chunks import FlatRange, Kept
+from parallel.checkpoint.state import optim_state
+from parallel.checkpoint.state import portable as ps
+from parallel.checkpoint.state.chunks import FlatRange, Kept
 from parallel.engine.model.params import clean_name
 
 

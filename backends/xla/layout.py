@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from parallel.checkpoint.portable import clean_name
+from parallel.checkpoint.state.portable import clean_name
 
 
 def v1_layout(model) -> list[tuple[nn.Parameter, list[tuple[str, torch.Size]]]]:
@@ -57,7 +57,7 @@ def member_ranges(flat: torch.Tensor, members, rank: int) -> dict:
     """This rank's flat shard `flat` (a CPU copy, `shard_numel` elements of the padded concatenation
     of `members`) as each member's contiguous range, in place: {name: FlatRange}. A member this
     shard holds nothing of gets an empty range (its key stays in the state on every rank)."""
-    from parallel.checkpoint.chunks import FlatRange
+    from parallel.checkpoint.state.chunks import FlatRange
 
     size, out, offset = flat.numel(), {}, 0
     lo, hi = rank * size, (rank + 1) * size

@@ -21,13 +21,13 @@ from pathlib import Path
 
 import torch
 
-from parallel.checkpoint.chunks import FlatRange
+from parallel.checkpoint.state.chunks import FlatRange
 from parallel.checkpoint.importers import CheckpointImportError, named_groups
-from parallel.checkpoint.portable import clean_name
+from parallel.checkpoint.state.portable import clean_name
 from parallel.files import regular_file
-from parallel.checkpoint.optim_state import shared_step
-from parallel.checkpoint.safe import torch_load
-from parallel.checkpoint.streamed import Streamed
+from parallel.checkpoint.state.optim_state import shared_step
+from parallel.checkpoint.format.safe import torch_load
+from parallel.checkpoint.state.streamed import Streamed
 
 RANK_FILE = re.compile(r"rank[-_]?(\d+)(?:-of-(\d+))?")
 WHAT = "an XLA FSDP shard file"

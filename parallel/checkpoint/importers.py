@@ -4,7 +4,7 @@ Import (`polyshard ckpt import KIND SRC OUT`): a torch DCP directory (torch's ge
 torchtitan, FSDP2 loops and Accelerate write it: `read_dcp`), or any kind a backend reads (its
 descriptor's checkpoint_readers: DeepSpeed ZeRO, XLA FSDP shard files; the registry hands the reader
 over). Optimizer moments and step counts come along.
-Export to Hugging Face: parallel/checkpoint/hf.py.
+Export to Hugging Face: parallel/checkpoint/hf/export.py.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 
-from parallel.checkpoint.directory import library_versions, write_checkpoint
-from parallel.checkpoint.portable import clean_name, save_state
-from parallel.checkpoint.optim_state import hyperparams
-from parallel.checkpoint.streamed import Streamed, in_parts, write_streamed
+from parallel.checkpoint.format.directory import library_versions, write_checkpoint
+from parallel.checkpoint.state.portable import clean_name, save_state
+from parallel.checkpoint.state.optim_state import hyperparams
+from parallel.checkpoint.state.streamed import Streamed, in_parts, write_streamed
 
 
 class CheckpointImportError(RuntimeError):
@@ -27,7 +27,7 @@ def import_checkpoint(read, kind: str, src: str | Path, out: str | Path, step: i
                       trust: bool = False, packages: tuple[str, ...] = ()) -> Path:
     """`read`: the reader of `kind` (src dir -> (portable state, steps, world size));
     `trust`: unpickle the source's files fully (they may run code); by default they are read as data
-    (parallel/checkpoint/safe.py); `packages`: distributions whose versions the manifest records."""
+    (parallel/checkpoint/format/safe.py); `packages`: distributions whose versions the manifest records."""
     state, found_step, world = read(Path(src), trust=trust)
     step = found_step if step is None else step
     if step is None:
@@ -64,7 +64,7 @@ def read_dcp(src: Path, trust: bool = False, stream: bool = True,  # noqa: ARG00
     name. Streamed (`stream`): parts of at most `budget` bytes (default: the largest source file's;
     dcp_parts), each read from the source by its own DCP load when it is written, one in memory at
     a time; else loaded whole."""
-    from parallel.checkpoint.portable import SafeReader
+    from parallel.checkpoint.state.portable import SafeReader
 
     folders = [src]
     if not (src / ".metadata").is_file() and (src / PEER_MODEL / ".metadata").is_file():
@@ -130,7 +130,7 @@ def _load_keys(reader, keys: set[str] | None) -> dict:
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    from parallel.checkpoint.portable import raise_refusal
+    from parallel.checkpoint.state.portable import raise_refusal
 
     sd: dict = {}
     try:

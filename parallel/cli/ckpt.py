@@ -59,12 +59,12 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from parallel.checkpoint.safe import CheckpointError
-    from parallel.checkpoint.directory import resolve
-    from parallel.checkpoint.manifest import verify_checkpoint
-    from parallel.checkpoint.hf import ExportError, export_hf, export_peft
+    from parallel.checkpoint.format.safe import CheckpointError
+    from parallel.checkpoint.format.directory import resolve
+    from parallel.checkpoint.format.manifest import verify_checkpoint
+    from parallel.checkpoint.hf.export import ExportError, export_hf, export_peft
     from parallel.checkpoint.importers import CheckpointImportError, import_checkpoint
-    from parallel.checkpoint.portable import PortableStateError
+    from parallel.checkpoint.state.portable import PortableStateError
     from parallel.files import FileError
     from parallel.spec.errors import SpecError
 
@@ -108,7 +108,7 @@ def _inspect(path, manifest) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from parallel.checkpoint.portable import tensor_shapes
+    from parallel.checkpoint.state.portable import tensor_shapes
 
     console = Console()
     # names and versions come from the checkpoint: text, never markup (a crafted '[/x]' raised)

@@ -114,16 +114,13 @@ def transient(spec, psi: float, unit: float, hidden: int | None = None) -> tuple
 def activations(cfg: dict | None, micro_batch: int, seq: int, precision: str,
                 checkpointing: bool, tp: int = 1, loss_tile: int | None = None,
                 offload: bool = False, cp: int = 1) -> float | None:
-    """Bytes a Hugging Face decoder (Llama's layout: RMSNorm, attention, gated MLP) keeps for
-    backward, counted tensor by tensor per token (docs/bench.md, "The activation model"), times
-    layers, plus the loss's log-probabilities and what is in flight at the peak. With full
-    recomputation each layer keeps its input, and one layer's whole activations exist again while
-    its backward runs. Tensor parallelism without sequence parallelism: norms stay whole on every
-    rank, projections, MLP and heads split over tp. `loss_tile` (sequence.loss_tile): one tile's
-    logits instead of the batch's. `offload` (sequence.offload_activations): what backward keeps
-    lives in host memory; the device holds the layer in flight. `cp` (topology.cp, Ulysses): each
-    rank holds seq / cp tokens (padded up) through the model; eager's scores are over the whole row
-    for a / (tp x cp) heads."""
+    """Bytes an HF decoder (Llama's layout) keeps for backward, counted tensor by tensor per token
+    (docs/bench.md, "The activation model"), times layers, plus the loss's log-probabilities and
+    what is in flight at the peak. Full recomputation: each layer's input, and one layer's whole
+    activations while its backward runs. TP without sequence parallelism: norms whole on every
+    rank, the rest split over tp. `loss_tile`: one tile's logits. `offload`
+    (sequence.offload_activations): the device holds the layer in flight. `cp` (Ulysses): seq / cp
+    tokens per rank (padded up); eager's scores over the whole row for a / (tp x cp) heads."""
     if not cfg:
         return None
     h, a, layers, vocab = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_hidden_layers"], \

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from parallel import create_engine, load_spec
-from parallel.checkpoint.manifest import verify_checkpoint
-from parallel.checkpoint.writer import WriterDied
+from parallel.checkpoint.format.manifest import verify_checkpoint
+from parallel.checkpoint.background.writer import WriterDied
 from parallel.toy import build_llama, llama_config
 
 def engine_for(spec, seed):

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from parallel import create_engine, load_spec
-from parallel.checkpoint import hf_gather
+from parallel.checkpoint.hf.export import hf_gather
 from parallel.toy import build_llama, llama_config
 
 # save_pretrained's segments, as hf_gather's 16 MiB stand to a model 16x larger: a rank's share here
@@ -26,7 +26,7 @@ SIZE = {"hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 8,
 
 def rss() -> int:
     """Resident anonymous memory (RssAnon): what a save or load holds. Pages of a checkpoint file
-    mapped to hash it (parallel/checkpoint/directory.py) are page cache, counted as RssFile and
+    mapped to hash it (parallel/checkpoint/format/directory.py) are page cache, counted as RssFile and
     evictable at any time; the whole resident set would count them."""
     with open("/proc/self/status") as f:
         for line in f:

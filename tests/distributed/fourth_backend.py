@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel.checkpoint.dcp_state import read_model_optim, write_model_optim
+from parallel.checkpoint.state.dcp_state import read_model_optim, write_model_optim
 from parallel.descriptor import BackendDescriptor, Capabilities, PlanModel, Unsupported
 from parallel.engine.core.engine import Engine
 from parallel.spec.errors import SpecError

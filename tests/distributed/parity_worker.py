@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from parallel import create_engine, load_spec
-from parallel.checkpoint.portable import read_model
+from parallel.checkpoint.state.portable import read_model
 from parallel.tools.parity.cell import one_process
 from parallel.toy import build_llama, llama_config
 
@@ -144,7 +144,7 @@ def run_case(case, phase, ckpt_root, known: dict):
     if stats is not None:
         out["compile"] = dataclasses.asdict(stats)
     if phase == "train":  # how many chunks hold each stored matrix (sharded writes one per shard)
-        from parallel.checkpoint.portable import metadata
+        from parallel.checkpoint.state.portable import metadata
 
         md = metadata(Path(ckpt)).state_dict_metadata
         out["chunks"] = max(len(md[k].chunks) for k in md if k.startswith("model.") and

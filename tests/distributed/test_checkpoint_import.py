@@ -233,7 +233,7 @@ def assembled(streamed) -> tuple[dict, dict]:
     """A streamed import's parts put together: (model, optimizer state) whole."""
     import math
 
-    from parallel.checkpoint.chunks import FlatRange
+    from parallel.checkpoint.state.chunks import FlatRange
 
     model, state = {}, {}
 

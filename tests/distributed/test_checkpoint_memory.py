@@ -2,7 +2,7 @@
 state (issues #16, #27): ZeRO-1/2/3 write and read, in place, only the ranges of each parameter their
 partition holds (backends/deepspeed/fragments.py), and FSDP1 those of its flat shards
 (backends/fsdp/flat_state.py), handed to DCP as tensors it writes without a copy
-(parallel/checkpoint/chunks.py exact_view). Measured by sampling each rank's resident anonymous
+(parallel/checkpoint/state/chunks.py exact_view). Measured by sampling each rank's resident anonymous
 memory every millisecond around `save` and `load` of a ~24M-parameter Llama with AdamW (model +
 optimizer state: 12 bytes per parameter, 282 MB). `save_pretrained` (#44, hf_gather.py) holds two
 segments of its pieces, not its files: bounded in bytes, whatever the model."""

@@ -289,7 +289,7 @@ def test_sigterm_at_the_edges(tmp_path, uninterrupted, when):
     written, and the relaunch trains from scratch. During the save of step 2, then again after step
     3: that save completes (the handler only sets a flag), the ranks agree, save once, exit 85; the
     published checkpoints all verify and the relaunch resumes bit for bit."""
-    from parallel.checkpoint.manifest import verify_checkpoint
+    from parallel.checkpoint.format.manifest import verify_checkpoint
 
     spec_file, log = spec(tmp_path, "edge"), tmp_path / "edge.jsonl"
     flags = ["--signal-step", "0"] if when == "before-first-step" else ["--signal-in-save", "2"]

@@ -183,7 +183,7 @@ def check_lora_exports(tmp, reference) -> dict[str, float]:
     from peft import PeftModel
     from transformers import LlamaForCausalLM
 
-    from parallel.checkpoint.hf import export_hf, export_peft
+    from parallel.checkpoint.hf.export import export_hf, export_peft
 
     torch.manual_seed(0)  # zoo_worker's SEED: the base model every backend started from
     z._llama().save_pretrained(tmp / "base")

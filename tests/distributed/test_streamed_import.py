@@ -80,7 +80,7 @@ def test_streamed_state_equals_the_whole_model_path_bit_for_bit(imported):
     import torch
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from parallel.checkpoint.portable import open_state, read_tensors
+    from parallel.checkpoint.state.portable import open_state, read_tensors
 
     tmp, _, _, loaded = imported
     states = {}

@@ -64,7 +64,7 @@ def hf_as_saved(engine, saved: Path) -> dict | None:
     weights read whole (None on the other ranks)."""
     from safetensors.torch import load_file
 
-    from parallel.checkpoint.hf_files import plain_weights
+    from parallel.checkpoint.hf.hf_files import plain_weights
 
     out = engine.save_pretrained(saved.with_name(saved.name + "-hf"), max_shard_bytes=40_000)
     if engine.rank != 0:
@@ -104,7 +104,7 @@ def weights_only(engine, rows, path: Path, batches) -> dict:
     """A checkpoint without optimizer state: a plain load refused first (refused before anything
     is read, so the engine is untouched). Then the weights alone: the engine's step stays 0, its
     optimizer fresh; it trains on the batches after SAVE_AT."""
-    from parallel.checkpoint.portable import stored_keys
+    from parallel.checkpoint.state.portable import stored_keys
 
     refused = None
     if "optim.param_groups" not in stored_keys(path):

@@ -1,4 +1,4 @@
-"""checkpoint.async_save's parts in one process (parallel/checkpoint/background.py, staging.py,
+"""checkpoint.async_save's parts in one process (parallel/checkpoint/background/saver.py, staging.py,
 writer.py): the staging pool reused from save to save, DTensors staged as the pieces DCP writes of
 them, the hand-over to a writer process by reference into shared memory, its answers and errors, and
 a writer that dies with its rank. The 2-rank guarantees (exact resume, `latest`, a writer killed
@@ -15,13 +15,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallel.checkpoint.background import BackgroundSaver
-from parallel.checkpoint.chunks import FlatRange, RangeSavePlanner, Shards
-from parallel.checkpoint.directory import PendingSave, partial_path
-from parallel.checkpoint.manifest import read_manifest, verify_checkpoint
-from parallel.checkpoint.portable import metadata, read_model, save_state
-from parallel.checkpoint.sink import Sink
-from parallel.checkpoint.staging import HostPool, PoolPickler, PoolUnpickler, stage
+from parallel.checkpoint.background.saver import BackgroundSaver
+from parallel.checkpoint.state.chunks import FlatRange, RangeSavePlanner, Shards
+from parallel.checkpoint.format.directory import PendingSave, partial_path
+from parallel.checkpoint.format.manifest import read_manifest, verify_checkpoint
+from parallel.checkpoint.state.portable import metadata, read_model, save_state
+from parallel.checkpoint.background.sink import Sink
+from parallel.checkpoint.background.staging import HostPool, PoolPickler, PoolUnpickler, stage
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -210,9 +210,9 @@ def test_a_background_writer_publishes_and_raises_what_failed(tmp_path, writer):
 RANK = """
 import os, signal, sys, time
 from pathlib import Path
-from parallel.checkpoint.background import BackgroundSaver
-from parallel.checkpoint.directory import PendingSave
-from parallel.checkpoint.sink import Sink
+from parallel.checkpoint.background.saver import BackgroundSaver
+from parallel.checkpoint.format.directory import PendingSave
+from parallel.checkpoint.background.sink import Sink
 
 class Busy:  # unpickled in the writer: marks that it is inside the job, then keeps it busy
     def __reduce__(self):

@@ -5,9 +5,9 @@ several writer threads, DCP's renamed .metadata included; the small files are st
 import pytest
 import torch
 
-from parallel.checkpoint.manifest import describe
-from parallel.checkpoint.portable import STATE_DIR, save_state
-from parallel.checkpoint.sink import Sink
+from parallel.checkpoint.format.manifest import describe
+from parallel.checkpoint.state.portable import STATE_DIR, save_state
+from parallel.checkpoint.background.sink import Sink
 
 
 @pytest.mark.parametrize("threads", [1, 3])
@@ -38,7 +38,7 @@ def test_pages_go_to_the_disk_while_the_file_is_written(tmp_path, monkeypatch):
     """Every WRITEBACK_BYTES a durable state file's new range is handed to the kernel's writeback,
     front to back without gaps; the digests stay the bytes' own; a staging copy (durable=False)
     hands nothing."""
-    from parallel.checkpoint import state_files
+    from parallel.checkpoint.state import state_files
 
     real, calls = state_files.sync_file_range(), []
     assert real is not None  # Linux: the call the writer uses exists
@@ -91,6 +91,6 @@ def test_state_files_are_written_without_zip_crcs_that_torch_load_never_checks(t
             at = raw.find(b"PK\x03\x04", at + 4)
     assert headers >= 4
     loaded = {"model": {k: torch.empty_like(v) for k, v in _state(2)["model"].items()}}
-    from parallel.checkpoint.portable import load_state
+    from parallel.checkpoint.state.portable import load_state
     load_state(loaded, tmp_path, collective=False)
     assert all(torch.equal(loaded["model"][k], v) for k, v in _state(2)["model"].items())

@@ -1,4 +1,4 @@
-"""A contiguous range of a flattened tensor as rectangular chunks (parallel/checkpoint/chunks.py):
+"""A contiguous range of a flattened tensor as rectangular chunks (parallel/checkpoint/state/chunks.py):
 the blocks cover exactly the range, in order, with at most 2(d-1)+1 of them; DCP reads a stored
 tensor into any range in place."""
 
@@ -7,8 +7,8 @@ import random
 
 import torch
 
-from parallel.checkpoint import portable as ps
-from parallel.checkpoint.chunks import FlatRange, blocks
+from parallel.checkpoint.state import portable as ps
+from parallel.checkpoint.state.chunks import FlatRange, blocks
 
 
 def covered(shape, blks) -> list[int]:

@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from parallel.checkpoint.safe import CheckpointError
-from parallel.checkpoint.manifest import verify_checkpoint
-from parallel.checkpoint.directory import write_checkpoint
+from parallel.checkpoint.format.safe import CheckpointError
+from parallel.checkpoint.format.manifest import verify_checkpoint
+from parallel.checkpoint.format.directory import write_checkpoint
 from parallel.engine.data.resumable import ResumableLoader, ResumableSampler
 
 

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 from parallel import create_engine, load_spec
-from parallel.checkpoint.manifest import read_manifest
-from parallel.checkpoint.portable import read_model, save_state
+from parallel.checkpoint.format.manifest import read_manifest
+from parallel.checkpoint.state.portable import read_model, save_state
 from parallel.engine.state.checkpointing import Checkpointer
 from parallel.engine.state.user_state import UserState
 from parallel.engine.watch.preempt import REQUEUE_EXIT, AgreedFlag, Preempted, Preemption

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from parallel.checkpoint import portable as ps
-from parallel.checkpoint.manifest import FORMAT_VERSION, READS, verify_checkpoint
-from parallel.checkpoint.safe import CheckpointError
+from parallel.checkpoint.state import portable as ps
+from parallel.checkpoint.format.manifest import FORMAT_VERSION, READS, verify_checkpoint
+from parallel.checkpoint.format.safe import CheckpointError
 from parallel.toy import build_llama, llama_config
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "ckpt-v1"

@@ -11,10 +11,10 @@ from kept_views import assert_same_views
 
 from backends.fsdp import flat_state
 from parallel import create_engine, load_spec
-from parallel.checkpoint import optim_state
-from parallel.checkpoint import portable as ps
-from parallel.checkpoint.dcp_state import write_model_optim
-from parallel.checkpoint.sink import Sink
+from parallel.checkpoint.state import optim_state
+from parallel.checkpoint.state import portable as ps
+from parallel.checkpoint.state.dcp_state import write_model_optim
+from parallel.checkpoint.background.sink import Sink
 from parallel.toy import build_llama, llama_config
 
 

@@ -6,7 +6,7 @@ import json
 import torch
 from safetensors.torch import load_file
 
-from parallel.checkpoint.hf_files import write_hf
+from parallel.checkpoint.hf.hf_files import write_hf
 
 
 def weights():

@@ -1,4 +1,4 @@
-"""save_pretrained's gathered path (#44 item 3, parallel/checkpoint/hf_gather.py) in one process: the
+"""save_pretrained's gathered path (#44 item 3, parallel/checkpoint/hf/hf_gather.py) in one process: the
 safetensors writer gives safetensors' own bytes, a world-1 engine's files equal save_file of its model's
 tensors byte for byte (a tied model, many files, many segments), blocks of any shape are written where
 their chunk says, and a missing piece is refused. Every backend at 2 ranks, each writing into the
@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import save_file
 
 from parallel import create_engine, load_spec
-from parallel.checkpoint import hf_gather
-from parallel.checkpoint.hf_files import write_safetensors
+from parallel.checkpoint.hf.export import hf_gather
+from parallel.checkpoint.hf.hf_files import write_safetensors
 from parallel.toy import build_llama, llama_config
 
 
@@ -92,9 +92,9 @@ def test_blocks_written_in_place_in_any_order_give_the_tensors(tmp_path, monkeyp
     to the disk's writeback."""
     from safetensors.torch import load_file
 
-    from parallel.checkpoint import state_files
-    from parallel.checkpoint.directory import partial_path
-    from parallel.checkpoint.hf_files import SafetensorsFile, safetensors_layout
+    from parallel.checkpoint.state import state_files
+    from parallel.checkpoint.format.directory import partial_path
+    from parallel.checkpoint.hf.hf_files import SafetensorsFile, safetensors_layout
 
     calls = []
     monkeypatch.setattr(state_files, "sync_file_range", lambda: lambda *a: calls.append(a[1:]))

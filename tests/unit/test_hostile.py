@@ -15,8 +15,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from budgets import within
 
-from parallel.checkpoint.directory import publish, resolve, write_checkpoint
-from parallel.checkpoint.safe import CheckpointError
+from parallel.checkpoint.format.directory import publish, resolve, write_checkpoint
+from parallel.checkpoint.format.safe import CheckpointError
 from parallel.cli.main import main
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "ckpt-v1"
@@ -124,7 +124,7 @@ def test_latest_and_tag_pointers_stay_inside(tmp_path, capsys):
 def _write(path: Path, names: dict, step=1):
     """A polyshard checkpoint (format 2) holding `names` as parameters with Adam state."""
     def files(sink):
-        from parallel.checkpoint.portable import save_state
+        from parallel.checkpoint.state.portable import save_state
 
         save_state({"model": {n: torch.ones(2) for n in names},
                     "optim": {"state": {n: {"exp_avg": torch.zeros(2), "step": torch.tensor(1.0)}

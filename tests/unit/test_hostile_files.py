@@ -1,6 +1,6 @@
 """Files from a stranger, round two (docs/security.md): what was added since the first round reads,
 writes and imports only what it should. A checkpoint's small files through the one reader
-(parallel/checkpoint/contents.py: listed, inside, no link, bounded, parsed into a schema), `latest`'s
+(parallel/checkpoint/format/contents.py: listed, inside, no link, bounded, parsed into a schema), `latest`'s
 fallback and keep_last, tracker run files, tokenizers and PEFT configs as data, model sizes bounded by
 their product, stores on loopback, numbers on the command line and in imported configs. Each case
 asserts that nothing ran, nothing outside changed, nothing of the user's was lost, and that the CLI
@@ -19,8 +19,8 @@ import pytest
 import torch
 from budgets import within
 
-from parallel.checkpoint.directory import publish, resolve
-from parallel.checkpoint.safe import UnsafeFileError
+from parallel.checkpoint.format.directory import publish, resolve
+from parallel.checkpoint.format.safe import UnsafeFileError
 from parallel.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""LiveState (parallel/checkpoint/dcp_state.py): FSDP2's sharded state as torch's get_state_dict gives
+"""LiveState (parallel/checkpoint/state/dcp_state.py): FSDP2's sharded state as torch's get_state_dict gives
 it, handed out again while it is still live. After steps and a learning-rate change the reused state
 is what torch computes now (names, order, tensors over the same storage, hyper-parameters); a replaced
 optimizer tensor and a parameter moved to new storage are seen; an optimizer with a state_dict of
@@ -8,7 +8,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from parallel import create_engine, load_spec
-from parallel.checkpoint.dcp_state import LiveState
+from parallel.checkpoint.state.dcp_state import LiveState
 from parallel.toy import build_llama, llama_config
 
 

@@ -7,15 +7,15 @@ import pytest
 import torch
 
 from backends.xla.layout import member_ranges, shard_of, split_members
-from parallel.checkpoint.directory import publish, resolve, write_checkpoint
-from parallel.checkpoint.portable import (
+from parallel.checkpoint.format.directory import publish, resolve, write_checkpoint
+from parallel.checkpoint.state.portable import (
     PortableStateError,
     clean_name,
     load_state,
     read_model,
     save_state,
 )
-from parallel.checkpoint.optim_state import merge_groups, optim_by_name, optim_for_torch
+from parallel.checkpoint.state.optim_state import merge_groups, optim_by_name, optim_for_torch
 
 
 def test_wrapper_parts_are_stripped_from_names():
@@ -121,7 +121,7 @@ def test_cached_plans_write_this_saves_values_and_a_changed_layout_is_planned_ag
     cached plan."""
     from torch.distributed.checkpoint.planner import SavePlanner
 
-    from parallel.checkpoint.sink import Sink
+    from parallel.checkpoint.background.sink import Sink
 
     sections = ("model",)  # a key of its own: other tests' saves do not touch it
     key = "polyshard:model:1:files"

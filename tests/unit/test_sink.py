@@ -1,4 +1,4 @@
-"""Checkpoint writes go through an explicit Sink (parallel/checkpoint/sink.py): what one save wrote
+"""Checkpoint writes go through an explicit Sink (parallel/checkpoint/background/sink.py): what one save wrote
 and queued is its own, whatever else is in flight, and parallel/checkpoint/ keeps no module-level
 mutable state that could route one save's files into another's."""
 
@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch
 
-from parallel.checkpoint.directory import finish_checkpoint, begin_checkpoint
-from parallel.checkpoint.manifest import read_manifest
-from parallel.checkpoint.portable import STATE_DIR, load_state, save_state, write_queued
-from parallel.checkpoint.sink import Sink
+from parallel.checkpoint.format.directory import finish_checkpoint, begin_checkpoint
+from parallel.checkpoint.format.manifest import read_manifest
+from parallel.checkpoint.state.portable import STATE_DIR, load_state, save_state, write_queued
+from parallel.checkpoint.background.sink import Sink
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -66,7 +66,7 @@ def test_a_dcp_checkpoint_imported_in_parts_equals_the_whole_import(tmp_path):
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from parallel.checkpoint.importers import _load_keys, dcp_parts, import_checkpoint, read_dcp
-    from parallel.checkpoint.portable import STATE_DIR, SafeReader
+    from parallel.checkpoint.state.portable import STATE_DIR, SafeReader
     from parallel.toy import build_llama, llama_config
 
     torch.manual_seed(0)
@@ -139,7 +139,7 @@ def test_xla_shard_files_imported_rank_by_rank_equal_torch_xlas_consolidation(tm
 
     from backends.xla.native_checkpoint import read_xla
     from parallel.checkpoint.importers import CheckpointImportError, _load_keys, import_checkpoint
-    from parallel.checkpoint.portable import STATE_DIR, SafeReader
+    from parallel.checkpoint.state.portable import STATE_DIR, SafeReader
     from parallel.files import FileError
 
     saved, tensors = xla_world1()

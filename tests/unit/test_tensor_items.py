@@ -1,4 +1,4 @@
-"""DCP's items read once per distinct pickle (parallel/checkpoint/tensor_items.py): every tensor equal
+"""DCP's items read once per distinct pickle (parallel/checkpoint/state/tensor_items.py): every tensor equal
 to what torch.load gives, dtype, shape, strides and storage offset included; a later item with the
 same pickle reads its own values; what the view cannot hold falls back to torch.load; a damaged item
 is refused naming its file; a whole DCP checkpoint reads the same through SafeReader as through
@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from parallel.checkpoint.portable import SafeReader, dcp_load
-from parallel.checkpoint.safe import UnsafeFileError
-from parallel.checkpoint.tensor_items import TensorItems
+from parallel.checkpoint.state.portable import SafeReader, dcp_load
+from parallel.checkpoint.format.safe import UnsafeFileError
+from parallel.checkpoint.state.tensor_items import TensorItems
 
 
 def saved(t) -> bytes:
@@ -94,7 +94,7 @@ def test_a_code_pickle_and_an_item_beyond_its_file_are_refused_by_name(tmp_path)
         def __reduce__(self):
             return (print, ("ran",))
 
-    from parallel.checkpoint.safe import torch_load
+    from parallel.checkpoint.format.safe import torch_load
 
     with pytest.raises(UnsafeFileError, match="crafted item: refused.*load print"):
         TensorItems(torch_load).load(saved(Code()), "crafted item")  # as SafeReader hands it over

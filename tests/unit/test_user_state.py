@@ -40,7 +40,7 @@ def test_host_copy_is_detached_from_later_steps():
 
 def test_saved_and_restored_with_the_checkpoint(tmp_path):
     from parallel import create_engine, load_spec
-    from parallel.checkpoint.safe import UnsafeFileError
+    from parallel.checkpoint.format.safe import UnsafeFileError
     from parallel.toy import build_llama, llama_config
 
     engine = create_engine(load_spec({"backend": "fsdp", "micro_batch_size": 2}))

@@ -1,6 +1,6 @@
 """The engine's checkpointing part: save / load in the portable format (docs/checkpoint-format.md),
 periodic saves into `checkpoint.dir`, and `resume: auto` after a restart. It owns the background
-saver; every file of a save goes through that save's `Sink` (parallel/checkpoint/sink.py)."""
+saver; every file of a save goes through that save's `Sink` (parallel/checkpoint/background/sink.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Protocol
 
 from parallel import dist as pdist
 from parallel.heap import paused_gc
-from parallel.checkpoint.background import BackgroundSaver
-from parallel.checkpoint.directory import (
+from parallel.checkpoint.background.saver import BackgroundSaver
+from parallel.checkpoint.format.directory import (
     begin_checkpoint,
     PendingSave,
     ensure_replaceable,
@@ -22,12 +22,12 @@ from parallel.checkpoint.directory import (
     remove_ours,
     resolve,
 )
-from parallel.checkpoint.manifest import Verification
-from parallel.checkpoint.hf import hf_config_json, peft_config_json
-from parallel.checkpoint.contents import Contents
-from parallel.checkpoint.safe import NUMPY_ARRAY
-from parallel.checkpoint.schemas import TrainerState
-from parallel.checkpoint.sink import Sink
+from parallel.checkpoint.format.manifest import Verification
+from parallel.checkpoint.hf.export import hf_config_json, peft_config_json
+from parallel.checkpoint.format.contents import Contents
+from parallel.checkpoint.format.safe import NUMPY_ARRAY
+from parallel.checkpoint.format.schemas import TrainerState
+from parallel.checkpoint.background.sink import Sink
 from parallel.engine.state import pretrained
 from parallel.engine.state.resuming import resume
 
@@ -89,7 +89,7 @@ class Checkpointer:
         where the process group cannot sum their counts (torch_xla's), and for a PEFT
         run's adapter, through a staging checkpoint beside `directory` (pretrained.py).
         `durable`: the weight files are fsynced."""
-        from parallel.checkpoint.hf_gather import collective_device
+        from parallel.checkpoint.hf.hf_gather import collective_device
 
         e, out = self.engine, Path(directory)
         with paused_gc():

@@ -9,9 +9,9 @@ import json
 import shutil
 from pathlib import Path
 
-from parallel.checkpoint.directory import begin_checkpoint
-from parallel.checkpoint.hf import hf_config_json, peft_config_json
-from parallel.checkpoint.sink import Sink
+from parallel.checkpoint.format.directory import begin_checkpoint
+from parallel.checkpoint.hf.export import hf_config_json, peft_config_json
+from parallel.checkpoint.background.sink import Sink
 
 
 def hf_config(model) -> dict:
@@ -25,8 +25,8 @@ def hf_config(model) -> dict:
 def gathered(engine, write, out: Path, max_shard_bytes: int | None, durable: bool, device) -> None:
     """`write(sink)`: the backend's portable save, here of the model section into a Capture (DCP
     plans it; no file is written), whose pieces write_gathered writes in place."""
-    from parallel.checkpoint.hf_files import weight_dtype
-    from parallel.checkpoint.hf_gather import Capture, write_gathered
+    from parallel.checkpoint.hf.hf_files import weight_dtype
+    from parallel.checkpoint.hf.hf_gather import Capture, write_gathered
 
     cfg, dtype = hf_config(engine.model), weight_dtype(engine.spec.precision)
     engine.check_finite(wait=True)
@@ -42,7 +42,7 @@ def staged(engine, write, save, out: Path, max_shard_bytes: int | None, durable:
     files from them (write_hf's `part`); a PEFT run's main rank writes the adapter from a whole
     staged checkpoint (`save`: the engine's own, without `latest`). The staging directory,
     polyshard's own, is removed."""
-    from parallel.checkpoint.hf import export_peft, plain_weights, write_hf
+    from parallel.checkpoint.hf.export import export_peft, plain_weights, write_hf
 
     staging = out.parent / f".{out.name}.polyshard-state"
     peft = peft_config_json(engine.model) is not None

@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from parallel.checkpoint.directory import LATEST, STEP_NAME, resolve, step_checkpoint
-from parallel.checkpoint.manifest import Verification
-from parallel.checkpoint.safe import CheckpointError
+from parallel.checkpoint.format.directory import LATEST, STEP_NAME, resolve, step_checkpoint
+from parallel.checkpoint.format.manifest import Verification
+from parallel.checkpoint.format.safe import CheckpointError
 
 
 class ResumeError(CheckpointError):

@@ -90,8 +90,8 @@ def hf_times(engine, root: Path) -> dict:
     same weights alone (every rank its shards, fsynced: DCP's own writer), medians of five after
     an untimed round; rank 0 adds the safetensors' bytes and GB/s. {} for a model without a
     Hugging Face config."""
-    from parallel.checkpoint.hf import hf_config_json
-    from parallel.checkpoint.sink import Sink
+    from parallel.checkpoint.hf.export import hf_config_json
+    from parallel.checkpoint.background.sink import Sink
     from parallel.tools.bench.disk import tree_bytes
 
     if hf_config_json(engine.model) is None:

@@ -24,8 +24,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystem
 import xxhash
 
-from parallel.checkpoint.manifest import DIGEST
-from parallel.checkpoint.sink import Sink
+from parallel.checkpoint.format.manifest import DIGEST
+from parallel.checkpoint.background.sink import Sink
 
 WRITEBACK_BYTES = 32 << 20  # a state file's pages handed to the disk every 32 MiB written
 SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of the range's dirty pages, do not wait
@@ -141,7 +141,7 @@ class DigestingFileSystem(FileSystem):
 
 class RecordingWriter(dcp.FileSystemWriter):
     """DCP's file writer into `directory`, telling the save's sink which files this rank wrote and
-    their digests as they were written (each rank's own: parallel/checkpoint/directory.py), with
+    their digests as they were written (each rank's own: parallel/checkpoint/format/directory.py), with
     checkpoint.write_threads threads."""
 
     def __init__(self, sink: Sink, directory: Path):

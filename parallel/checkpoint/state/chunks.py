@@ -139,7 +139,7 @@ class Shards:
     """A rank's pieces of a sharded tensor (a DTensor's local shard, a ShardedTensor's local shards)
     as DCP writes them: the tensor's own write items (chunks, properties, global shape), each with a
     copy of its data, and nothing else: no device mesh, process group or device behind them. A
-    background writer, a thread or another process (background.py), writes exactly what DCP
+    background writer, a thread or another process (background/saver.py), writes exactly what DCP
     would have written of the original (same keys, chunks and metadata)."""
 
     def __init__(self, shape: torch.Size, pieces: list[tuple[ChunkStorageMetadata, TensorProperties,

@@ -19,14 +19,14 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from parallel.checkpoint.safe import (
+from parallel.checkpoint.format.safe import (
     TABLE_LIMIT,
     CheckpointError,
     UnsafeFileError,
     load_json,
     relative_inside,
 )
-from parallel.checkpoint.schemas import Manifest, parse
+from parallel.checkpoint.format.schemas import Manifest, parse
 
 FORMAT_VERSION = 2
 READS = (1, 2)  # format versions this polyshard loads (tests/unit/test_format_versions.py)

@@ -1,4 +1,4 @@
-"""Staging for `checkpoint.async_save` (background.py): a copy of this rank's state in host memory
+"""Staging for `checkpoint.async_save` (saver.py): a copy of this rank's state in host memory
 that no later step can change, made into a `HostPool` kept from one save to the next. `stage` finds
 the tensors (DTensor shards, ZeRO and FSDP1 ranges, whole tensors: only what this rank holds,
 O(model / N)) and places each in the pool; buffers are copied at once, the rest while the next
@@ -16,7 +16,7 @@ import torch
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 
-from parallel.checkpoint.chunks import FlatRange, Shards
+from parallel.checkpoint.state.chunks import FlatRange, Shards
 
 ALIGN = 64  # bytes: every staged tensor starts on a cache line (and any dtype's alignment)
 
@@ -252,7 +252,7 @@ class PoolUnpickler(pickle.Unpickler):
         self.segments = segments
 
     def find_class(self, module: str, name: str):
-        if (module, name) == ("parallel.checkpoint.staging", "_staged"):
+        if (module, name) == ("parallel.checkpoint.background.staging", "_staged"):
             return self._view
         return super().find_class(module, name)
 

@@ -1,4 +1,4 @@
-"""Portable state (parallel/checkpoint/portable.py) for modules torch's `get_state_dict` understands:
+"""Portable state (parallel/checkpoint/state/portable.py) for modules torch's `get_state_dict` understands:
 plain modules, FSDP1 and FSDP2. It strips wrapper prefixes (`_fsdp_wrapped_module`,
 `_checkpoint_wrapped_module`) and keys optimizer state by parameter name, which is exactly the
 portable layout. `LiveState` hands its sharded state out again while it still is the live state."""
@@ -17,10 +17,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from parallel.checkpoint.chunks import Kept
-from parallel.checkpoint.optim_state import groups_template, merge_groups
-from parallel.checkpoint.portable import load_state, open_state, save_state
-from parallel.checkpoint.sink import Sink
+from parallel.checkpoint.state.chunks import Kept
+from parallel.checkpoint.state.optim_state import groups_template, merge_groups
+from parallel.checkpoint.state.portable import load_state, open_state, save_state
+from parallel.checkpoint.background.sink import Sink
 
 
 def write_model_optim(sink: Sink, model, optimizer, sharded: bool, rank: int,

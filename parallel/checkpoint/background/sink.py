@@ -3,7 +3,7 @@
 A `Sink` is one checkpoint being written by one rank: its temporary directory, the files this rank
 wrote there (each rank hashes and fsyncs its own: directory.finish_checkpoint), and how state is
 written: at once, or (checkpoint.async_save) copied to host memory now and written later by the
-background writer, a thread or a process (background.py; the copies: staging.py). Nothing about
+background writer, a thread or a process (saver.py; the copies: staging.py). Nothing about
 a save in flight lives in a module global, so two saves in flight, or a save on another thread, each
 keep their own list and queue.
 """
@@ -79,7 +79,7 @@ class Sink:
     def queue(self, state: dict, planner, collective: bool) -> None:
         """A host copy of `state` (this rank's part only: O(model / N)) that no later training step
         can change, written by portable.write_queued."""
-        from parallel.checkpoint.staging import stage
+        from parallel.checkpoint.background.staging import stage
 
         self.queued.append((stage(state, self.pool, self.now), planner, collective))
 

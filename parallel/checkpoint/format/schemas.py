@@ -147,7 +147,7 @@ def parse(schema, data, file: Path, what: str):
     UnsafeFileError naming the file, the field and the rule."""
     from pydantic import TypeAdapter, ValidationError
 
-    from parallel.checkpoint.safe import UnsafeFileError
+    from parallel.checkpoint.format.safe import UnsafeFileError
 
     try:
         return TypeAdapter(schema).validate_python(data)

@@ -1,5 +1,5 @@
 """The Hugging Face side of an export: weights read from a checkpoint's DCP state and written as
-safetensors shards with their index, config.json and generation config (hf.py decides what is
+safetensors shards with their index, config.json and generation config (export.py decides what is
 exported; `ckpt export --to hf`, and save_pretrained where it stages a checkpoint (a PEFT run's
 adapter, XLA), write through `write_hf`; every other save_pretrained writes each rank's pieces in
 place: hf_gather.py)."""
@@ -14,9 +14,9 @@ from types import MappingProxyType
 
 import torch
 
-from parallel.checkpoint.directory import partial_path, remove_ours
-from parallel.checkpoint.portable import open_state, read_tensors, tensor_shapes
-from parallel.checkpoint.streamed import in_parts
+from parallel.checkpoint.format.directory import partial_path, remove_ours
+from parallel.checkpoint.state.portable import open_state, read_tensors, tensor_shapes
+from parallel.checkpoint.state.streamed import in_parts
 from parallel.files import write_atomic
 
 

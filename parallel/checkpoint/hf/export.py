@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from parallel.checkpoint.contents import Contents
-from parallel.checkpoint.directory import resolve
-from parallel.checkpoint.hf_files import (  # noqa: F401 - ExportError, DTYPES: this module's API too
+from parallel.checkpoint.format.contents import Contents
+from parallel.checkpoint.format.directory import resolve
+from parallel.checkpoint.hf.hf_files import (  # noqa: F401 - ExportError, DTYPES: this module's API too
     DTYPES,
     MAX_SHARD_BYTES,
     ExportError,
@@ -30,11 +30,11 @@ from parallel.checkpoint.hf_files import (  # noqa: F401 - ExportError, DTYPES: 
     plain_weights,
     write_hf,
 )
-from parallel.checkpoint.manifest import verify_checkpoint
-from parallel.checkpoint.safe import UnsafeFileError
-from parallel.checkpoint.schemas import PeftFile
-from parallel.checkpoint.tokenizer import check_tokenizer_dir, save_tokenizer
-from parallel.checkpoint.portable import open_state, read_tensors, tensor_shapes
+from parallel.checkpoint.format.manifest import verify_checkpoint
+from parallel.checkpoint.format.safe import UnsafeFileError
+from parallel.checkpoint.format.schemas import PeftFile
+from parallel.checkpoint.format.tokenizer import check_tokenizer_dir, save_tokenizer
+from parallel.checkpoint.state.portable import open_state, read_tensors, tensor_shapes
 
 PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the Hugging Face model
 

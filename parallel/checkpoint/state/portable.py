@@ -28,10 +28,10 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from parallel.checkpoint.chunks import RangeLoadPlanner, RangeSavePlanner
-from parallel.checkpoint.sink import Sink
-from parallel.checkpoint.safe import safe_reader_class
-from parallel.checkpoint.state_files import RecordingWriter, no_zip_crc
+from parallel.checkpoint.state.chunks import RangeLoadPlanner, RangeSavePlanner
+from parallel.checkpoint.background.sink import Sink
+from parallel.checkpoint.format.safe import safe_reader_class
+from parallel.checkpoint.state.state_files import RecordingWriter, no_zip_crc
 from parallel.files import FileError
 from parallel.engine.model.params import clean_name  # noqa: F401 - state code names things by it
 
@@ -39,7 +39,7 @@ STATE_DIR = "state"
 
 
 class SafeReader(safe_reader_class(dcp.FileSystemReader)):
-    """DCP's reader with its index and byte entries read as data (parallel/checkpoint/safe.py): DCP
+    """DCP's reader with its index and byte entries read as data (parallel/checkpoint/format/safe.py): DCP
     itself unpickles both with full pickle. The index (O(keys x writers)) is parsed once per reader:
     a converter that reads a few keys per call would otherwise parse all of it on every call."""
 

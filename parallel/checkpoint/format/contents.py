@@ -16,9 +16,9 @@ import os
 import stat
 from pathlib import Path
 
-from parallel.checkpoint.manifest import HASHES, MANIFEST, typed_table
-from parallel.checkpoint.schemas import parse
-from parallel.checkpoint.safe import (
+from parallel.checkpoint.format.manifest import HASHES, MANIFEST, typed_table
+from parallel.checkpoint.format.schemas import parse
+from parallel.checkpoint.format.safe import (
     TABLE_LIMIT,
     UnsafeFileError,
     load_json,

@@ -2,7 +2,7 @@
 
 Layout (format version 2, docs/checkpoint-format.md): `manifest.json` and `hashes/rank{r}.json` (what a
 complete checkpoint is, and its verification: manifest.py), `state/` (model and optimizer state as
-torch DCP, keyed by the original model's parameter names: parallel/checkpoint/portable.py),
+torch DCP, keyed by the original model's parameter names: parallel/checkpoint/state/portable.py),
 `trainer.pt` (step, scheduler, data position), `rng/rank{r}.pt`, and `hf_config.json` for Hugging Face
 models. Next to the checkpoints, `latest` names the newest complete one; it is replaced last.
 """
@@ -19,15 +19,15 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from parallel.checkpoint.manifest import (
+from parallel.checkpoint.format.manifest import (
     FORMAT_VERSION,
     HASHES,
     MANIFEST,
     describe,
     read_manifest,
 )
-from parallel.checkpoint.safe import CheckpointError, UnsafeFileError, child_name, read_text
-from parallel.checkpoint.sink import Sink
+from parallel.checkpoint.format.safe import CheckpointError, UnsafeFileError, child_name, read_text
+from parallel.checkpoint.background.sink import Sink
 from parallel.files import write_atomic
 
 STEP_NAME = re.compile(r"step-\d{1,18}")  # the checkpoints maybe_save writes, and keep_last may remove
@@ -67,7 +67,7 @@ class PendingSave:
     opened: bool  # sink.tmp made already (a synchronous save, which wrote its state into it)
 
     def run(self) -> None:
-        from parallel.checkpoint.portable import write_queued
+        from parallel.checkpoint.state.portable import write_queued
 
         if not self.opened:  # the writer's own barrier: none is left in the step's path
             begin_checkpoint(self.path, self.rank, self.sink.group)

@@ -1,4 +1,4 @@
-"""DCP's items read at the disk's speed (#44), for SafeReader (parallel/checkpoint/safe.py).
+"""DCP's items read at the disk's speed (#44), for SafeReader (parallel/checkpoint/format/safe.py).
 
 torch's FileSystemReader reads each item through a bounded wrapper over the file, in plan order,
 and unpickles every tensor item with `torch.load(weights_only=True)`: a zip archive parsed and a

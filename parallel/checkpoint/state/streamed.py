@@ -18,11 +18,11 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable
 
-from parallel.checkpoint.chunks import RangeSavePlanner
+from parallel.checkpoint.state.chunks import RangeSavePlanner
 from parallel.heap import young_heap
-from parallel.checkpoint.portable import STATE_DIR, _quiet_dcp, as_written
-from parallel.checkpoint.sink import Sink
-from parallel.checkpoint.state_files import RecordingWriter, no_zip_crc
+from parallel.checkpoint.state.portable import STATE_DIR, _quiet_dcp, as_written
+from parallel.checkpoint.background.sink import Sink
+from parallel.checkpoint.state.state_files import RecordingWriter, no_zip_crc
 
 
 def in_parts(items: list, nbytes: Callable[[object], int], budget: int) -> list[list]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from parallel.checkpoint.portable import (
+from parallel.checkpoint.state.portable import (
     STATE_DIR,
     PortableStateError,
     SafeReader,

@@ -2,7 +2,7 @@
 
 A thread in the training process shares its interpreter lock: DCP's planning, torch.save's
 serialisation and the hashing hold it in slices the steps beside the write wait for (torch's
-`AsyncCheckpointerType.PROCESS` exists for this). The writer, `python -m parallel.checkpoint.writer
+`AsyncCheckpointerType.PROCESS` exists for this). The writer, `python -m parallel.checkpoint.background.writer
 FD PID`, is started at the first async save and kept until `close`; it talks to its rank over a
 socket pair and joins the other writers in a gloo group through the job's store (nothing listens).
 
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from parallel.checkpoint.staging import PoolPickler, PoolUnpickler
+from parallel.checkpoint.background.staging import PoolPickler, PoolUnpickler
 
 _HEAD = struct.Struct("!QI")  # payload bytes, memory files sent with it
 MAX_FDS = 250  # Linux passes at most 253 descriptors in one message (SCM_MAX_FD)
@@ -69,7 +69,7 @@ class WriterProcess:
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
         proc = subprocess.Popen(
-            [sys.executable, "-P", "-m", "parallel.checkpoint.writer", str(theirs.fileno()),
+            [sys.executable, "-P", "-m", "parallel.checkpoint.background.writer", str(theirs.fileno()),
              str(os.getpid())], pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
         theirs.close()
         _send(ours, pickle.dumps(init))  # read once the writer has imported torch; we go on

@@ -40,15 +40,15 @@ from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter
 from torch.futures import Future
 
-from parallel.checkpoint.directory import partial_path
-from parallel.checkpoint.hf_files import (
+from parallel.checkpoint.format.directory import partial_path
+from parallel.checkpoint.hf.hf_files import (
     SafetensorsFile,
     safetensors_layout,
     shard_files,
     write_configs,
     write_index,
 )
-from parallel.checkpoint.state_files import Writeback
+from parallel.checkpoint.state.state_files import Writeback
 
 SEGMENT_BYTES = 16 << 20  # a piece is cast (or copied off the device) and written this much at a time
 HINT_BYTES = 1 << 20  # a write of this much or more is handed to the disk's writeback at once

@@ -20,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch.distributed as dist
 
-from parallel.checkpoint.staging import HostPool
+from parallel.checkpoint.background.staging import HostPool
 
 
 class BackgroundSaver:
@@ -60,7 +60,7 @@ class BackgroundSaver:
             raise RuntimeError(f"an earlier async save could not copy its state ({self.failed}); "
                                "save synchronously (async_save=False) or restart the job")
         if self.writer == "process":
-            from parallel.checkpoint.writer import WriterProcess
+            from parallel.checkpoint.background.writer import WriterProcess
 
             self._process = self._process or WriterProcess.start(job.rank, self.timeout_s)
             # pickled before the copies start: on a host whose cores the ranks already hold, the
