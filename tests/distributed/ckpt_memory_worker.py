@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from parallel import create_engine, load_spec
-from parallel.checkpoint.hf.export import hf_gather
+from parallel.checkpoint.hf import hf_gather
 from parallel.toy import build_llama, llama_config
 
 # save_pretrained's segments, as hf_gather's 16 MiB stand to a model 16x larger: a rank's share here

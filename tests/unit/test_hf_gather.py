@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from parallel import create_engine, load_spec
-from parallel.checkpoint.hf.export import hf_gather
+from parallel.checkpoint.hf import hf_gather
 from parallel.checkpoint.hf.hf_files import write_safetensors
 from parallel.toy import build_llama, llama_config
 
