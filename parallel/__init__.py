@@ -6,7 +6,9 @@ backends (backends/) -> the core: spec/ (the spec and its rules), engine/ (the e
 implements), checkpoint/ (the portable format), dist.py (the process group), descriptor.py (what a
 backend declares), interop/ (other tools' files: kits, and dispatchers that pick a backend),
 files.py (bounded readers), heap.py (Python's garbage collector around saves, loads and
-libraries' wraps), envinfo.py (facts of the host), toy.py (the demo's model and data).
+libraries' wraps), envinfo.py (facts of the host), and below them all kits/ (pure helpers every layer
+may use: parameter names, sizes, the objective's counts, model limits); toy.py (the demo's model and
+data) sits with the tools.
 
 Importing this package needs neither deepspeed nor torch_xla: backends load lazily through the registry.
 Its names load on first use, so a process that imports only `parallel.launch.agent` (torchrun's agent

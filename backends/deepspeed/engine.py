@@ -36,7 +36,7 @@ from backends.deepspeed.state import (
 )
 from backends.deepspeed.translate import STAGES, fill_model_autos, translate
 from parallel import dist as pdist
-from parallel.checkpoint.background.sink import Sink
+from parallel.checkpoint.state.sink import Sink
 from parallel.checkpoint.state import portable as ps
 from parallel.checkpoint.state.dcp_state import read_model_optim, write_model_optim
 from parallel.engine.core.engine import Engine

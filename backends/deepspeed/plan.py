@@ -11,7 +11,7 @@ stage3_max_live_parameters (2 Psi), 3 Psi beyond.
 from __future__ import annotations
 
 from backends.deepspeed.translate import STAGES, fill_sized, model_sized, translate
-from parallel.tools.sizes import flat, numel
+from parallel.kits.sizes import flat, numel
 
 
 def model_states(spec, shapes, n: int, low: int, opt: int) -> tuple[float, float, float]:

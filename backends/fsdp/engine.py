@@ -25,14 +25,14 @@ from backends.fsdp.parallelize import (
 )
 from backends.fsdp.translate import translate
 from parallel.checkpoint.state.dcp_state import LiveState, read_model_optim, write_model_optim
-from parallel.checkpoint.background.sink import Sink
+from parallel.checkpoint.state.sink import Sink
 from parallel.engine.core.engine import Engine
 from parallel.engine.core.step import OptimizerArg, clip_grad_norm, require_fp32
 from parallel.engine.model.tp_plan import resolve_plan
 from parallel.engine.model.wrap import apply_ac, at_unit_places, plan_wrap
 from parallel.spec.errors import SpecError
 from parallel.spec.model import Spec
-from parallel.tools.measurable import ModuleStateTensors
+from parallel.kits.measurable import ModuleStateTensors
 
 DP = ("dp_replicate", "dp_shard")  # the mesh dims FSDP1 shards and replicates over (no tp)
 

@@ -24,7 +24,7 @@ import torch
 from parallel.checkpoint.state import optim_state
 from parallel.checkpoint.state import portable as ps
 from parallel.checkpoint.state.chunks import FlatRange, Kept
-from parallel.engine.model.params import clean_name
+from parallel.kits.names import clean_name
 
 
 class Member(NamedTuple):

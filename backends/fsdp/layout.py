@@ -61,7 +61,7 @@ def _aliased_outside(model: nn.Module, group: list[nn.Module]) -> bool:
 
 def _final_norm(model: nn.Module) -> nn.Module | None:
     """The norm before the output layer: a direct child of the base model named as HF names it."""
-    from parallel.engine.core.objective import base_model
+    from parallel.kits.objective import base_model
 
     base = getattr(base_model(model), "base_model", model)  # under a PEFT wrapper too
     base = base if isinstance(base, nn.Module) else model

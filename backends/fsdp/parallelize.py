@@ -21,7 +21,8 @@ import torch.distributed as dist
 from torch import nn
 
 from backends.fsdp.layout import edge_units
-from parallel.engine.model.params import Sharded, clean_name
+from parallel.engine.model.params import Sharded
+from parallel.kits.names import clean_name
 from parallel.engine.model.tp_plan import STYLES
 from parallel.spec.errors import SpecError
 

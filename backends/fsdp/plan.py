@@ -7,7 +7,7 @@ only transiently). FSDP2 pads each parameter's dim 0 to the shard count, FSDP1 t
 
 from __future__ import annotations
 
-from parallel.tools.sizes import flat, numel, per_param_dim0
+from parallel.kits.sizes import flat, numel, per_param_dim0
 
 
 def model_states(spec, shapes, n: int, low: int, opt: int) -> tuple[float, float, float]:

@@ -19,7 +19,7 @@ from parallel.engine.model.params import aliases, retie
 from parallel.engine.model.wrap import disable_kv_cache, plan_wrap
 from parallel.spec.errors import SpecError
 from parallel.spec.model import Spec
-from parallel.tools.measurable import ModuleStateTensors
+from parallel.kits.measurable import ModuleStateTensors
 
 
 # torch_xla releases whose PJRT clients write the persistent cache but cannot read it back: every

@@ -3,7 +3,7 @@ torch FSDP, each flat parameter padded to a multiple of 128 x the shard count (X
 
 from __future__ import annotations
 
-from parallel.tools.sizes import flat_padded, numel
+from parallel.kits.sizes import flat_padded, numel
 
 PAD = 128
 

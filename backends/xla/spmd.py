@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from backends.xla.common import _Xla, apply_xla_fsdp
-from parallel.checkpoint.background.sink import Sink
+from parallel.checkpoint.state.sink import Sink
 from parallel.checkpoint.state.portable import clean_name, load_state, open_state, save_state
 from parallel.checkpoint.state.optim_state import groups_template, optim_by_name, optim_for_torch
 from parallel.engine.core.step import OptimizerArg, clip_grad_norm

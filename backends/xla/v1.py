@@ -9,7 +9,7 @@ import torch
 
 from backends.xla.common import _Xla, apply_xla_fsdp
 from backends.xla.layout import member_ranges, split_members, v1_layout
-from parallel.checkpoint.background.sink import Sink
+from parallel.checkpoint.state.sink import Sink
 from parallel.checkpoint.state.portable import buffers, clean_name, load_state, open_state, save_state
 from parallel.checkpoint.state.optim_state import (
     groups_template,

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from parallel.checkpoint.format.directory import library_versions, write_checkpoint
+from parallel.checkpoint.format.directory import library_versions
+from parallel.checkpoint.background.finishing import write_checkpoint
 from parallel.checkpoint.state.portable import clean_name, save_state
 from parallel.checkpoint.state.optim_state import hyperparams
 from parallel.checkpoint.state.streamed import Streamed, in_parts, write_streamed

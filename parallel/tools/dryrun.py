@@ -189,7 +189,7 @@ def run(spec, source: str, world: int, rank: int, seq: int, optimizer: str = "ad
     from parallel.tools.parity.cell import optimizer_arg
     from parallel.tools.comm import cp_comm_bytes, planned_collectives, tp_comm_bytes
     from parallel.tools.plan import model_facts, predict
-    from parallel.tools.sizes import numel
+    from parallel.kits.sizes import numel
     from parallel.toy import meta_model
 
     spec, changed = dryrun_spec(spec, world)

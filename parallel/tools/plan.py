@@ -29,7 +29,7 @@ from parallel.tools.comm import (  # noqa: F401 (plan's communication, re-export
     planned_collectives,
     tp_comm_bytes,
 )
-from parallel.tools.sizes import numel
+from parallel.kits.sizes import numel
 
 GB = 1e9  # the ZeRO paper's unit
 ADAM, SGD = 8, 4  # optimizer state bytes per parameter (fp32 moments / momentum)
@@ -251,7 +251,7 @@ def model_facts(source: str, wrap, tp: int = 1, tp_plan: dict | None = None, cp:
         count = None
     if count is not None:
         from parallel.spec.errors import SpecError
-        from parallel.toy import PARAM_LIMIT
+        from parallel.kits.model_limits import PARAM_LIMIT
 
         if not (math.isfinite(count) and 1 <= count <= PARAM_LIMIT):
             raise SpecError([("--model", f"{source}: a parameter count is a number from 1 to "

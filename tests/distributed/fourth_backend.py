@@ -12,7 +12,7 @@ from parallel.checkpoint.state.dcp_state import read_model_optim, write_model_op
 from parallel.descriptor import BackendDescriptor, Capabilities, PlanModel, Unsupported
 from parallel.engine.core.engine import Engine
 from parallel.spec.errors import SpecError
-from parallel.tools.sizes import numel
+from parallel.kits.sizes import numel
 
 
 class ReplicaEngine(Engine):

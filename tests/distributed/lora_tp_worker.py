@@ -6,6 +6,7 @@ one process (the reference) and writes both. DeepSpeed AutoTP refuses LoRA namin
 """
 
 import argparse
+from pathlib import Path
 import json
 
 import torch
@@ -41,7 +42,9 @@ def reference() -> list[float]:
     return out
 
 
-def run(spec: dict) -> list[float] | str:
+def run(spec: dict, save_to: Path | None = None) -> list[float] | str | dict:
+    """The engine's losses (or the refusal); with `save_to`, also its eval loss on the first batch
+    after training and engine.save_pretrained's adapter there (every rank writes its TP pieces)."""
     try:
         engine = create_engine(load_spec({**spec, "micro_batch_size": 4,
                                           "topology": {"procs_per_node": 2, "tp": 2}}))
@@ -55,8 +58,26 @@ def run(spec: dict) -> list[float] | str:
     ids = batches()
     losses = [float(engine.train_step({"input_ids": ids[s], "labels": ids[s]}).loss)
               for s in range(len(ids))]
+    if save_to is None:
+        engine.close()
+        return losses
+    evaluated = engine.evaluate([{"input_ids": ids[0], "labels": ids[0]}])["loss"]
+    engine.save_pretrained(save_to)
+    seed = engine.spec.seed
     engine.close()
-    return losses
+    return {"loss": losses, "eval": evaluated, "seed": seed}
+
+
+def reloaded(save_to: Path, seed: int) -> float:
+    """PeftModel.from_pretrained over the base as the run built it (the same seed, drawn first),
+    evaluated on the first batch: the engine's own eval loss if the adapter is whole and named."""
+    import peft
+
+    torch.manual_seed(seed)
+    model = peft.PeftModel.from_pretrained(build_llama(llama_config("tiny")), save_to)
+    ids = batches()
+    with torch.no_grad():
+        return float(model(input_ids=ids[0], labels=ids[0]).loss)
 
 
 def main():
@@ -65,9 +86,12 @@ def main():
     args = ap.parse_args()
     import torch.distributed as dist
 
-    results = {"fsdp2": run({"backend": "fsdp"}),
+    saved = Path(args.out).with_name("lora-adapter")
+    results = {"fsdp2": run({"backend": "fsdp"}, saved),
                "zero1": run({"backend": "deepspeed", "shard": "optimizer"})}
     if not dist.is_initialized() or dist.get_rank() == 0:
+        results["reloaded"] = reloaded(saved, results["fsdp2"]["seed"])
+        results["adapter_files"] = sorted(p.name for p in saved.iterdir())
         results["reference"] = reference()
         with open(args.out, "w") as f:
             json.dump(results, f)

@@ -134,6 +134,54 @@ def test_core_layers_import_upward_nothing():
     assert bad == {}
 
 
+# The house, top to bottom: a module imports only modules of its own package or of a lower layer
+# (the longest prefix names a module's layer; a dispatcher, which picks a backend through the
+# registry, sits above the registry wherever its file is).
+LAYERS = [
+    # the jobs bench launches are written as a user's script is, against the package's facade
+    ("parallel.tools.bench.jobs",), ("parallel",), ("parallel.cli",),
+    ("parallel.tools", "parallel.toy"), ("parallel.launch",),
+    ("dispatchers",), ("parallel.registry",), ("backends",), ("parallel.interop",),
+    ("parallel.engine",), ("parallel.engine.core",), ("parallel.engine.infer",),
+    ("parallel.engine.state",), ("parallel.engine.observe",), ("parallel.engine.model",),
+    ("parallel.engine.data",), ("parallel.engine.watch",),
+    ("parallel.checkpoint",), ("parallel.checkpoint.importers", "parallel.checkpoint.hf"),
+    ("parallel.checkpoint.background",), ("parallel.checkpoint.state",),
+    ("parallel.checkpoint.format",), ("parallel.descriptor",), ("parallel.spec",),
+    ("parallel.dist",), ("parallel.files", "parallel.heap", "parallel.envinfo"), ("parallel.kits",),
+]
+
+
+def layer(module: str) -> tuple[int, str]:
+    """(depth: 0 is the top, the prefix that placed it)."""
+    best = max((p for names in LAYERS for p in names
+                if module == p or module.startswith(p + ".")), key=len)
+    own = next(i for i, names in enumerate(LAYERS) if best in names), best
+    lifted = next(i for i, names in enumerate(LAYERS) if "dispatchers" in names), "dispatchers"
+    return lifted if module in DISPATCHERS and lifted[0] < own[0] else own
+
+
+def test_no_import_runs_up_the_layers():
+    """0 arrows up: every import goes to the module's own package or below (#65: tools/sizes.py and
+    measurable.py under backends, clean_name in the engine, the objective in engine/core, checkpoint
+    code importing the demo's toy.py and its packages importing each other both ways, all were)."""
+    up = []
+    for m, deps in GRAPH.items():
+        depth, home = layer(m)
+        for d in deps:
+            d_depth, d_home = layer(d)
+            if d_depth < depth and d_home != home:
+                up.append(f"{m} ({home}) -> {d} ({d_home})")
+    assert up == [], "\n".join(sorted(up))
+
+
+def test_the_checkpoint_packages_read_as_their_architecture():
+    for package in ("checkpoint", "checkpoint/format", "checkpoint/state", "checkpoint/background",
+                    "checkpoint/hf", "kits"):
+        entries = [p.name for p in (ROOT / "parallel" / package).iterdir() if p.name != "__pycache__"]
+        assert len(entries) <= 8, (package, sorted(entries))
+
+
 def engine_classes():
     from parallel import registry
 

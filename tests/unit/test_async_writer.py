@@ -15,12 +15,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from parallel.checkpoint.background.saver import BackgroundSaver
+from parallel.checkpoint.background.saver import BackgroundSaver, StagedSink
 from parallel.checkpoint.state.chunks import FlatRange, RangeSavePlanner, Shards
-from parallel.checkpoint.format.directory import PendingSave, partial_path
+from parallel.checkpoint.format.directory import partial_path
+from parallel.checkpoint.background.finishing import PendingSave
 from parallel.checkpoint.format.manifest import read_manifest, verify_checkpoint
 from parallel.checkpoint.state.portable import metadata, read_model, save_state
-from parallel.checkpoint.background.sink import Sink
+from parallel.checkpoint.state.sink import Sink
 from parallel.checkpoint.background.staging import HostPool, PoolPickler, PoolUnpickler, stage
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -182,7 +183,7 @@ def test_a_background_writer_publishes_and_raises_what_failed(tmp_path, writer):
     saver = BackgroundSaver(writer, timeout_s=60)
     try:
         for step in (1, 2):
-            sink = Sink(partial_path(tmp_path / f"s{step}"), staged=True, pool=saver.pinned)
+            sink = StagedSink(partial_path(tmp_path / f"s{step}"), saver.pinned)
             save_state({"model": {"w": torch.full((5,), float(step))}}, sink, collective=False)
             sink.placed()
             saver.submit(_job(tmp_path / f"s{step}", sink, step))
@@ -194,7 +195,7 @@ def test_a_background_writer_publishes_and_raises_what_failed(tmp_path, writer):
         assert (saver.writer_pid is not None) == (writer == "process")
         (tmp_path / "blocked").write_text("a file where the checkpoint's parent should be")
         bad = tmp_path / "blocked" / "s3"
-        sink = Sink(partial_path(bad), staged=True, pool=saver.pinned)
+        sink = StagedSink(partial_path(bad), saver.pinned)
         sink.placed()
         saver.submit(_job(bad, sink, 3))
         with pytest.raises(NotADirectoryError) as err:
@@ -210,9 +211,9 @@ def test_a_background_writer_publishes_and_raises_what_failed(tmp_path, writer):
 RANK = """
 import os, signal, sys, time
 from pathlib import Path
-from parallel.checkpoint.background.saver import BackgroundSaver
-from parallel.checkpoint.format.directory import PendingSave
-from parallel.checkpoint.background.sink import Sink
+from parallel.checkpoint.background.saver import BackgroundSaver, StagedSink
+from parallel.checkpoint.background.finishing import PendingSave
+from parallel.checkpoint.state.sink import Sink
 
 class Busy:  # unpickled in the writer: marks that it is inside the job, then keeps it busy
     def __reduce__(self):
@@ -220,7 +221,7 @@ class Busy:  # unpickled in the writer: marks that it is inside the job, then ke
 
 out, busy = Path(sys.argv[2]), sys.argv[3] == "busy"
 saver = BackgroundSaver("process", 60)
-saver.submit(PendingSave(out, Sink(out.with_name(".ck.partial"), staged=True), {"x.pt": Busy()},
+saver.submit(PendingSave(out, StagedSink(out.with_name(".ck.partial")), {"x.pt": Busy()},
                          {"step": 1, "world_size": 1}, 0, True, None, None, opened=False))
 print(saver.writer_pid, flush=True)
 while busy and not os.path.exists(sys.argv[1]):

@@ -7,7 +7,7 @@ import torch
 
 from parallel.checkpoint.format.manifest import describe
 from parallel.checkpoint.state.portable import STATE_DIR, save_state
-from parallel.checkpoint.background.sink import Sink
+from parallel.checkpoint.state.sink import Sink
 
 
 @pytest.mark.parametrize("threads", [1, 3])

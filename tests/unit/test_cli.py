@@ -65,7 +65,7 @@ def test_schema_written(tmp_path):
 
 
 def test_ckpt_verify_and_inspect(tmp_path, capsys):
-    from parallel.checkpoint.format.directory import write_checkpoint
+    from parallel.checkpoint.background.finishing import write_checkpoint
 
     def write(sink):
         (sink.tmp / "a.bin").write_bytes(b"abc")

@@ -8,7 +8,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from parallel.checkpoint.format.safe import CheckpointError
 from parallel.checkpoint.format.manifest import verify_checkpoint
-from parallel.checkpoint.format.directory import write_checkpoint
+from parallel.checkpoint.background.finishing import write_checkpoint
 from parallel.engine.data.resumable import ResumableLoader, ResumableSampler
 
 

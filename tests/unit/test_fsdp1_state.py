@@ -14,7 +14,7 @@ from parallel import create_engine, load_spec
 from parallel.checkpoint.state import optim_state
 from parallel.checkpoint.state import portable as ps
 from parallel.checkpoint.state.dcp_state import write_model_optim
-from parallel.checkpoint.background.sink import Sink
+from parallel.checkpoint.state.sink import Sink
 from parallel.toy import build_llama, llama_config
 
 

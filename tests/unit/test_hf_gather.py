@@ -128,7 +128,7 @@ def test_a_missing_piece_is_refused():
     entries = [("a", (4, 6), None), ("b", (5,), None)]
     cpu = torch.device("cpu")
     with pytest.raises(RuntimeError, match=r"b got 3 of its 5 elements"):
-        hf_gather._agree(None, 1, cpu, {"a": 24, "b": 3}, entries)
-    hf_gather._agree(None, 1, cpu, {"a": 24, "b": 5}, entries)
+        hf_gather._agree(None, 1, cpu, None, {"a": 24, "b": 3}, entries)
+    hf_gather._agree(None, 1, cpu, None, {"a": 24, "b": 5}, entries)
     with pytest.raises(OSError, match="full"):  # this rank's own error first
-        hf_gather._agree(OSError("full"), 1, cpu, {"a": 24, "b": 5}, entries)
+        hf_gather._agree(OSError("full"), 1, cpu, None, {"a": 24, "b": 5}, entries)

@@ -15,7 +15,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from budgets import within
 
-from parallel.checkpoint.format.directory import publish, resolve, write_checkpoint
+from parallel.checkpoint.format.directory import publish, resolve
+from parallel.checkpoint.background.finishing import write_checkpoint
 from parallel.checkpoint.format.safe import CheckpointError
 from parallel.cli.main import main
 

@@ -1,4 +1,4 @@
-"""What a step's loss averages over (parallel/engine/core/objective.py): the count rule read from the model as
+"""What a step's loss averages over (parallel/kits/objective.py): the count rule read from the model as
 built, a micro-batch without targets adding exactly zero, and a script without a spec stopping."""
 
 import subprocess
@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from parallel.engine.core.objective import Objective, count_labels, count_shifted, label_count
+from parallel.kits.objective import Objective, count_labels, count_shifted, label_count
 
 transformers = pytest.importorskip("transformers")
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from backends.xla.layout import member_ranges, shard_of, split_members
-from parallel.checkpoint.format.directory import publish, resolve, write_checkpoint
+from parallel.checkpoint.format.directory import publish, resolve
+from parallel.checkpoint.background.finishing import write_checkpoint
 from parallel.checkpoint.state.portable import (
     PortableStateError,
     clean_name,
@@ -121,7 +122,7 @@ def test_cached_plans_write_this_saves_values_and_a_changed_layout_is_planned_ag
     cached plan."""
     from torch.distributed.checkpoint.planner import SavePlanner
 
-    from parallel.checkpoint.background.sink import Sink
+    from parallel.checkpoint.state.sink import Sink
 
     sections = ("model",)  # a key of its own: other tests' saves do not touch it
     key = "polyshard:model:1:files"

@@ -1,4 +1,4 @@
-"""Checkpoint writes go through an explicit Sink (parallel/checkpoint/background/sink.py): what one save wrote
+"""Checkpoint writes go through an explicit Sink (parallel/checkpoint/state/sink.py): what one save wrote
 and queued is its own, whatever else is in flight, and parallel/checkpoint/ keeps no module-level
 mutable state that could route one save's files into another's."""
 
@@ -8,16 +8,18 @@ from pathlib import Path
 
 import torch
 
-from parallel.checkpoint.format.directory import finish_checkpoint, begin_checkpoint
+from parallel.checkpoint.format.directory import begin_checkpoint
+from parallel.checkpoint.background.finishing import finish_checkpoint
 from parallel.checkpoint.format.manifest import read_manifest
 from parallel.checkpoint.state.portable import STATE_DIR, load_state, save_state, write_queued
-from parallel.checkpoint.background.sink import Sink
+from parallel.checkpoint.state.sink import Sink
+from parallel.checkpoint.background.saver import StagedSink
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_two_saves_in_flight_keep_their_own_files_and_queue(tmp_path):
-    a = Sink(begin_checkpoint(tmp_path / "a", 0), staged=True)
+    a = StagedSink(begin_checkpoint(tmp_path / "a", 0))
     b = Sink(begin_checkpoint(tmp_path / "b", 0))
     w = torch.arange(6.0)
     save_state({"model": {"w": w}}, a, collective=False)  # staged: a host copy, no file

@@ -1,4 +1,4 @@
-"""DCP's items read once per distinct pickle (parallel/checkpoint/state/tensor_items.py): every tensor equal
+"""DCP's items read once per distinct pickle (parallel/checkpoint/format/tensor_items.py): every tensor equal
 to what torch.load gives, dtype, shape, strides and storage offset included; a later item with the
 same pickle reads its own values; what the view cannot hold falls back to torch.load; a damaged item
 is refused naming its file; a whole DCP checkpoint reads the same through SafeReader as through
@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 
 from parallel.checkpoint.state.portable import SafeReader, dcp_load
 from parallel.checkpoint.format.safe import UnsafeFileError
-from parallel.checkpoint.state.tensor_items import TensorItems
+from parallel.checkpoint.format.tensor_items import TensorItems
 
 
 def saved(t) -> bytes:

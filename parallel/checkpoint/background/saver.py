@@ -1,11 +1,11 @@
 """`checkpoint.async_save`: `save` returns once this rank's state is copied into host memory; a
 background writer writes, hashes and publishes it (docs/checkpoint-format.md, "Async save").
 
-Every write path goes through `portable.save_state` with the save's `Sink` (sink.py); a staged sink
-copies the state it is given into this rank's `HostPool` (staging.py) and queues the write instead
-of doing it. The writer runs
+Every write path goes through `portable.save_state` with the save's sink (state/sink.py); a
+`StagedSink` copies the state it is given into this rank's `HostPool` (staging.py) and queues the
+write instead of doing it. The writer runs
 the queued DCP writes and the checkpoint's collective steps (hash, barrier, manifest, rename,
-`latest`) as one `directory.PendingSave`, over a process group of its own (gloo), so they never
+`latest`) as one `finishing.PendingSave`, over a process group of its own (gloo), so they never
 interleave with the training loop's collectives. `checkpoint.async_writer` says where it runs: a process of
 this rank's own (writer.py: no share of the training process's interpreter lock) or a thread.
 `latest` moves only after every rank's files are durable: a crash while writing leaves it on the
@@ -20,7 +20,47 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch.distributed as dist
 
-from parallel.checkpoint.background.staging import HostPool
+from parallel.checkpoint.background.staging import HostPool, stage
+from parallel.checkpoint.state.sink import Sink
+
+
+class StagedSink(Sink):
+    """checkpoint.async_save's sink: each state handed to it is copied to host memory now (CUDA
+    tensors into `pool`'s pinned buffers) and queued; the background writer writes the queue
+    (portable.write_queued), after which the sink writes what it is given as a plain one does.
+    `now`: data pointers copied at once (buffers the next forward may change: staging.stage)."""
+
+    def __init__(self, tmp, pool: HostPool | None = None, group=None, threads: int = 1,
+                 now: set[int] | None = None):
+        super().__init__(tmp, group=group, threads=threads)
+        self.pool, self.now = pool, now
+        self.queued: list[tuple] = []  # (host copy of a state, planner, collective)
+        self.handed = False  # the queue went to the writer: later states are written at once
+
+    def __getstate__(self) -> dict:
+        """What a writer process gets: no staging pool (the rank's), no process group."""
+        return {**super().__getstate__(), "pool": None, "now": None}
+
+    def defer(self, state: dict, planner, collective: bool) -> bool:
+        """A host copy of `state` (this rank's part only: O(model / N)) that no later training step
+        can change, written by portable.write_queued."""
+        if self.handed:
+            return False
+        self.queued.append((stage(state, self.pool, self.now), planner, collective))
+        return True
+
+    def placed(self, wait: bool = False) -> None:
+        """Every copy `defer` placed is made or issued: buffers' at once, the rest completed by
+        the pool on the saver's thread (HostPool.complete); `wait`: completed here (a save that
+        failed half-way leaves nothing for the next one to copy)."""
+        if self.pool is not None:
+            self.pool.finish()
+            if wait:
+                self.pool.complete()
+
+    def take_queued(self) -> list[tuple]:
+        queued, self.queued, self.handed = self.queued, [], True
+        return queued
 
 
 class BackgroundSaver:
@@ -54,7 +94,7 @@ class BackgroundSaver:
         return self.group
 
     def submit(self, job) -> None:
-        """`job`: a directory.PendingSave whose state is placed in `self.pinned` (its copies
+        """`job`: a finishing.PendingSave whose state is placed in `self.pinned` (its copies
         finished there on this saver's thread, then written)."""
         if self.failed is not None:  # its segments may never have reached the writer
             raise RuntimeError(f"an earlier async save could not copy its state ({self.failed}); "

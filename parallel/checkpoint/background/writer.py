@@ -6,7 +6,7 @@ serialisation and the hashing hold it in slices the steps beside the write wait 
 FD PID`, is started at the first async save and kept until `close`; it talks to its rank over a
 socket pair and joins the other writers in a gloo group through the job's store (nothing listens).
 
-Per save one `PendingSave` (directory.py) crosses, pickled at the save with every staged tensor a
+Per save one `PendingSave` (finishing.py) crosses, pickled at the save with every staged tensor a
 reference into the rank's `HostPool` segments (memory files the writer maps once: no byte copied or
 sent again), and sent once the copies have landed. Private traffic between a process and its child.
 

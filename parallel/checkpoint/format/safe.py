@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from parallel.checkpoint.state.tensor_items import DamagedItemError, read_items
+from parallel.checkpoint.format.tensor_items import DamagedItemError, read_items
 from parallel.files import (FileError, load_json, open_plain, read_bytes, read_text,  # noqa: F401
                             regular_file)
 

@@ -29,6 +29,7 @@ from parallel.checkpoint.hf.hf_files import (  # noqa: F401 - ExportError, DTYPE
     Weights,
     plain_weights,
     write_hf,
+    write_safetensors,
 )
 from parallel.checkpoint.format.manifest import verify_checkpoint
 from parallel.checkpoint.format.safe import UnsafeFileError
@@ -92,8 +93,6 @@ def export_hf(path: str | Path, out: str | Path, config: str | Path | None = Non
 
 def export_peft(path: str | Path, out: str | Path, adapter: str | None = None) -> Path:
     """The adapter of a PEFT run, as `PeftModel.save_pretrained` writes it."""
-    from safetensors.torch import save_file
-
     path, out = resolve(path), Path(out)
     files = Contents(path, verify_checkpoint(path))
     peft_cfg = _peft_config(files)
@@ -117,7 +116,7 @@ def export_peft(path: str | Path, out: str | Path, adapter: str | None = None) -
     read = read_tensors(path, wanted, open_state(path))
     tensors = {key: read[f"model.{source[id(t)]}"].contiguous() for key, t in picked.items()}
     out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    write_safetensors(out / "adapter_model.safetensors", tensors)  # the one writer (hf_files)
     config.save_pretrained(str(out))
     return out
 
@@ -194,7 +193,7 @@ def _hf_config(files: Contents, config: str | Path | None) -> dict:
     object with a model_type, no auto_map (a repository's code), sizes within toy's limits (a
     10**7-layer config would be built, on the meta device, without end)."""
     from parallel.files import load_json
-    from parallel.toy import model_size_problem
+    from parallel.kits.model_limits import model_size_problem
 
     if config:
         source, data = Path(config), load_json(Path(config), "a model config")

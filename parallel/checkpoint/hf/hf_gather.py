@@ -2,8 +2,8 @@
 straight into their places in the safetensors files.
 
 The pieces are what DCP would write of the backend's portable state (portable.save_state through a
-`Sink` with `capture`): `Capture` is a DCP storage writer that keeps each write item's tensor instead
-of writing it. So every backend's layout (DTensor shards, ZeRO and XLA flat ranges, tensor-parallel
+`CaptureSink`, capture.py): `Capture` is a DCP storage writer that keeps each write item's tensor
+instead of writing it. So every backend's layout (DTensor shards, ZeRO and XLA flat ranges, tensor-parallel
 blocks) arrives the one way, and DCP's own plan says which rank writes what: a tensor held whole by
 several ranks is written by one, every chunk exactly once.
 
@@ -35,18 +35,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.planner import WriteItemType
-from torch.distributed.checkpoint.storage import StorageWriter
-from torch.futures import Future
 
 from parallel.checkpoint.format.directory import partial_path
+from parallel.checkpoint.hf.capture import Capture
 from parallel.checkpoint.hf.hf_files import (
     SafetensorsFile,
     safetensors_layout,
     shard_files,
-    write_configs,
-    write_index,
 )
 from parallel.checkpoint.state.state_files import Writeback
 
@@ -55,76 +50,22 @@ HINT_BYTES = 1 << 20  # a write of this much or more is handed to the disk's wri
 PAGE = 4096
 
 
-class Capture(StorageWriter):
-    """A DCP storage writer that keeps, on each rank, (key, chunk offsets, chunk sizes, tensor) of
-    every tensor item its plan gives it, and on the coordinator every stored tensor's global
-    shape; nothing is written. One Capture may take several dcp.save calls of one save."""
-
-    def __init__(self):
-        super().__init__()
-        self.pieces: list[tuple[str, tuple, tuple, torch.Tensor]] = []
-        self.shapes: dict[str, tuple[int, ...]] = {}
-
-    def reset(self, checkpoint_id=None) -> None:
-        pass
-
-    def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
-        pass
-
-    def prepare_local_plan(self, plan):
-        return plan
-
-    def prepare_global_plan(self, plans):
-        return plans
-
-    def write_data(self, plan, planner) -> Future:
-        for item in plan.items:
-            if item.type in (WriteItemType.TENSOR, WriteItemType.SHARD):
-                chunk = item.tensor_data.chunk
-                self.pieces.append((item.index.fqn, tuple(chunk.offsets), tuple(chunk.sizes),
-                                    planner.resolve_data(item).detach()))
-        done: Future = Future()  # torch's, as DCP waits on it
-        done.set_result([])
-        return done
-
-    def finish(self, metadata, results) -> None:
-        self.shapes.update({k: tuple(v.size) for k, v in metadata.state_dict_metadata.items()
-                            if isinstance(v, TensorStorageMetadata)})
-
-    def storage_meta(self):
-        return None
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
-        return False
-
-
-def collective_device(world: int) -> torch.device | None:
-    """Where the count of written elements is summed: CUDA over NCCL, host memory over gloo; None
-    for a process group with neither (torch_xla's): save_pretrained stages through files there."""
-    if world == 1:
-        return torch.device("cpu")
-    backend = str(dist.get_backend())
-    if "nccl" in backend:
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu") if "gloo" in backend else None
-
-
-def write_gathered(capture: Capture, cfg: dict, dtype: torch.dtype, out: Path,
+def write_gathered(capture: Capture, names: dict[str, str], dtype: torch.dtype, out: Path,
                    max_bytes: int | None, rank: int, world: int, device: torch.device,
-                   durable: bool = False) -> None:
-    """This rank's pieces of the Hugging Face save written in place (collective), and on rank 0 the
-    index and configs. `capture` holds this rank's pieces of the "model" section. `durable`: every
-    rank's writes are fsynced before any file is renamed into place."""
-    shapes = [capture.shapes]
-    if world > 1:
-        dist.broadcast_object_list(shapes, src=0)  # the coordinator's: every stored tensor
-    tied = cfg.get("tie_word_embeddings") and "model.lm_head.weight" in shapes[0]
-    entries = [(k[len("model."):], shape, None) for k, shape in shapes[0].items()
-               if k.startswith("model.") and not (tied and k == "model.lm_head.weight")]
+                   durable: bool = False, single: str | None = None, group=None
+                   ) -> list[tuple[str, list]]:
+    """This rank's pieces of the Hugging Face save written in place (collective). `capture` holds
+    this rank's pieces of the "model" section; `names`: each stored tensor written (its key without
+    "model.") -> its name in the files; `single`: one file of that name (a PEFT adapter), else
+    save_pretrained's plan of files of at most `max_bytes`. `durable`: every rank's writes are
+    fsynced before any file is renamed into place. `group`: where the few collectives run (None:
+    the default group). Returns the files (name, shard), for the index."""
+    shapes = capture.shapes
+    entries = [(names[k[len("model."):]], shape, None) for k, shape in shapes.items()
+               if k.startswith("model.") and k[len("model."):] in names]
     # save_pretrained's own plan (files of at most max_bytes, 5 GB by default), whatever N: every
     # rank writes into every file its pieces fall in, so N files would be N opens per rank
-    files = shard_files(entries, dtype.itemsize, max_bytes, 1)
+    files = [(single, entries)] if single else shard_files(entries, dtype.itemsize, max_bytes, 1)
     specs = [[(n, tuple(s), dtype) for n, s, _ in sorted(shard)] for _, shard in files]
     places = [safetensors_layout(spec)[1] for spec in specs]  # name -> its first byte in the file
     out.mkdir(parents=True, exist_ok=True)
@@ -133,19 +74,26 @@ def write_gathered(capture: Capture, cfg: dict, dtype: torch.dtype, out: Path,
     try:
         # every file is there, at its length, before any rank writes into it
         mine = [(files[i][0], specs[i]) for i in range(rank, len(files), world)]
-        _agree(_attempt(lambda: _make(ours, out, mine)), world, device)
-        pieces = _in_file_order(capture.pieces, files, rank)
-        _agree(_attempt(lambda: writer.write_all(pieces, places, shapes[0], dtype)), world, device,
-               writer.counts, entries)
+        _agree(_attempt(lambda: _make(ours, out, mine)), world, device, group)
+        pieces = _in_file_order(capture.pieces, files, names, rank)
+        _agree(_attempt(lambda: writer.write_all(pieces, places, shapes, dtype)), world, device,
+               group, writer.counts, entries)
         for file in ours:
             file.close(durable)
     except BaseException:
         for file in ours:
             file.abandon()
         raise
-    if rank == 0:
-        write_index(out, files, dtype.itemsize)
-        write_configs(cfg, dtype, out)
+    return files
+
+
+def shared_shapes(capture: Capture, world: int, group=None) -> dict[str, tuple[int, ...]]:
+    """Every stored tensor's global shape, as the coordinator's plan saw them, on every rank."""
+    shapes = [capture.shapes]
+    if world > 1:
+        dist.broadcast_object_list(shapes, group_src=0, group=group)
+    capture.shapes = shapes[0]
+    return capture.shapes
 
 
 def _make(ours: list, out: Path, files: list) -> None:
@@ -166,16 +114,17 @@ def _attempt(work) -> BaseException | None:
     return None
 
 
-def _in_file_order(pieces: list, files: list, rank: int):
-    """(file, name, offsets, sizes, tensor) of each piece in a file, by file and place; rank r
-    starts at file r, so the ranks write into different files at a time (a file system may take
-    one writer of a file at a time: ext4's and XFS's buffered writes hold the file's lock)."""
+def _in_file_order(pieces: list, files: list, names: dict[str, str], rank: int):
+    """(file, name in it, stored key, offsets, sizes, tensor) of each piece written, by file and
+    place; rank r starts at file r, so the ranks write into different files at a time (a file
+    system may take one writer of a file at a time: ext4's and XFS's buffered writes hold the file's
+    lock)."""
     where = {name: i for i, (_, shard) in enumerate(files) for name, _, _ in shard}
-    placed = [(where[key[len("model."):]], key[len("model."):], offsets, sizes, data)
-              for key, offsets, sizes, data in pieces
-              if key.startswith("model.") and key[len("model."):] in where]
+    placed = [(where[names[key[len("model."):]]], names[key[len("model."):]], key, offsets, sizes,
+               data) for key, offsets, sizes, data in pieces
+              if key.startswith("model.") and names.get(key[len("model."):]) in where]
     count = max(len(files), 1)
-    return sorted(placed, key=lambda p: ((p[0] - rank) % count, p[1], p[2]))
+    return sorted(placed, key=lambda p: ((p[0] - rank) % count, p[1], p[3]))
 
 
 def runs(shape: tuple, offsets: tuple, sizes: tuple) -> list[tuple[int, int]]:
@@ -236,9 +185,8 @@ class InPlace:
     def write_all(self, pieces: list, places: list, shapes: dict, dtype: torch.dtype) -> None:
         """Every piece (_in_file_order) at its place; the writes done and synced at the end."""
         with self:
-            for i, key, offsets, sizes, data in pieces:
-                self.write(i, key, places[i][key], runs(shapes["model." + key], offsets, sizes),
-                           data, dtype)
+            for i, name, key, offsets, sizes, data in pieces:
+                self.write(i, name, places[i][name], runs(shapes[key], offsets, sizes), data, dtype)
 
     def _submit(self, fd: int, part: torch.Tensor, batch: list, dtype: torch.dtype) -> None:
         host = part.to("cpu", dtype).contiguous()  # no copy for a host piece of the file's dtype
@@ -278,7 +226,7 @@ class InPlace:
                 os.close(fd)
 
 
-def _agree(failed: BaseException | None, world: int, device: torch.device,
+def _agree(failed: BaseException | None, world: int, device: torch.device, group=None,
            counts: dict[str, int] | None = None, entries: list = ()) -> None:
     """One all_reduce (collective: every rank raises alike, none is left waiting): how many ranks
     failed, and with `counts` the elements every rank wrote of each tensor, summed, which must equal
@@ -287,7 +235,7 @@ def _agree(failed: BaseException | None, world: int, device: torch.device,
     got = torch.tensor([failed is not None, *[(counts or {}).get(name, 0) for name, _, _ in entries]],
                        dtype=torch.int64, device=device)
     if world > 1:
-        dist.all_reduce(got)
+        dist.all_reduce(got, group=group)
     got = got.tolist()
     if failed is not None:
         raise failed

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import (
 from parallel.checkpoint.state.chunks import Kept
 from parallel.checkpoint.state.optim_state import groups_template, merge_groups
 from parallel.checkpoint.state.portable import load_state, open_state, save_state
-from parallel.checkpoint.background.sink import Sink
+from parallel.checkpoint.state.sink import Sink
 
 
 def write_model_optim(sink: Sink, model, optimizer, sharded: bool, rank: int,

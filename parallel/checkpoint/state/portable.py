@@ -29,11 +29,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from parallel.checkpoint.state.chunks import RangeLoadPlanner, RangeSavePlanner
-from parallel.checkpoint.background.sink import Sink
+from parallel.checkpoint.state.sink import Sink
 from parallel.checkpoint.format.safe import safe_reader_class
 from parallel.checkpoint.state.state_files import RecordingWriter, no_zip_crc
 from parallel.files import FileError
-from parallel.engine.model.params import clean_name  # noqa: F401 - state code names things by it
+from parallel.kits.names import clean_name  # noqa: F401 - state code names things by it
 
 STATE_DIR = "state"
 
@@ -96,23 +96,22 @@ def buffers(module) -> dict[str, torch.Tensor]:
 def save_state(state: dict, into: Sink | Path, planner=None, collective: bool = True) -> None:
     """Write `state` under the save's directory/state (`into`: the save's Sink, or a directory for a
     one-off write). Collective: every rank calls it with its part (a rank may hold a subset of the
-    keys; whole tensors held by several ranks are written once). A staged sink
+    keys; whole tensors held by several ranks are written once). A StagedSink
     (checkpoint.async_save) copies the state to host memory and queues the write."""
     sink = into if isinstance(into, Sink) else Sink(into)
     state = sink.kept(state)
     if not state:  # a part this save does not keep (the optimizer, for save_pretrained)
         return
-    if sink.staged:
-        sink.queue(state, planner, collective)
+    if sink.defer(state, planner, collective):  # a StagedSink: copied now, written by the writer
         return
     state = as_written(state)
     alone = not (collective and dist.is_initialized())
     # plans cached per kind of save, number of writers and storage writer (chunks.RangeSavePlanner;
     # a cached final plan carries its storage writer's own data: file names, or none for a capture)
     writers = 1 if alone else dist.get_world_size(sink.group)
-    key = f"{','.join(sink.sections or ['all'])}:{writers}:{'capture' if sink.capture else 'files'}"
+    key = f"{','.join(sink.sections or ['all'])}:{writers}:{sink.kind}"
     with _quiet_dcp(), no_zip_crc():
-        dcp.save(state, storage_writer=sink.capture or RecordingWriter(sink, sink.tmp / STATE_DIR),
+        dcp.save(state, storage_writer=sink.storage_writer() or RecordingWriter(sink, sink.tmp / STATE_DIR),
                  planner=planner or RangeSavePlanner(key),
                  process_group=sink.group, no_dist=alone)
 

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 import xxhash
 
 from parallel.checkpoint.format.manifest import DIGEST
-from parallel.checkpoint.background.sink import Sink
+from parallel.checkpoint.state.sink import Sink
 
 WRITEBACK_BYTES = 32 << 20  # a state file's pages handed to the disk every 32 MiB written
 SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of the range's dirty pages, do not wait

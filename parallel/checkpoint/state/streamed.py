@@ -21,7 +21,7 @@ from collections.abc import Callable
 from parallel.checkpoint.state.chunks import RangeSavePlanner
 from parallel.heap import young_heap
 from parallel.checkpoint.state.portable import STATE_DIR, _quiet_dcp, as_written
-from parallel.checkpoint.background.sink import Sink
+from parallel.checkpoint.state.sink import Sink
 from parallel.checkpoint.state.state_files import RecordingWriter, no_zip_crc
 
 

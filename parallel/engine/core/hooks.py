@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from parallel.checkpoint.background.sink import Sink
+from parallel.checkpoint.state.sink import Sink
 from parallel.engine.watch.nonfinite import NonfiniteWatch
 from parallel.engine.model.params import per_parameter
 from parallel.engine.watch.preempt import AgreedFlag

@@ -19,7 +19,7 @@ from torch import nn
 
 from parallel import dist as pdist
 from parallel.engine.core.calls import EngineCalls
-from parallel.engine.core.objective import CountFn, Objective
+from parallel.kits.objective import CountFn, Objective
 from parallel.engine.core.step import LossFn, OptimizerArg, build_optimizer
 from parallel.engine.data import packing
 from parallel.engine.data.loaders import Loaders, build_loader
@@ -142,7 +142,7 @@ class EngineSetup(EngineCalls):
         names or parameters; the optimizer is built over those groups of sharded parameters.
         `count_fn(micro_batch)`: how many items `loss_fn`'s mean is taken over (a tensor or int), so
         that micro-batches weigh by it (`loss_weighting: tokens`); Hugging Face models with `labels`
-        need none (parallel/engine/core/objective.py)."""
+        need none (parallel/kits/objective.py)."""
         self.loss_fn, self._count_fn = loss_fn, count_fn
         self._param_groups_hook = param_groups
         self._check_global_batch()
@@ -289,7 +289,7 @@ def forward_kwargs(model: nn.Module, router: bool) -> dict:
     output_router_logits=False where the engine's balancing loss is global (router.py)."""
     import inspect
 
-    from parallel.engine.core.objective import base_model
+    from parallel.kits.objective import base_model
 
     base = base_model(model)
     if not hasattr(getattr(base, "config", None), "use_cache"):

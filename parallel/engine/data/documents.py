@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from parallel.engine.core.objective import IGNORE_INDEX
+from parallel.kits.objective import IGNORE_INDEX
 
 
 def document(item, index: int | str = "?", vocab: int | None = None
@@ -57,7 +57,7 @@ def _refuse(index, field: str, what: str):
 
 def vocab_of(model) -> int | None:
     """The vocabulary size of the Hugging Face model under any wrapper, None where it has none."""
-    from parallel.engine.core.objective import base_model
+    from parallel.kits.objective import base_model
 
     for _ in range(4):  # DeepSpeed's engine, FSDP1 and XLA FSDP hold it as .module
         model = getattr(model, "module", model)

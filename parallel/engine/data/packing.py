@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch.utils.data import Dataset, IterableDataset
 
-from parallel.engine.core.objective import IGNORE_INDEX
+from parallel.kits.objective import IGNORE_INDEX
 from parallel.engine.data.documents import document, vocab_of  # noqa: F401 - vocab_of: the engine's
 
 FLASH = ("flash_attention_2", "flash_attention_3")
@@ -33,7 +33,7 @@ FLASH = ("flash_attention_2", "flash_attention_3")
 def attention_of(model) -> str | None:
     """The Hugging Face model's attention implementation (a PEFT model's base's), read before any
     backend wraps it."""
-    from parallel.engine.core.objective import base_model
+    from parallel.kits.objective import base_model
 
     return getattr(getattr(base_model(model), "config", None), "_attn_implementation", None)
 
@@ -47,7 +47,7 @@ def confines_flattened(model) -> bool:
     their own mask code (Qwen2-MoE, OPT, ... in transformers 4.57) attend across documents."""
     import sys
 
-    from parallel.engine.core.objective import base_model
+    from parallel.kits.objective import base_model
 
     impl = attention_of(model)
     module = sys.modules.get(type(base_model(model)).__module__)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.engine.core.objective import IGNORE_INDEX, base_model
+from parallel.kits.objective import IGNORE_INDEX, base_model
 
 NAME = "polyshard_ulysses"
 INNER = ("sdpa", "eager")  # the implementations cp wraps (flash: the GPU's, not measured here)

@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from parallel.engine.model.params import clean_name
+from parallel.kits.names import clean_name
 
 
 def moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:

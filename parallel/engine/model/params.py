@@ -28,21 +28,13 @@ from typing import Any
 import torch
 from torch import nn
 
-# Wrapper modules insert these into parameter names; the portable names have none of them.
-WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_module.",
-                 "_fpw_module.", "_orig_mod.")
+from parallel.kits.names import clean_name
 
 ParamGroupsHook = Callable[[list[tuple[str, nn.Parameter]]], list[dict[str, Any]]]
 
 
 class OptimizerMismatch(ValueError):
     """The optimizer does not hold the model's trainable parameters exactly once."""
-
-
-def clean_name(name: str) -> str:
-    for part in WRAPPER_PARTS:
-        name = name.replace(part, "")
-    return name
 
 
 def tied_groups(model: nn.Module) -> list[list[str]]:

@@ -47,7 +47,7 @@ class RouterLoss:
                   has_loss_fn: bool) -> RouterLoss | None:
         """For a model whose config asks for the router's loss, unless moe.router_loss is rank or
         a loss_fn computes the loss (then the model's own, per rank)."""
-        from parallel.engine.core.objective import base_model
+        from parallel.kits.objective import base_model
 
         config = getattr(base_model(model), "config", None)
         if not getattr(config, "output_router_logits", False) or scope == "rank" or has_loss_fn:

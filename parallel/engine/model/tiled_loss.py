@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallel.engine.core.objective import IGNORE_INDEX, base_model, count_shifted, label_count
+from parallel.kits.objective import IGNORE_INDEX, base_model, count_shifted, label_count
 
 
 def _tile_sum(hidden: torch.Tensor, weight: torch.Tensor, bias, targets: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The engine's checkpointing part: save / load in the portable format (docs/checkpoint-format.md),
 periodic saves into `checkpoint.dir`, and `resume: auto` after a restart. It owns the background
-saver; every file of a save goes through that save's `Sink` (parallel/checkpoint/background/sink.py)."""
+saver; every file of a save goes through that save's `Sink` (parallel/checkpoint/state/sink.py)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,9 @@ from typing import Protocol
 
 from parallel import dist as pdist
 from parallel.heap import paused_gc
-from parallel.checkpoint.background.saver import BackgroundSaver
+from parallel.checkpoint.background.saver import BackgroundSaver, StagedSink
 from parallel.checkpoint.format.directory import (
     begin_checkpoint,
-    PendingSave,
     ensure_replaceable,
     fsync_files,
     library_versions,
@@ -22,12 +21,13 @@ from parallel.checkpoint.format.directory import (
     remove_ours,
     resolve,
 )
+from parallel.checkpoint.background.finishing import PendingSave
 from parallel.checkpoint.format.manifest import Verification
 from parallel.checkpoint.hf.export import hf_config_json, peft_config_json
 from parallel.checkpoint.format.contents import Contents
 from parallel.checkpoint.format.safe import NUMPY_ARRAY
 from parallel.checkpoint.format.schemas import TrainerState
-from parallel.checkpoint.background.sink import Sink
+from parallel.checkpoint.state.sink import Sink
 from parallel.engine.state import pretrained
 from parallel.engine.state.resuming import resume
 
@@ -70,6 +70,7 @@ class Checkpointer:
         self.saver = BackgroundSaver(ckpt.async_writer, engine.spec.timeout_s)
         self.started_at = 0  # the step the job started from (a load's): hf_at_end
         self._versions: dict | None = None
+        self.side = None  # save_pretrained's gloo group, where the job's cannot sum host tensors
 
     @property
     def versions(self) -> dict:
@@ -85,24 +86,26 @@ class Checkpointer:
     def save_pretrained(self, directory, tokenizer=None, max_shard_bytes: int | None = None,
                         durable: bool = False) -> Path:
         """Hugging Face format, every rank writing its share of the safetensors files (no rank
-        holds the model): each rank writes its own pieces in place in the files (hf_gather.py);
-        where the process group cannot sum their counts (torch_xla's), and for a PEFT
-        run's adapter, through a staging checkpoint beside `directory` (pretrained.py).
+        holds the model): each rank writes its own pieces in place in the files (pretrained.py,
+        hf_gather.py); a PEFT run's active adapter as PeftModel.save_pretrained writes it.
         `durable`: the weight files are fsynced."""
-        from parallel.checkpoint.hf.hf_gather import collective_device
-
         e, out = self.engine, Path(directory)
         with paused_gc():
             self.saver.wait()
-            device = collective_device(e.world_size)
-            if peft_config_json(e.model) is None and device is not None:
-                pretrained.gathered(e, self.write, out, max_shard_bytes, durable, device)
-            else:
-                pretrained.staged(e, self.write, self._save, out, max_shard_bytes, durable)
+            pretrained.save(e, self.write, out, max_shard_bytes, durable, self._side_group)
             if tokenizer is not None and e.is_main:
                 tokenizer.save_pretrained(str(out))  # the caller's own object
             e.barrier()
         return out
+
+    def _side_group(self):
+        """A gloo group for save_pretrained's counts where the job's group cannot sum host
+        tensors (torch_xla's), made once, by every rank at its first save_pretrained."""
+        if self.side is None:
+            import torch.distributed as dist
+
+            self.side = dist.new_group(backend="gloo")
+        return self.side
 
     def _save(self, path: Path, async_save: bool | None, pointer: bool = True) -> Path:
         """Write model, optimizer, scheduler, step, RNG and data position under `path`, atomically,
@@ -122,11 +125,11 @@ class Checkpointer:
             group, tmp = self.saver.ensure_group(), partial_path(path)
         else:
             group, tmp = None, begin_checkpoint(path, e.rank)
-        sink = Sink(tmp, staged=background, pool=self.saver.pinned if background else None,
-                    group=group, threads=spec.checkpoint.write_threads)
+        threads = spec.checkpoint.write_threads
         # the next forward may change buffers (BatchNorm's statistics): copied now; parameters
         # and optimizer state change only at an optimizer step, which waits for their copies
-        sink.now = {b.data_ptr() for b in e.model.buffers()} if background else None
+        sink = StagedSink(tmp, self.saver.pinned, group, threads, now={
+            b.data_ptr() for b in e.model.buffers()}) if background else Sink(tmp, group, threads)
         small = self._small_files(e)  # taken now: the next step changes them
         meta = {"backend": e.name, "world_size": e.world_size, "step": e.step,
                 "user_state": e.user_state.kinds(),

@@ -1,17 +1,21 @@
-"""save_pretrained's two ways to the Hugging Face files (engine.checkpoints.save_pretrained picks):
-`gathered`, each rank's pieces of the model written in place in their files (hf_gather.py), and
-`staged`, through a checkpoint of the model written beside the output and read back (a PEFT run's
-adapter, and process groups that cannot carry the pieces)."""
+"""save_pretrained's one route to the Hugging Face files (engine.checkpoints.save_pretrained): the
+backend's portable save of the model, captured (no file written), each rank's pieces then written in
+place in their files (hf/hf_gather.py). A plain model's files are save_pretrained's (model-*.safetensors,
+the index, config.json, generation config); a PEFT run's, PeftModel.save_pretrained's for its active
+adapter (adapter_model.safetensors in fp32, adapter_config.json), picked and named by peft's own
+get_peft_model_state_dict. Where the process group cannot sum host tensors (torch_xla's), the counts
+travel over a gloo group of the checkpointer's own."""
 
 from __future__ import annotations
 
+import copy
 import json
-import shutil
 from pathlib import Path
 
-from parallel.checkpoint.format.directory import begin_checkpoint
-from parallel.checkpoint.hf.export import hf_config_json, peft_config_json
-from parallel.checkpoint.background.sink import Sink
+import torch
+import torch.distributed as dist
+
+from parallel.checkpoint.hf.export import hf_config_json
 
 
 def hf_config(model) -> dict:
@@ -22,46 +26,68 @@ def hf_config(model) -> dict:
     return json.loads(cfg)
 
 
-def gathered(engine, write, out: Path, max_shard_bytes: int | None, durable: bool, device) -> None:
-    """`write(sink)`: the backend's portable save, here of the model section into a Capture (DCP
-    plans it; no file is written), whose pieces write_gathered writes in place."""
-    from parallel.checkpoint.hf.hf_files import weight_dtype
-    from parallel.checkpoint.hf.hf_gather import Capture, write_gathered
+def collective(world: int, side) -> tuple[torch.device, object]:
+    """(device, group) save_pretrained's few collectives run on: CUDA over NCCL, host memory over
+    gloo, else host memory over `side()` (a gloo group, made once by the caller)."""
+    if world == 1:
+        return torch.device("cpu"), None
+    backend = str(dist.get_backend())
+    if "nccl" in backend:
+        return torch.device("cuda", torch.cuda.current_device()), None
+    return torch.device("cpu"), (None if "gloo" in backend else side())
 
-    cfg, dtype = hf_config(engine.model), weight_dtype(engine.spec.precision)
+
+def save(engine, write, out: Path, max_shard_bytes: int | None, durable: bool, side) -> None:
+    """`write(sink)`: the backend's portable save, here of the model section into a Capture (DCP
+    plans it; no file is written), whose pieces write_gathered writes in place; the main rank then
+    writes the index and configs."""
+    from parallel.checkpoint.hf.capture import Capture, CaptureSink
+    from parallel.checkpoint.hf.hf_files import weight_dtype, write_configs, write_index
+    from parallel.checkpoint.hf.hf_gather import shared_shapes, write_gathered
+
+    device, group = collective(engine.world_size, side)
+    cfg, peft = hf_config(engine.model), adapter(engine.model)
     engine.check_finite(wait=True)
     capture = Capture()
-    write(Sink(out, sections=("model",), capture=capture))
-    write_gathered(capture, cfg, dtype, out, max_shard_bytes, engine.rank, engine.world_size,
-                   device, durable)
-
-
-def staged(engine, write, save, out: Path, max_shard_bytes: int | None, durable: bool) -> None:
-    """Every rank writes its shards of the model alone (no optimizer state, no fsync: a staging
-    copy whose pages need never reach the disk) beside `out`, then its share of the safetensors
-    files from them (write_hf's `part`); a PEFT run's main rank writes the adapter from a whole
-    staged checkpoint (`save`: the engine's own, without `latest`). The staging directory,
-    polyshard's own, is removed."""
-    from parallel.checkpoint.hf.export import export_peft, plain_weights, write_hf
-
-    staging = out.parent / f".{out.name}.polyshard-state"
-    peft = peft_config_json(engine.model) is not None
-    if peft:
-        save(staging, async_save=False, pointer=False)
-        state = staging
+    write(CaptureSink(out, capture))
+    stored = [k[len("model."):] for k in shared_shapes(capture, engine.world_size, group)
+              if k.startswith("model.")]
+    if peft is not None:
+        names, config = adapter_names(peft, stored)
+        dtype, single = torch.float32, "adapter_model.safetensors"  # as peft saves an fp32 run's
     else:
-        cfg = hf_config(engine.model)
-        engine.check_finite(wait=True)
-        state = begin_checkpoint(staging, engine.rank)
-        write(Sink(state, sections=("model",), durable=False))
-        engine.barrier()  # every rank's state files are in place before any is read
-    try:
-        if not peft:  # the model's shards alone: its config and dtype are the engine's
-            write_hf(plain_weights(state, cfg), cfg, engine.spec.precision, out, max_shard_bytes,
-                     (engine.rank, engine.world_size), durable)
-        elif engine.is_main:
-            export_peft(state, out)
-        engine.barrier()
-    finally:
-        if engine.is_main:
-            shutil.rmtree(state, ignore_errors=True)
+        tied = cfg.get("tie_word_embeddings") and "lm_head.weight" in stored
+        names = {k: k for k in stored if not (tied and k == "lm_head.weight")}
+        dtype, single = weight_dtype(engine.spec.precision), None
+    files = write_gathered(capture, names, dtype, out, max_shard_bytes, engine.rank,
+                           engine.world_size, device, durable, single, group)
+    if engine.is_main and peft is not None:
+        config.save_pretrained(str(out))
+    elif engine.is_main:
+        write_index(out, files, dtype.itemsize)
+        write_configs(cfg, dtype, out)
+
+
+def adapter(model):
+    """The PEFT model inside `model` (any wrapper), or None."""
+    for module in model.modules():
+        if isinstance(getattr(module, "peft_config", None), dict) and hasattr(module,
+                                                                              "active_adapter"):
+            return module
+    return None
+
+
+def adapter_names(peft_model, stored: list[str]) -> tuple[dict[str, str], object]:
+    """The active adapter's tensors as PeftModel.save_pretrained names them (portable name -> key in
+    adapter_model.safetensors), picked by peft's own get_peft_model_state_dict over stand-ins of the
+    stored names, and its config as save_pretrained writes it (inference_mode)."""
+    from peft.utils import get_peft_model_state_dict
+
+    active = peft_model.active_adapter
+    name = active if isinstance(active, str) else active[0]
+    stand_ins = {k: torch.empty(0) for k in stored}
+    picked = get_peft_model_state_dict(peft_model, state_dict=stand_ins, adapter_name=name)
+    source = {id(t): k for k, t in stand_ins.items()}
+    config = copy.deepcopy(peft_model.peft_config[name])
+    config.inference_mode = True
+    return {source[id(t)]: key for key, t in picked.items()}, config

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from parallel.engine.observe.flops import flops_per_token, model_flops
 from parallel.launch.torchrun import current_spec
 from parallel.tools.parity.cell import global_batches, optimizer_arg
-from parallel.tools.measurable import measurable
+from parallel.kits.measurable import measurable
 from parallel.tools.bench.measure import CommCounter, held_bytes, peak_rss_bytes, step_peak_bytes
 from parallel.registry import create_engine
 from parallel.toy import build_model

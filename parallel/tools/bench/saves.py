@@ -91,7 +91,7 @@ def hf_times(engine, root: Path) -> dict:
     an untimed round; rank 0 adds the safetensors' bytes and GB/s. {} for a model without a
     Hugging Face config."""
     from parallel.checkpoint.hf.export import hf_config_json
-    from parallel.checkpoint.background.sink import Sink
+    from parallel.checkpoint.state.sink import Sink
     from parallel.tools.bench.disk import tree_bytes
 
     if hf_config_json(engine.model) is None:

@@ -15,7 +15,7 @@ import torch
 
 from parallel.launch.torchrun import current_spec
 from parallel.registry import create_engine
-from parallel.tools.measurable import measurable
+from parallel.kits.measurable import measurable
 from parallel.toy import build_model
 
 
