@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from parallel.checkpoint.format.manifest import (
     HASHES,
+    MANIFEST,
     read_manifest,
 )
 from parallel.checkpoint.format.safe import CheckpointError, UnsafeFileError, child_name, read_text
