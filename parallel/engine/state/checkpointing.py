@@ -107,7 +107,7 @@ class Checkpointer:
             self.side = dist.new_group(backend="gloo")
         return self.side
 
-    def _save(self, path: Path, async_save: bool | None, pointer: bool = True) -> Path:
+    def _save(self, path: Path, async_save: bool | None) -> Path:
         """Write model, optimizer, scheduler, step, RNG and data position under `path`, atomically,
         then point `latest` beside it at `path` and apply `checkpoint.keep_last`. With
         `checkpoint.async_save` (or `async_save=True`), return once this rank's state is copied to
@@ -136,7 +136,7 @@ class Checkpointer:
                 "state_dict": spec.state_dict, "spec": spec.model_dump(mode="json"),
                 "versions": self.versions}
         keep, managed = spec.checkpoint.keep_last, spec.checkpoint.dir and Path(spec.checkpoint.dir)
-        job = PendingSave(path, sink, small, meta, e.rank, e.is_main and pointer, keep, managed,
+        job = PendingSave(path, sink, small, meta, e.rank, e.is_main, keep, managed,
                           opened=not background)
         try:
             self.write(sink)  # staged: places this rank's state in host memory, no file yet
