@@ -1,15 +1,15 @@
 """The Engine every backend implements, grouped by concern (each package's docstring lists its modules):
 
 - core/: the engine itself: set-up and the step (engine.py), the backend contract (hooks.py), the
-  public calls that hand to a part (calls.py), what a step minimises (objective.py) and returns
-  (step.py).
+  public calls that hand to a part (calls.py), what a step returns (step.py); what it minimises is
+  parallel/kits/objective.py, below the engine (data/ and model/ use it too).
 - data/: the batch side: resumable loaders (loaders.py, resumable.py), the batch check (guard.py),
   splitting and moving batches (batches.py), documents packed into rows (packing.py, documents.py).
 - model/: what is done to the model before and while it trains: parameters by name (params.py), shard
   units and activation checkpointing (wrap.py), the tensor-parallel plan (tp_plan.py), compile
   (compile.py), mixture-of-experts bookkeeping (experts.py) and their router's loss (router.py), a
   tiled loss (tiled_loss.py), context parallelism (context_parallel.py).
-- watch/: parts that watch the run and say what went wrong: hangs (hang.py), preemption
+- watch/: parts that watch the run and say what went wrong: hangs (hang.py, stall.py), preemption
   (preempt.py), non-finite losses (nonfinite.py), did compile run (compile.py).
 - observe/: what people look at: trackers (tracking.py, trackers.py), the progress bar
   (progress_bar.py), FLOPs and MFU (flops.py).

@@ -43,7 +43,7 @@ class Evaluated(Protocol):
     world_size: int
     forward_gathers: bool  # every rank must run as many forwards as the busiest one
     groups: object  # parallel.dist.Groups: whose sums the result is
-    objective: object  # what each batch's loss averages over (core/objective.py)
+    objective: object  # what each batch's loss averages over (parallel/kits/objective.py)
 
     def device_batch(self, batch): ...
 
