@@ -154,24 +154,21 @@ def load_sharded(ds, path: Path, split=None, weights_only: bool = False) -> None
         relink(zero)
     model, state, members = _read_template(ds, split, weights_only)
     buffers = ps.buffers(ds.module)
-    if weights_only:
-        if hasattr(zero, "checkpoint_event_prologue"):
-            zero.checkpoint_event_prologue()
-        ps.load_state({"model": _with_aliases(ds, model)}, path, reader=reader)
-        ds.module.load_state_dict({k: model[k] for k in buffers}, strict=False)
-        return _masters_to_model(zero)
-    template = {"model": _with_aliases(ds, model),
-                "optim": {"state": state, "param_groups": optim_state.groups_template(path, reader)}}
-    live = [[] for _ in base.param_groups]  # ZeRO-3's sub-groups collapse into their group
-    for group, _, group_names in members:
-        live[group] += group_names
-    # before anything is read in place: the same groups, or an error naming the parameters that moved
-    merged = optim_state.merge_groups(base.param_groups, optim_state.read_groups(path, reader), live)
+    template, merged = {"model": _with_aliases(ds, model)}, []
+    if not weights_only:
+        template["optim"] = {"state": state,
+                             "param_groups": optim_state.groups_template(path, reader)}
+        live = [[] for _ in base.param_groups]  # ZeRO-3's sub-groups collapse into their group
+        for group, _, group_names in members:
+            live[group] += group_names
+        # before anything is read in place: the same groups, or an error naming what moved
+        merged = optim_state.merge_groups(base.param_groups, optim_state.read_groups(path, reader),
+                                          live)
     if hasattr(zero, "checkpoint_event_prologue"):  # ZeRO-3: release what forward left gathered
         zero.checkpoint_event_prologue()
     ps.load_state(template, path, reader=reader)
     ds.module.load_state_dict({k: model[k] for k in buffers}, strict=False)
-    for _, flat, group_names in members:
+    for _, flat, group_names in members:  # no step read under weights_only: nothing to set
         step = optim_state.single_step(state, group_names)
         if step is not None and "step" in base.state.get(flat, {}):
             old = base.state[flat]["step"]

@@ -56,17 +56,24 @@ def hf_config_json(model) -> str | None:
     return None
 
 
+def peft_module(model):
+    """The PEFT model inside `model` (any wrapper) and its active adapter's name, or (None, None)."""
+    for module in (model.modules() if model is not None else ()):
+        if isinstance(getattr(module, "peft_config", None), dict) and hasattr(module,
+                                                                              "active_adapter"):
+            active = module.active_adapter
+            return module, active if isinstance(active, str) else active[0]
+    return None, None
+
+
 def peft_config_json(model) -> str | None:
     """A PEFT model's adapter configs and active adapter (adapter_config.json's content), or None."""
-    for module in (model.modules() if model is not None else ()):
-        configs = getattr(module, "peft_config", None)
-        if isinstance(configs, dict) and hasattr(module, "active_adapter"):
-            adapters = {name: {k: sorted(v) if isinstance(v, set) else v
-                               for k, v in cfg.to_dict().items()} for name, cfg in configs.items()}
-            active = module.active_adapter
-            return json.dumps({"active": active if isinstance(active, str) else active[0],
-                               "adapters": adapters}, indent=2, default=str)
-    return None
+    module, active = peft_module(model)
+    if module is None:
+        return None
+    adapters = {name: {k: sorted(v) if isinstance(v, set) else v for k, v in cfg.to_dict().items()}
+                for name, cfg in module.peft_config.items()}
+    return json.dumps({"active": active, "adapters": adapters}, indent=2, default=str)
 
 
 def export_hf(path: str | Path, out: str | Path, config: str | Path | None = None,

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from parallel.checkpoint.hf.export import hf_config_json
+from parallel.checkpoint.hf.export import hf_config_json, peft_module
 
 
 def hf_config(model) -> dict:
@@ -46,14 +46,14 @@ def save(engine, write, out: Path, max_shard_bytes: int | None, durable: bool, s
     from parallel.checkpoint.hf.hf_gather import shared_shapes, write_gathered
 
     device, group = collective(engine.world_size, side)
-    cfg, peft = hf_config(engine.model), adapter(engine.model)
+    cfg, (peft, active) = hf_config(engine.model), peft_module(engine.model)
     engine.check_finite(wait=True)
     capture = Capture()
     write(CaptureSink(out, capture))
     stored = [k[len("model."):] for k in shared_shapes(capture, engine.world_size, group)
               if k.startswith("model.")]
     if peft is not None:
-        names, config = adapter_names(peft, stored)
+        names, config = adapter_names(peft, active, stored)
         dtype, single = torch.float32, "adapter_model.safetensors"  # as peft saves an fp32 run's
     else:
         tied = cfg.get("tie_word_embeddings") and "lm_head.weight" in stored
@@ -68,23 +68,12 @@ def save(engine, write, out: Path, max_shard_bytes: int | None, durable: bool, s
         write_configs(cfg, dtype, out)
 
 
-def adapter(model):
-    """The PEFT model inside `model` (any wrapper), or None."""
-    for module in model.modules():
-        if isinstance(getattr(module, "peft_config", None), dict) and hasattr(module,
-                                                                              "active_adapter"):
-            return module
-    return None
-
-
-def adapter_names(peft_model, stored: list[str]) -> tuple[dict[str, str], object]:
-    """The active adapter's tensors as PeftModel.save_pretrained names them (portable name -> key in
+def adapter_names(peft_model, name: str, stored: list[str]) -> tuple[dict[str, str], object]:
+    """Adapter `name`'s tensors as PeftModel.save_pretrained names them (portable name -> key in
     adapter_model.safetensors), picked by peft's own get_peft_model_state_dict over stand-ins of the
     stored names, and its config as save_pretrained writes it (inference_mode)."""
     from peft.utils import get_peft_model_state_dict
 
-    active = peft_model.active_adapter
-    name = active if isinstance(active, str) else active[0]
     stand_ins = {k: torch.empty(0) for k in stored}
     picked = get_peft_model_state_dict(peft_model, state_dict=stand_ins, adapter_name=name)
     source = {id(t): k for k, t in stand_ins.items()}
