@@ -84,7 +84,8 @@ class _TorchFSDP(ModuleStateTensors, Engine):
         return self._no_sync() if not last else super()._sync_context(last)
 
     def _grad_norm_and_clip(self) -> torch.Tensor:
-        return clip_grad_norm(self.model.parameters(), self.spec.grad_clip)
+        stages = self.pipeline.layout.group if self.pipeline is not None else None
+        return clip_grad_norm(self.model.parameters(), self.spec.grad_clip, stages)
 
     def _optimizer_step(self):
         if self.scaler is not None:
@@ -106,11 +107,13 @@ class _TorchFSDP(ModuleStateTensors, Engine):
 
     def _save_model_optim(self, sink: Sink) -> None:
         write_model_optim(sink, self.model, self.optimizer, self.spec.state_dict == "sharded",
-                          self.rank, on_cpu=self.device.type == "cpu", live=self.live)
+                          self.rank, on_cpu=self.device.type == "cpu", live=self.live,
+                          whole_groups=self.pipeline.whole_groups if self.pipeline else None)
 
     def _load_model_optim(self, path: Path, manifest: dict, weights_only: bool = False) -> None:
         self.live.clear()  # it holds the state tensors the load replaces
-        read_model_optim(path, self.model, self.optimizer, weights_only)
+        read_model_optim(path, self.model, self.optimizer, weights_only,
+                         self.pipeline.elsewhere if self.pipeline is not None else frozenset())
 
     def native_checkpoint(self):
         """(save, load) as torchtitan's checkpointer does it: torch DCP of get_state_dict's model
@@ -145,11 +148,21 @@ class _TorchFSDP(ModuleStateTensors, Engine):
 class FSDP2Engine(_TorchFSDP):
     def _prepare(self, model, optimizer: OptimizerArg):
         model, lazy = self._materialise(model)
+        if not lazy and self.spec.fsdp.sync_module_states:  # the whole model, before any split
+            sync_from_rank0(model, self.device)
+        parts = [model]
+        if self.dims.pp > 1:  # this rank's pipeline stages, each sharded as a model of its own
+            model, parts = self._apply_pipeline(model)
+        units = [self._shard_fsdp2(part, lazy) for part in parts]
+        self.units = [u for each in units for u in each]
+        return model, self._optimizer_over(optimizer, model)
+
+    def _shard_fsdp2(self, model: nn.Module, lazy: bool) -> list[tuple[str, nn.Module]]:
+        """One model (or pipeline stage) split, checkpointed, compiled and sharded; its units."""
         kwargs = fsdp2_kwargs(self.plan["kwargs"], self.device.type)
         mesh = shard_mesh(self.device_mesh, hybrid=len(self.plan["mesh"]) == 2, cp=self.dims.cp)
         full = full_state_of(model) if lazy and self.is_main else None
-        if not lazy and self.spec.fsdp.sync_module_states:
-            sync_from_rank0(model, self.device)
+        units = plan_wrap(model, self.spec.wrap) if self.pipeline is not None else self.units
         # torchtitan's order: the tensor-parallel split first (fully_shard then shards its shards
         # again over the data-parallel dims), activation checkpointing, compile, fully_shard, each on
         # what sits at the unit's place (the checkpoint wrapper when there is one). fully_shard on
@@ -162,18 +175,18 @@ class FSDP2Engine(_TorchFSDP):
             apply_tp(model, self.device_mesh["tp"],
                      resolve_plan(model, self.dims.tp, self.spec.topology.tp_plan, self.say))
         if self.spec.checkpoint_activations:
-            apply_ac(model, self.units)
-        self.units = at_unit_places(model, self.units)
+            apply_ac(model, units)
+        units = at_unit_places(model, units)
         if self.spec.compile.scope == "blocks":
-            self._apply_compile(model, self.units)
-        apply_fsdp2(model, self.units, mesh, kwargs, self.spec.fsdp.reshard_output)
+            self._apply_compile(model, units)
+        apply_fsdp2(model, units, mesh, kwargs, self.spec.fsdp.reshard_output)
         if self.spec.compile.scope == "model":
             self._apply_compile(model, [])
         if lazy:
             fill_from_rank0(model, full, self.device)
         if self.spec.fsdp.forward_prefetch:
-            apply_forward_prefetch(model, self.units)
-        return model, self._optimizer_over(optimizer, model)
+            apply_forward_prefetch(model, units)
+        return units
 
     def _no_sync(self):
         return _RequiresGradSync(self.model)

@@ -32,9 +32,17 @@ def _check_loss_scale(spec: Spec) -> None:
 
 
 def _fsdp2_dims(spec: Spec) -> None:
-    """tp and cp are FSDP2's: fully_shard's mesh spans them, FSDP1's flat parameters do not."""
+    """tp, cp and pp are FSDP2's: fully_shard's mesh spans them, FSDP1's flat parameters do not."""
     if spec.fsdp.version == 2:
+        if spec.topology.pp > 1 and spec.fsdp.cpu_ram_efficient_loading:
+            raise SpecError([("fsdp.cpu_ram_efficient_loading", f"true with topology.pp "
+                              f"{spec.topology.pp}: rank 0 holds the first stage only, so it "
+                              "cannot send every stage its weights; set it false (each rank builds "
+                              "the model and keeps its stages)")])
         return
+    if spec.topology.pp > 1:
+        raise SpecError([("topology.pp", f"{spec.topology.pp} with fsdp.version: 1: torch's "
+                          "pipeline stages run under fully_shard (FSDP2) only; use fsdp.version: 2")])
     if spec.topology.tp > 1:
         raise SpecError([("topology.tp", f"{spec.topology.tp} with fsdp.version: 1: FSDP1's flat "
                           "parameters cannot hold DTensor shards of a tensor-parallel split; use "

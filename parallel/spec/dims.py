@@ -71,6 +71,10 @@ class ParallelDims:
         """This rank's place in its cp group: which slice of each row it keeps."""
         return (rank // self.tp) % self.cp
 
+    def pp_rank(self, rank: int) -> int:
+        """This rank's place in its pipeline (pp is the outermost dimension)."""
+        return rank // (self.dp_size * self.cp * self.tp)
+
     def dp_rank(self, rank: int) -> int:
         """Ranks are laid out as the mesh is, (pp, dp_replicate, dp_shard, cp, tp) row-major: tp
         varies fastest, so a tp group is `tp` consecutive ranks (one host's GPUs: tp's all-reduces

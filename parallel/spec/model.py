@@ -21,6 +21,7 @@ from pydantic import Field, field_validator, model_validator
 from parallel.spec.compiling import Compile
 from parallel.spec.dims import HYBRID, ParallelDims, world_problems
 from parallel.spec.errors import SpecError, rule_error
+from parallel.spec.pipeline import Pipeline, pipeline_problems
 from parallel.spec.sections import MAX_BATCH, Checkpointing, LossScale, MoE, Section, Topology, Wrap
 from parallel.spec.sequence import Sequence
 from parallel.spec.tracking import Tracking
@@ -95,6 +96,8 @@ class Spec(Section):
     sequence: Annotated[Sequence, Field(description="Long rows: a tiled loss, activations "
                                         "offloaded to host memory.")] = Sequence()
     moe: Annotated[MoE, Field(description="Mixture-of-experts models: the router's loss.")] = MoE()
+    pipeline: Annotated[Pipeline, Field(description="topology.pp's schedule, micro-batches and "
+                                        "stage boundaries (docs/pipeline.md).")] = Pipeline()
     compile: Annotated[
         Compile, Field(description="torch.compile: what is compiled and how (`compile: true` for "
                        "the defaults).")
@@ -238,7 +241,8 @@ class Spec(Section):
         if self.loss_scale != LossScale() and self.precision != "fp16":
             problems.append(("loss_scale", f"loss scaling applies to precision: fp16 only, not "
                              f"{self.precision!r}; remove loss_scale or use precision: fp16"))
-        problems += self._batch_rules()
+        problems += self._batch_rules() + pipeline_problems(self.pipeline, self.topology.pp,
+                                                            self.micro_batch_size)
         if self.sequence.loss_tile is not None and self.topology.tp > 1:
             problems.append(("sequence.loss_tile", f"{self.sequence.loss_tile} with topology.tp "
                              f"{self.topology.tp}: a tensor-parallel lm_head splits the vocabulary, "

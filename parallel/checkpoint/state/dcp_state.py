@@ -5,6 +5,7 @@ portable layout. `LiveState` hands its sharded state out again while it still is
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import chain
 from pathlib import Path
 
@@ -24,9 +25,16 @@ from parallel.checkpoint.state.sink import Sink
 
 
 def write_model_optim(sink: Sink, model, optimizer, sharded: bool, rank: int,
-                      on_cpu: bool = False, live: LiveState | None = None) -> None:
+                      on_cpu: bool = False, live: LiveState | None = None,
+                      whole_groups: Callable | None = None) -> None:
+    """`whole_groups(names per group)`: every rank's names of each group, where this rank holds
+    part of the model (topology.pp): the stored groups name the whole model's parameters."""
     if sharded:  # every rank writes its own shards (DTensor / ShardedTensor chunks)
         msd, osd = (live or LiveState()).get(model, optimizer)
+        if whole_groups is not None:
+            names = whole_groups([list(g["params"]) for g in osd["param_groups"]])
+            osd = {**osd, "param_groups": [{**g, "params": n}
+                                           for g, n in zip(osd["param_groups"], names)]}
         save_state({"model": msd, "optim": osd}, sink)
         return
     # Full: the state is gathered and rank 0 writes whole tensors. On accelerators it is gathered
@@ -38,21 +46,23 @@ def write_model_optim(sink: Sink, model, optimizer, sharded: bool, rank: int,
         save_state({"model": msd, "optim": osd}, sink, collective=False)
 
 
-def read_model_optim(path: Path, model, optimizer, weights_only: bool = False) -> None:
+def read_model_optim(path: Path, model, optimizer, weights_only: bool = False,
+                     elsewhere: frozenset[str] = frozenset()) -> None:
     # The templates come from this run's own sharding: DCP reshards into them, whatever world size
     # or backend wrote the files. get_state_dict also creates optimizer state that does not exist
     # yet, so a weights-only load asks for the model's alone: the optimizer stays as it is.
+    # `elsewhere`: the model's entries other ranks hold (topology.pp's other stages).
     reader = open_state(path)
     if weights_only:
         msd = get_model_state_dict(model)
-        load_state({"model": msd}, path, reader=reader)
+        load_state({"model": msd}, path, reader=reader, elsewhere=elsewhere)
         set_model_state_dict(model, msd)
         return
     groups_template(path, reader)  # none stored: refused before get_state_dict creates state
     msd, osd = get_state_dict(model, optimizer)
     template = {"model": msd, "optim": {"state": osd["state"],
                                         "param_groups": groups_template(path, reader)}}
-    load_state(template, path, reader=reader)
+    load_state(template, path, reader=reader, elsewhere=elsewhere)
     groups = merge_groups(osd["param_groups"], template["optim"]["param_groups"],
                           [g["params"] for g in osd["param_groups"]])
     set_state_dict(model, optimizer, model_state_dict=template["model"],

@@ -125,6 +125,13 @@ def as_written(state: dict) -> dict:
     return {**state, "optim": {**optim, "param_groups": tuple(optim["param_groups"])}}
 
 
+def _entry_of(key: str) -> str:
+    """The model entry a stored key belongs to: model.<name>, optim.state.<name>.<field>."""
+    if key.startswith("optim.state."):
+        return key[len("optim.state."):].rpartition(".")[0]
+    return key.partition(".")[2]
+
+
 def write_queued(sink: Sink) -> None:
     """Write a staged save's queued host copies (after `save` returned; none when not staged)."""
     for state, planner, collective in sink.take_queued():
@@ -138,15 +145,17 @@ def open_state(path: Path) -> SafeReader:
 
 
 def load_state(template: dict, path: Path, planner=None, collective: bool = True,
-               reader: SafeReader | None = None) -> dict:
+               reader: SafeReader | None = None, elsewhere: frozenset[str] = frozenset()) -> dict:
     """Fill `template` (this run's layout: DTensors, shards or whole tensors) from path/state.
     Strict both ways within the sections asked for ("model", "optim"): DCP itself refuses a template
     key the checkpoint lacks; a stored entry the template does not ask for would be silently
-    dropped, so it is refused here."""
+    dropped, so it is refused here, unless it belongs to `elsewhere` (the model's entries other
+    ranks hold: topology.pp's other stages)."""
     reader = reader or open_state(path)
     sections = tuple(f"{name}." if name == "model" else "optim.state." for name in template)
     unread = {k for k in stored_keys(path, reader) if k.startswith(sections)}
     unread -= set(flatten_state_dict(template)[0])
+    unread = {k for k in unread if _entry_of(k) not in elsewhere}
     if unread:
         raise PortableStateError(
             f"{path / STATE_DIR}: holds {len(unread)} entries this run has no place for (e.g. "

@@ -75,7 +75,8 @@ class Engine(EngineSetup):
                                 self.progress, self.spec.checkpoint.dir or os.getcwd()) from err
 
     def _train_step(self, batch, start: float) -> StepResult:
-        self.model.train()
+        for part in self.model_parts:
+            part.train()
         micro_batches = [self._local(m) for m in self._split(batch)]
         # Each micro-batch weighs by the items its loss averages over (objective.py), so the step's
         # loss and gradient are one process's on the global batch. The global count is one small
@@ -84,7 +85,8 @@ class Engine(EngineSetup):
         counts = self.objective.counts(micro_batches)
         total = pdist.PendingSum(counts.sum(), self.groups.dp) if counts is not None else None
         self.progress.phase = "forward/backward"
-        local = self._forward_backward(micro_batches, counts, total)
+        local = (self._forward_backward(micro_batches, counts, total) if self.pipeline is None
+                 else self.pipeline.forward_backward(micro_batches, total))  # the stages' schedule
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this update uses (schedule moves after)
         self.checkpoints.staged()  # an async save's copies of what the update changes have landed
         self.progress.phase = "optimizer step"
@@ -147,11 +149,15 @@ class Engine(EngineSetup):
     def eval_step(self, batch) -> float:
         """The loss on `batch` (this rank's part of an evaluation batch), weighed as the step weighs
         it: the mean over the whole evaluation batch's items."""
-        self.model.eval()
+        for part in self.model_parts:
+            part.eval()
         batch = self._local(batch)
         counts = self.objective.counts([batch])
         total = pdist.PendingSum(counts.sum(), self.groups.dp) if counts is not None else None
-        share = self.objective.share(self.forward(batch)[1], 0, counts, total, 1)
+        if self.pipeline is not None:  # the stages' forwards; the last stage's loss (x pp)
+            share = self.pipeline.run(batch, total() / self.dims.dp_cp, training=False)
+        else:
+            share = self.objective.share(self.forward(batch)[1], 0, counts, total, 1)
         return float(pdist.all_mean(share.detach().float(), self.groups.world))
 
     def forward(self, batch, logits: bool = False) -> tuple[object | None, torch.Tensor]:

@@ -24,6 +24,7 @@ from parallel.engine.core.step import LossFn, OptimizerArg, build_optimizer
 from parallel.engine.data import packing
 from parallel.engine.data.loaders import Loaders, build_loader
 from parallel.engine.model.compile import apply_compile
+from parallel.engine.model.pipeline.schedule import Pipeline
 from parallel.engine.model.context_parallel import ContextParallel, apply_context_parallel
 from parallel.engine.model.experts import Experts, moe_blocks
 from parallel.engine.model.router import RouterLoss
@@ -66,6 +67,8 @@ class EngineSetup(EngineCalls):
         self.tiled: TiledLoss | None = None  # sequence.loss_tile's patched lm_head, likewise
         self.attention: str | None = None  # the HF model's attention implementation, likewise
         self.context: ContextParallel | None = None  # topology.cp's split and attention, likewise
+        self.pipeline: Pipeline | None = None  # topology.pp's stages and schedule (_apply_pipeline)
+        self._parts: list[nn.Module] | None = None  # the stages, where they are not `model` alone
         self.notices: list[str] = []  # what this run does differently from one process, said once
         self.loaders = Loaders()  # training loaders by name (checkpointed), eval loaders apart
         self.user_state = UserState()  # the user's objects saved with each checkpoint
@@ -155,6 +158,27 @@ class EngineSetup(EngineCalls):
                            self.world_size * self.devices_per_process,
                            {k: v for k, v in self._model_facts.items() if k != "flops"})
         return self.model
+
+    @property
+    def model_parts(self) -> list[nn.Module]:
+        """The modules a step runs: this rank's pipeline stages, else the model alone."""
+        return self._parts or [self.model]
+
+    def _apply_pipeline(self, model: nn.Module) -> tuple[nn.Module, list[nn.Module]]:
+        """topology.pp (backends call it after `_record_params`, before sharding): this rank's
+        stages of `model`, and one module over them under the model's names (what `model` is)."""
+        from parallel.engine.model.pipeline.apply import apply_pipeline, check_pipelined
+        from parallel.kits.objective import count_shifted
+
+        check_pipelined(model, self.params.tied, self.objective.count is count_shifted,
+                        self.loss_fn is not None, self.router)
+        view, self._parts, layout, elsewhere = apply_pipeline(model, self.spec, self.dims.pp_rank(self.rank),
+                                                   self.device_mesh["pp"].get_group(),
+                                                   self.forward_kwargs)
+        self.params.restrict({n for _, names in per_parameter(view) for n in names})
+        self.pipeline = Pipeline(self._parts, layout, self.device)
+        self.pipeline.elsewhere = elsewhere
+        return view, self._parts
 
     def _apply_compile(self, model: nn.Module, units: list[tuple[str, nn.Module]],
                        compile_model: Callable | None = None) -> None:

@@ -66,13 +66,14 @@ def require_fp32(model: nn.Module) -> None:
                          "`precision: bf16` for bf16 compute")
 
 
-def clip_grad_norm(params, max_norm: float | None) -> torch.Tensor:
+def clip_grad_norm(params, max_norm: float | None, stages=None) -> torch.Tensor:
     """The global gradient 2-norm of `params`, clipped to `max_norm` when set. DTensor gradients
     (FSDP2) give partial norms per shard: reduced to the full norm before clipping. Gradients on
     several meshes (TP + FSDP2: the split projections on (dp_shard, tp), the rest on dp_shard)
     are normed per mesh and the squares summed: torch stacks per-tensor norms, which DTensor
     refuses across meshes (measured: "All operands in aten.stack.default must have the same
-    mesh"), so each mesh costs one reduction."""
+    mesh"), so each mesh costs one reduction. `stages`: topology.pp's group, whose ranks hold the
+    other layers: the squares summed over it too (torchtitan's one extra reduction under pp)."""
     from torch.distributed.tensor import DTensor
 
     groups: dict = {}
@@ -85,6 +86,12 @@ def clip_grad_norm(params, max_norm: float | None) -> torch.Tensor:
         norm = torch.nn.utils.get_total_norm([p.grad for p in members], 2.0, False)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     norm = norms[0] if len(norms) == 1 else torch.stack([n ** 2 for n in norms]).sum().sqrt()
+    if stages is not None:
+        import torch.distributed as dist
+
+        square = norm.float() ** 2
+        dist.all_reduce(square, group=stages)
+        norm = square.sqrt()
     if max_norm is not None:
         for members in groups.values():
             torch.nn.utils.clip_grads_with_norm_(members, max_norm, norm)

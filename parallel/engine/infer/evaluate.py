@@ -51,7 +51,13 @@ class Evaluated(Protocol):
 
 
 def run(engine: Evaluated, loader, metrics: list[Metric], max_batches: int | None) -> dict:
-    engine.model.eval()
+    pipeline = getattr(engine, "pipeline", None)
+    if pipeline is not None and metrics:
+        raise ValueError("engine.evaluate(metrics=...) with topology.pp: the last stage alone holds "
+                         "the logits a metric reads; evaluate the loss alone under pp, or compute "
+                         "metrics at topology.pp: 1 (engine.save_pretrained, then a pp 1 job)")
+    for part in getattr(engine, "model_parts", [engine.model]):
+        part.eval()
     sums: dict[str, torch.Tensor] = {}
     # float64 sums where the device has them (TPUs compute float64 slowly, if at all)
     dtype = torch.float32 if engine.device.type == "xla" else torch.float64
@@ -64,14 +70,18 @@ def run(engine: Evaluated, loader, metrics: list[Metric], max_batches: int | Non
     with torch.no_grad():
         for batch, real in lockstep(engine, loader, max_batches):
             batch = engine.device_batch(batch)
-            outputs, loss = engine.forward(batch, logits=bool(metrics))  # metrics read them
-            if not real:  # a forward to keep ranks in step: it adds nothing
-                continue
             # the items this loss averages over (target tokens for a causal LM; the objective
             # knows the model's rule, objective.py): a batch without targets adds nothing
             counts = engine.objective.counts([batch])
+            if pipeline is None:
+                outputs, loss = engine.forward(batch, logits=bool(metrics))  # metrics read them
+            else:  # the stages' forwards: the last stage's mean, weighed there alone
+                outputs, loss = None, pipeline.mean_loss(batch, counts[0])
+            if not real:  # a forward to keep ranks in step: it adds nothing
+                continue
             loss = loss.detach().float()
             weight = counts[0] if counts is not None else 1
+            weight = weight if pipeline is None or pipeline.last else torch.zeros_like(weight)
             if counts is not None:  # no targets: the model's loss is NaN (0 / 0), weighed by 0
                 loss = torch.where(weight > 0, loss, torch.zeros_like(loss))
             add("loss", loss * weight)
@@ -80,7 +90,9 @@ def run(engine: Evaluated, loader, metrics: list[Metric], max_batches: int | Non
                 for name, value in metric(outputs, batch).items():
                     add(name, value)
             batches += 1
-    return _reduce(sums, batches, engine.groups.dp)
+    # under pp the last stage's ranks hold the sums: over the world (a tp group's copies scale a
+    # numerator and its denominator alike)
+    return _reduce(sums, batches, engine.groups.dp if pipeline is None else pdist.WORLD)
 
 
 def lockstep(engine, loader, max_batches: int | None):

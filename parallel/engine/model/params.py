@@ -95,6 +95,15 @@ class ParamPlan:
         self.groups = _named_groups(hook(self.as_built), name_of) if hook else None
         self._stand_in = dict(self.as_built).__getitem__
 
+    def restrict(self, held: set[str]) -> None:
+        """Only `held` is on this rank (topology.pp: its stages): the optimizer is built over those
+        names, each of the hook's groups kept (maybe empty) so that group i is group i on every
+        stage (a scheduler's per-group rates)."""
+        self.trainable &= held
+        self.as_built = [(n, s) for n, s in self.as_built if n in held]
+        if self.groups is not None:
+            self.groups = [([n for n in names if n in held], hyper) for names, hyper in self.groups]
+
     def original_name(self, p) -> str | None:
         entry = self._originals.get(id(p))
         return entry[1] if entry is not None and entry[0]() is p else None

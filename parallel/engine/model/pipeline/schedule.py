@@ -1,0 +1,134 @@
+"""topology.pp's step: torch.distributed.pipelining's schedules over this rank's stages, weighed so that
+the loss and gradients are one process's on the global batch.
+
+torch's schedules divide every gradient by the number of pipeline micro-batches (`scale_grads=True`,
+their default) and expect a loss that is each micro-batch's own mean: a mean of means, which differs
+from the global batch's mean as soon as micro-batches hold different numbers of target tokens (padded
+rows; measured in tests/distributed/test_pipeline.py, where the default is kept as the trap it is).
+Here `scale_grads=False` and the last stage's loss is the model's own loss function summed over the
+micro-batch's targets and divided by the step's global count over the data-parallel ranks (the count
+`kits/objective.py` makes for every layout): each micro-batch then adds exactly its share.
+
+torch's stages receive activations into buffers shaped by the first batch they see; a batch of
+another shape (padding to the longest row) gets a schedule of its own, made on every stage of the
+pipeline alike (the ranks of one pipeline are fed the same rows) and kept for the next such batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+SINGLE = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+MULTI = {"interleaved_1f1b": "ScheduleInterleaved1F1B", "zbv": "ScheduleZBVZeroBubble",
+         "dualpipev": "ScheduleDualPipeV"}
+V_SHAPED = ("zbv", "dualpipev")  # rank r holds stages r and 2 pp - 1 - r; the others loop
+
+
+def stage_ids(schedule: str, pp_rank: int, pp: int, virtual: int) -> list[int]:
+    """The stages rank `pp_rank` of the pipeline holds, in order."""
+    if schedule in V_SHAPED:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(virtual)]
+
+
+@dataclass
+class PipelineLayout:
+    schedule: str  # pipeline.schedule
+    microbatches: int  # pipeline micro-batches per engine micro-batch
+    stage_ids: list[int]  # this rank's stages
+    n_stages: int  # pp x virtual stages
+    pp: int
+    group: object  # the pp process group
+    data_parallel: int  # ranks holding other tokens of the step (dp x cp): the count's divisor
+
+
+class Pipeline:
+    """Runs a step, or an evaluation, of this rank's stages. `parts`: the stage modules (sharded)."""
+
+    def __init__(self, parts: list[nn.Module], layout: PipelineLayout, device: torch.device,
+                 scale_grads: bool = False):
+        self.parts, self.layout, self.device = parts, layout, device
+        self.scale_grads = scale_grads  # True only to show torch's default (the trap)
+        self.elsewhere: frozenset[str] = frozenset()  # the model's entries other stages hold
+        self.first = 0 in layout.stage_ids
+        self.last = layout.n_stages - 1 in layout.stage_ids
+        self._schedules: dict = {}
+        self._whole: list[list[str]] | None = None  # whole_groups, once gathered
+        self._denominator: torch.Tensor | None = None
+        last = layout.stage_ids.index(layout.n_stages - 1) if self.last else None
+        self._loss = None if last is None else parts[last].loss_function
+        self._vocab = None if last is None else parts[last].config.get_text_config().vocab_size
+
+    def _loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # the model's own causal-LM loss, summed over the micro-batch's targets / the global count
+        if self.scale_grads:  # torch's convention: each micro-batch's own mean
+            return self._loss(logits, labels, self._vocab)
+        return self._loss(logits, labels, self._vocab, num_items_in_batch=self._denominator)
+
+    def _schedule(self, shape: tuple, training: bool):
+        key = (shape, training)
+        if key not in self._schedules:
+            from torch.distributed import pipelining
+
+            lay = self.layout
+            stages = [pipelining.PipelineStage(part, s, lay.n_stages, self.device, group=lay.group)
+                      for part, s in zip(self.parts, lay.stage_ids)]
+            if torch.distributed.get_backend(lay.group) == "gloo":
+                # torch 2.9's first-step handshake (it warms NCCL's p2p communicators up) sends an
+                # int64 into a float32 buffer: gloo refuses it (measured: "op.preamble.length <=
+                # op.nbytes. 8 vs 4"), and gloo needs no warm-up
+                for stage in stages:
+                    stage._get_init_p2p_neighbors_ops = list
+            kind = SINGLE.get(lay.schedule) or MULTI[lay.schedule]
+            cls = getattr(pipelining.schedules, kind)
+            self._schedules[key] = cls(stages[0] if lay.schedule in SINGLE else stages,
+                                       n_microbatches=lay.microbatches, loss_fn=self._loss_fn,
+                                       scale_grads=self.scale_grads)
+        return self._schedules[key]
+
+    def forward_backward(self, micro_batches: list, total) -> torch.Tensor:
+        """The step's micro-batches, each one run of the schedule; `total()`: the step's target
+        count over the data-parallel ranks (the engine's, in flight since before this call)."""
+        local = torch.zeros((), device=self.device)
+        for micro in micro_batches:
+            local += self.run(micro, total() / self.layout.data_parallel, training=True)
+        return local
+
+    def whole_groups(self, names: list[list[str]]) -> list[list[str]]:
+        """Each optimizer group's parameter names over every stage of the pipeline (a checkpoint's
+        groups name the whole model's, so that any layout reads them): gathered over the pp group
+        at the first save, kept after (the groups do not change)."""
+        if self._whole is None:
+            gathered: list = [None] * self.layout.pp
+            torch.distributed.all_gather_object(gathered, names, group=self.layout.group)
+            self._whole = [sorted({n for stage in gathered for n in stage[i]})
+                           for i in range(len(names))]
+        return self._whole
+
+    def mean_loss(self, micro: dict, count: torch.Tensor) -> torch.Tensor:
+        """Evaluation: the micro-batch's mean loss over its targets on the last stage, 0 elsewhere
+        (every stage runs its forwards)."""
+        summed = self.run(micro, torch.ones((), device=self.device), training=False)
+        return summed / self.layout.pp / count.clamp(min=1)
+
+    def run(self, micro: dict, denominator: torch.Tensor, training: bool) -> torch.Tensor:
+        """One engine micro-batch through the pipeline; this rank's part of the step's loss (on
+        the last stage its share x pp, so that the engine's mean over the world is the loss;
+        elsewhere 0)."""
+        self._denominator = denominator
+        ids = micro["input_ids"]
+        kwargs = {k: micro[k] for k in ("attention_mask", "position_ids") if micro.get(k) is not None}
+        losses: list = []
+        schedule = self._schedule(tuple(ids.shape), training)
+        args = (ids,) if self.first else ()
+        target = micro["labels"] if self.last else None
+        if training:
+            schedule.step(*args, target=target, losses=losses, **kwargs)
+        else:
+            schedule.eval(*args, target=target, losses=losses, **kwargs)
+        if not self.last:
+            return torch.zeros((), device=self.device)
+        return torch.stack([loss.detach().float() for loss in losses]).sum() * self.layout.pp
