@@ -150,10 +150,10 @@ class FSDP2Engine(_TorchFSDP):
         model, lazy = self._materialise(model)
         if not lazy and self.spec.fsdp.sync_module_states:  # the whole model, before any split
             sync_from_rank0(model, self.device)
-        parts = [model]
         if self.dims.pp > 1:  # this rank's pipeline stages, each sharded as a model of its own
-            model, parts = self._apply_pipeline(model)
-        units = [self._shard_fsdp2(part, lazy) for part in parts]
+            model = self._apply_pipeline(model)
+        units = [self._shard_fsdp2(part, lazy)
+                 for part in (self.pipeline.parts if self.pipeline is not None else [model])]
         self.units = [u for each in units for u in each]
         return model, self._optimizer_over(optimizer, model)
 

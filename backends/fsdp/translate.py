@@ -5,6 +5,7 @@ validation rules (parallel/descriptor.py): every spec that reaches an engine pas
 from __future__ import annotations
 
 from parallel.spec.errors import SpecError, merge_native
+from parallel.spec.pipeline import TWO_STAGES as V_SHAPED
 from parallel.spec.dims import HYBRID
 from parallel.spec.model import Spec
 
@@ -34,6 +35,12 @@ def _check_loss_scale(spec: Spec) -> None:
 def _fsdp2_dims(spec: Spec) -> None:
     """tp, cp and pp are FSDP2's: fully_shard's mesh spans them, FSDP1's flat parameters do not."""
     if spec.fsdp.version == 2:
+        if spec.topology.pp > 1 and spec.pipeline.schedule in V_SHAPED:
+            raise SpecError([("pipeline.schedule", f"{spec.pipeline.schedule!r} with fully_shard: "
+                              "torch 2.9 runs V-shaped schedules over FSDP2 stages with wrong "
+                              "gradients (measured against one process: zbv's last stage gets "
+                              "none, dualpipev's is 6% off; tests/distributed/pipeline_v_worker.py "
+                              "reproduces it in plain torch); use interleaved_1f1b (docs/pipeline.md)")])
         if spec.topology.pp > 1 and spec.fsdp.cpu_ram_efficient_loading:
             raise SpecError([("fsdp.cpu_ram_efficient_loading", f"true with topology.pp "
                               f"{spec.topology.pp}: rank 0 holds the first stage only, so it "

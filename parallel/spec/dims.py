@@ -24,6 +24,8 @@ MODEL_DIMS = {
     "tp": "tensor parallelism (the projections split over ranks)",
     "ep": "expert parallelism (mixture-of-experts layers' experts split over ranks)",
 }
+DOCS = {"pp": "docs/pipeline.md", "cp": "docs/long-sequences.md", "tp": "docs/tp.md",
+        "ep": "docs/moe.md"}
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,7 @@ class ParallelDims:
                 has = ", ".join(sorted(implemented)) or "none"
                 out.append((f"topology.{name}", f"{degree}: backend {backend!r} does not implement "
                             f"{what} (its dimensions beyond data parallelism: {has}); use "
-                            f"{name}: 1 (docs/tp.md)"))
+                            f"{name}: 1 ({DOCS[name]})"))
         if self.ep > 1 and (self.dp_shard * self.cp) % self.ep:
             out.append(("topology.ep", f"{self.ep} must divide the ranks it borrows from, dp_shard "
                         f"x cp = {self.dp_shard * self.cp}; pick a divisor of it"))

@@ -164,9 +164,7 @@ class Spec(Section):
         Tracking, Field(description="Experiment tracking: TensorBoard, MLflow, wandb, JSON lines.")
     ] = Tracking()
 
-    @property
-    def world_size(self) -> int:
-        return self.topology.world_size
+    world_size = property(lambda self: self.topology.world_size)
 
     @property
     def dims(self) -> ParallelDims:
@@ -241,8 +239,7 @@ class Spec(Section):
         if self.loss_scale != LossScale() and self.precision != "fp16":
             problems.append(("loss_scale", f"loss scaling applies to precision: fp16 only, not "
                              f"{self.precision!r}; remove loss_scale or use precision: fp16"))
-        problems += self._batch_rules() + pipeline_problems(self.pipeline, self.topology.pp,
-                                                            self.micro_batch_size)
+        problems += self._batch_rules() + pipeline_problems(self)
         if self.sequence.loss_tile is not None and self.topology.tp > 1:
             problems.append(("sequence.loss_tile", f"{self.sequence.loss_tile} with topology.tp "
                              f"{self.topology.tp}: a tensor-parallel lm_head splits the vocabulary, "

@@ -1,6 +1,6 @@
 """The spec's section for topology.pp: which schedule runs the stages, over how many micro-batches, and
-where a model splits. The rules hold each schedule to what torch.distributed.pipelining runs (measured
-against its constructors: tests/unit/test_pipeline_spec.py)."""
+where a model splits. The rules hold each schedule to what torch.distributed.pipelining's constructors
+accept (tests/unit/test_pipeline_spec.py)."""
 
 from __future__ import annotations
 
@@ -51,12 +51,13 @@ class Pipeline(Section):
         return 1 if self.schedule in ONE_STAGE else 2
 
 
-def pipeline_problems(p: Pipeline, pp: int, micro_batch_size: int) -> list[tuple[str, str]]:
+def pipeline_problems(spec) -> list[tuple[str, str]]:
     """The pipeline section against topology.pp and micro_batch_size."""
-    if pp == 1:
-        return [("pipeline", f"{sorted(p.model_fields_set)} set, but topology.pp is 1: nothing "
-                 "is pipelined; set topology.pp > 1 or remove the pipeline section")] \
-            if p.model_fields_set else []
+    p, pp, micro_batch_size = spec.pipeline, spec.topology.pp, spec.micro_batch_size
+    if pp == 1:  # a dumped spec writes every field: only what differs from the default is read
+        changed = sorted(k for k, v in p if v != Pipeline.model_fields[k].default)
+        return [("pipeline", f"{changed} set, but topology.pp is 1: nothing is pipelined; set "
+                 "topology.pp > 1 or remove them")] if changed else []
     out, v = [], p.stages_per_rank
     if p.schedule in ONE_STAGE and v != 1:
         out.append(("pipeline.virtual_stages", f"{v} with schedule {p.schedule!r}, which runs one "

@@ -159,7 +159,7 @@ def test_flattened_batches_train_each_document_alone_or_are_refused():
     import transformers
     from transformers import DataCollatorWithFlattening
 
-    from parallel.engine.core.setup import forward_kwargs
+    from parallel.engine.model.wrap import forward_kwargs
     from parallel.engine.data.packing import confines_flattened, flattened_problem
     from parallel.toy import build_llama, llama_config
 

@@ -22,8 +22,10 @@ from parallel.engine.core.calls import EngineCalls
 from parallel.kits.objective import CountFn, Objective
 from parallel.engine.core.step import LossFn, OptimizerArg, build_optimizer
 from parallel.engine.data import packing
+from parallel.engine.data.guard import check_pack_args
 from parallel.engine.data.loaders import Loaders, build_loader
 from parallel.engine.model.compile import apply_compile
+from parallel.engine.model.wrap import forward_kwargs
 from parallel.engine.model.pipeline.schedule import Pipeline
 from parallel.engine.model.context_parallel import ContextParallel, apply_context_parallel
 from parallel.engine.model.experts import Experts, moe_blocks
@@ -68,7 +70,6 @@ class EngineSetup(EngineCalls):
         self.attention: str | None = None  # the HF model's attention implementation, likewise
         self.context: ContextParallel | None = None  # topology.cp's split and attention, likewise
         self.pipeline: Pipeline | None = None  # topology.pp's stages and schedule (_apply_pipeline)
-        self._parts: list[nn.Module] | None = None  # the stages, where they are not `model` alone
         self.notices: list[str] = []  # what this run does differently from one process, said once
         self.loaders = Loaders()  # training loaders by name (checkpointed), eval loaders apart
         self.user_state = UserState()  # the user's objects saved with each checkpoint
@@ -162,23 +163,21 @@ class EngineSetup(EngineCalls):
     @property
     def model_parts(self) -> list[nn.Module]:
         """The modules a step runs: this rank's pipeline stages, else the model alone."""
-        return self._parts or [self.model]
+        return self.pipeline.parts if self.pipeline is not None else [self.model]
 
-    def _apply_pipeline(self, model: nn.Module) -> tuple[nn.Module, list[nn.Module]]:
+    def _apply_pipeline(self, model: nn.Module) -> nn.Module:
         """topology.pp (backends call it after `_record_params`, before sharding): this rank's
-        stages of `model`, and one module over them under the model's names (what `model` is)."""
+        stages of `model` (`model_parts`); returns one module over them under the model's names."""
         from parallel.engine.model.pipeline.apply import apply_pipeline, check_pipelined
         from parallel.kits.objective import count_shifted
 
         check_pipelined(model, self.params.tied, self.objective.count is count_shifted,
                         self.loss_fn is not None, self.router)
-        view, self._parts, layout, elsewhere = apply_pipeline(model, self.spec, self.dims.pp_rank(self.rank),
-                                                   self.device_mesh["pp"].get_group(),
-                                                   self.forward_kwargs)
+        view, self.pipeline = apply_pipeline(model, self.spec, self.dims.pp_rank(self.rank),
+                                             self.device_mesh["pp"].get_group(), self.device,
+                                             self.forward_kwargs)
         self.params.restrict({n for _, names in per_parameter(view) for n in names})
-        self.pipeline = Pipeline(self._parts, layout, self.device)
-        self.pipeline.elsewhere = elsewhere
-        return view, self._parts
+        return view
 
     def _apply_compile(self, model: nn.Module, units: list[tuple[str, nn.Module]],
                        compile_model: Callable | None = None) -> None:
@@ -265,14 +264,7 @@ class EngineSetup(EngineCalls):
         return self.loaders.add(loader, name, eval, accept_changed_data)
 
     def _packer(self, pack_to: int, pad_token_id: int, collate_fn):
-        if collate_fn is not None:
-            raise ValueError("engine.dataloader: pack_to and collate_fn together: packing builds "
-                             "the rows and their masks itself; pass tokenized documents (dicts "
-                             "with input_ids, and labels if some tokens are not targets) without "
-                             "a collate_fn")
-        if isinstance(pack_to, bool) or not isinstance(pack_to, int) or not 2 <= pack_to <= 1 << 24:
-            raise ValueError(f"engine.dataloader: pack_to={pack_to!r}: a whole number of tokens "
-                             "per row, 2 to 16,777,216")
+        check_pack_args(pack_to, collate_fn)
         if self.model is None:
             raise ValueError("engine.dataloader(pack_to=...): call it after engine.prepare(): how "
                              "attention is confined to each document depends on the model's "
@@ -305,20 +297,4 @@ class EngineSetup(EngineCalls):
     def compile_stats(self) -> CompileStats | None:
         """What torch.compile did in this process (None without compile.enabled)."""
         return None if self.compile_watch is None else self.compile_watch.stats()
-
-
-def forward_kwargs(model: nn.Module, router: bool) -> dict:
-    """What the engine's forwards pass an HF model besides the batch: use_cache=False (with a KV
-    cache transformers' masks skip a flattened row's documents: 1.2e-2 off, tiny Llama, sdpa);
-    output_router_logits=False where the engine's balancing loss is global (router.py)."""
-    import inspect
-
-    from parallel.kits.objective import base_model
-
-    base = base_model(model)
-    if not hasattr(getattr(base, "config", None), "use_cache"):
-        return {}
-    accepted = inspect.signature(base.forward).parameters
-    out = {"use_cache": False} if "use_cache" in accepted else {}
-    return {**out, "output_router_logits": False} if router else out
 

@@ -54,3 +54,15 @@ def non_tensor_fix(bad: list[str]) -> str:
             "them): drop them (dataset.remove_columns(" + repr(bad) + ") or a collate_fn that "
             "returns tensors only), or give the dataset the torch format "
             "(dataset.with_format('torch', columns=[...]))")
+
+
+def check_pack_args(pack_to, collate_fn) -> None:
+    """engine.dataloader(pack_to=...)'s arguments, refused naming the fix."""
+    if collate_fn is not None:
+        raise ValueError("engine.dataloader: pack_to and collate_fn together: packing builds "
+                         "the rows and their masks itself; pass tokenized documents (dicts "
+                         "with input_ids, and labels if some tokens are not targets) without "
+                         "a collate_fn")
+    if isinstance(pack_to, bool) or not isinstance(pack_to, int) or not 2 <= pack_to <= 1 << 24:
+        raise ValueError(f"engine.dataloader: pack_to={pack_to!r}: a whole number of tokens "
+                         "per row, 2 to 16,777,216")

@@ -295,3 +295,4 @@ class PackedStream(IterableDataset):
         self.read = state["read"]
         carry = state["carry"]
         self.carry = None if carry is None else (list(carry[0]), list(carry[1]))
+

@@ -10,7 +10,7 @@ from torch import nn
 
 from parallel.engine.model.pipeline import stages as st
 from parallel.kits.names import clean_name
-from parallel.engine.model.pipeline.schedule import PipelineLayout, stage_ids
+from parallel.engine.model.pipeline.schedule import Pipeline, PipelineLayout, stage_ids
 from parallel.spec.errors import SpecError
 
 
@@ -82,18 +82,17 @@ def _shell(model: nn.Module, layers: str) -> nn.Module:
     return view
 
 
-def apply_pipeline(model: nn.Module, spec, pp_rank: int, group,
-                   forward_kwargs: dict):
-    """(the view, the parts, the layout, the model's entries the other stages hold) of this
-    rank's stages of `model`."""
+def apply_pipeline(model: nn.Module, spec, pp_rank: int, group, device,
+                   forward_kwargs: dict) -> tuple[nn.Module, Pipeline]:
+    """(the view over this rank's stages of `model`, the Pipeline that runs them)."""
     p, pp = spec.pipeline, spec.topology.pp
-    virtual = p.stages_per_rank
-    ids = stage_ids(p.schedule, pp_rank, pp, virtual)
-    n_stages = pp * virtual
+    ids = stage_ids(p.schedule, pp_rank, pp, p.stages_per_rank)
+    n_stages = pp * p.stages_per_rank
     whole = {clean_name(n) for n in model.state_dict()}
     parts = st.split(model, ids, n_stages, p.split_points, forward_kwargs)
     view = merged_view(parts, st.family_of(model))
-    elsewhere = frozenset(whole - {clean_name(n) for n in view.state_dict()})
     layout = PipelineLayout(p.schedule, p.microbatches or spec.micro_batch_size, ids, n_stages, pp,
                             group, spec.dims.dp_cp)
-    return view, parts, layout, elsewhere
+    pipeline = Pipeline(parts, layout, device)
+    pipeline.elsewhere = frozenset(whole - {clean_name(n) for n in view.state_dict()})
+    return view, pipeline

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.pipelining import schedules as ts
 
 SINGLE = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 MULTI = {"interleaved_1f1b": "ScheduleInterleaved1F1B", "zbv": "ScheduleZBVZeroBubble",
@@ -71,23 +72,50 @@ class Pipeline:
     def _schedule(self, shape: tuple, training: bool):
         key = (shape, training)
         if key not in self._schedules:
-            from torch.distributed import pipelining
-
-            lay = self.layout
-            stages = [pipelining.PipelineStage(part, s, lay.n_stages, self.device, group=lay.group)
-                      for part, s in zip(self.parts, lay.stage_ids)]
-            if torch.distributed.get_backend(lay.group) == "gloo":
-                # torch 2.9's first-step handshake (it warms NCCL's p2p communicators up) sends an
-                # int64 into a float32 buffer: gloo refuses it (measured: "op.preamble.length <=
-                # op.nbytes. 8 vs 4"), and gloo needs no warm-up
-                for stage in stages:
-                    stage._get_init_p2p_neighbors_ops = list
-            kind = SINGLE.get(lay.schedule) or MULTI[lay.schedule]
-            cls = getattr(pipelining.schedules, kind)
-            self._schedules[key] = cls(stages[0] if lay.schedule in SINGLE else stages,
-                                       n_microbatches=lay.microbatches, loss_fn=self._loss_fn,
-                                       scale_grads=self.scale_grads)
+            self._schedules[key] = self._make(training)
         return self._schedules[key]
+
+    def _stages(self) -> list:
+        from torch.distributed import pipelining
+
+        lay = self.layout
+        stages = [pipelining.PipelineStage(part, s, lay.n_stages, self.device, group=lay.group)
+                  for part, s in zip(self.parts, lay.stage_ids)]
+        if torch.distributed.get_backend(lay.group) == "gloo":
+            # torch 2.9's first-step handshake (it warms NCCL's p2p communicators up) sends an
+            # int64 into a float32 buffer: gloo refuses it (measured: "op.preamble.length <=
+            # op.nbytes. 8 vs 4"), and gloo needs no warm-up
+            for stage in stages:
+                stage._get_init_p2p_neighbors_ops = list
+        return stages
+
+    def _make(self, training: bool):
+        """torch's schedule for this layout. Two run on torch's action runtime instead of their
+        own loop: zbv, whose loop sends activations between a rank's two adjacent stages to itself
+        (gloo cannot: "Pair is not connected", measured; the runtime passes them in memory), and
+        every multi-stage evaluation (dualpipev's own order runs backward actions even in eval:
+        "can't steal_bwd_input if this stage doesn't have backward"), as forwards alone, stage by
+        stage."""
+        lay, stages = self.layout, self._stages()
+        args = {"n_microbatches": lay.microbatches, "loss_fn": self._loss_fn,
+                "scale_grads": self.scale_grads}
+        if lay.schedule in SINGLE:
+            return getattr(ts, SINGLE[lay.schedule])(stages[0], **args)
+        if training and lay.schedule != "zbv":
+            return getattr(ts, MULTI[lay.schedule])(stages, **args)
+        if training:  # zbv's order, run by the runtime
+            runtime = ts._PipelineScheduleRuntime(stages, **args)
+            runtime._prepare_schedule_with_comms(ts.ScheduleZBVZeroBubble(stages, **args)
+                                                 .pipeline_order)
+            return runtime
+        held = {r: stage_ids(lay.schedule, r, lay.pp, len(stages)) for r in range(lay.pp)}
+        runtime = _ForwardOnly(stages, **args)
+        runtime.mapping = {s: r for r, ids in held.items() for s in ids}
+        runtime._prepare_schedule_with_comms({r: [
+            ts._Action(s, ts._ComputationType.FORWARD, mb) for s in ids
+            for mb in range(lay.microbatches)] for r, ids in held.items()})
+        return runtime
+
 
     def forward_backward(self, micro_batches: list, total) -> torch.Tensor:
         """The step's micro-batches, each one run of the schedule; `total()`: the step's target
@@ -132,3 +160,18 @@ class Pipeline:
         if not self.last:
             return torch.zeros((), device=self.device)
         return torch.stack([loss.detach().float() for loss in losses]).sum() * self.layout.pp
+
+
+class _ForwardOnly(ts._PipelineScheduleRuntime):
+    """torch's action runtime over forwards alone (an evaluation): its check that every stage runs
+    as many backwards as forwards does not apply; the stage-to-rank map is the layout's."""
+
+    mapping: dict[int, int]
+
+    def _prepare_schedule_with_comms(self, actions, format: str = "compute_only") -> None:
+        self.stage_index_to_group_rank = self.mapping
+        for stage in self._stages:
+            stage.stage_index_to_group_rank = self.mapping
+        self.pipeline_order_with_comms = ts._add_send_recv(
+            {r: ts._add_unshard_reshard(a) for r, a in actions.items()},
+            stage_to_rank=self.mapping.__getitem__, num_stages=self._num_stages)

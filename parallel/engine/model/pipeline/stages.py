@@ -134,8 +134,11 @@ def make_stage(model: nn.Module, family: Family, bounds: tuple[int, int], first:
     def stage_forward(self, x, attention_mask=None, position_ids=None):
         given = {"inputs_embeds": x} if x.is_floating_point() else {"input_ids": x}
         out = own(self, **given, attention_mask=attention_mask, position_ids=position_ids,
-                  **forward_kwargs)
-        return out.logits
+                  **forward_kwargs).logits
+        # the head's input is a slice of the hidden states (logits_to_keep), a view, which the
+        # next stage's input-gradient pass (zbv, dualpipev) cannot detach in place (measured:
+        # "Can't detach views in-place"); a stage that sends activations sends its own tensor
+        return out if last or out._base is None else out.clone()
 
     model.forward = types.MethodType(stage_forward, model)
     return model

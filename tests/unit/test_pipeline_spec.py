@@ -1,0 +1,139 @@
+"""topology.pp's spec rules and stage split, in one process: what each backend refuses and why, each
+schedule's rules, and every Hugging Face decoder family split into stages whose chained forwards
+give the whole model's logits, under the model's own parameter names (the distributed exactness:
+tests/distributed/test_pipeline.py)."""
+
+import pytest
+import torch
+
+from parallel import load_spec
+from parallel.engine.model.pipeline import stages as st
+from parallel.engine.model.pipeline.apply import check_pipelined, merged_view
+from parallel.engine.model.pipeline.schedule import stage_ids
+from parallel.spec.errors import SpecError
+
+
+def problems(spec: dict) -> dict:
+    with pytest.raises(SpecError) as err:
+        load_spec(spec)
+    return dict(err.value.problems)
+
+
+def pp(schedule="1f1b", world=2, degree=2, mbs=4, **extra):
+    return {"topology": {"procs_per_node": world, "pp": degree}, "micro_batch_size": mbs,
+            "pipeline": {"schedule": schedule, **extra}}
+
+
+@pytest.mark.parametrize("backend", ["deepspeed", "xla_fsdp"])
+def test_backends_without_pipelines_refuse_pp_naming_the_field_and_the_doc(backend):
+    message = problems({**pp(), "backend": backend})["topology.pp"]
+    assert f"backend {backend!r} does not implement pipeline" in message
+    assert "docs/pipeline.md" in message
+
+
+def test_fsdp1_and_rank0_loading_are_refused_with_pp():
+    assert "fsdp.version: 2" in problems({**pp(), "fsdp": {"version": 1}})["topology.pp"]
+    lazy = problems({**pp(), "fsdp": {"cpu_ram_efficient_loading": True}})
+    assert "rank 0 holds the first stage only" in lazy["fsdp.cpu_ram_efficient_loading"]
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_v_shaped_schedules_are_refused_on_fsdp2_with_the_measured_difference(schedule):
+    message = problems(pp(schedule))["pipeline.schedule"]
+    assert "wrong gradients" in message and "interleaved_1f1b" in message
+    assert "pipeline_v_worker.py" in message
+
+
+def test_each_schedule_is_held_to_what_torch_runs():
+    assert load_spec(pp("gpipe")).pipeline.stages_per_rank == 1
+    assert load_spec(pp("interleaved_1f1b")).pipeline.stages_per_rank == 2
+    assert "pipeline.virtual_stages" in problems(pp("1f1b", virtual_stages=2))
+    assert "pipeline.virtual_stages" in problems(pp("interleaved_1f1b", virtual_stages=1))
+    assert "divide" in problems(pp(microbatches=3))["pipeline.microbatches"]
+    # 1f1b needs a micro-batch per stage in flight
+    assert "at least 2" in problems(pp(mbs=1))["pipeline.microbatches"]
+    # interleaved: a multiple of its rounds (n // pp)
+    assert "rounds" in problems(pp("interleaved_1f1b", mbs=5))["pipeline.microbatches"]
+    assert load_spec(pp(microbatches=2)).pipeline.microbatches == 2
+
+
+def test_the_pipeline_section_at_pp1_is_refused_unless_it_is_the_default():
+    assert "nothing is pipelined" in problems({"pipeline": {"schedule": "gpipe"}})["pipeline"]
+    assert load_spec({"pipeline": {"schedule": "1f1b"}}).pipeline.schedule == "1f1b"
+
+
+def test_stages_are_assigned_as_torch_maps_them():
+    assert [stage_ids("1f1b", r, 4, 1) for r in range(4)] == [[0], [1], [2], [3]]
+    assert stage_ids("interleaved_1f1b", 1, 4, 2) == [1, 5]
+    assert [stage_ids("zbv", r, 2, 2) for r in range(2)] == [[0, 3], [1, 2]]
+
+
+def test_layers_split_evenly_or_where_split_points_say():
+    assert st.layer_bounds(5, 2, None, "model.layers") == [(0, 3), (3, 5)]
+    assert st.layer_bounds(4, 2, ["model.layers.1"], "model.layers") == [(0, 1), (1, 4)]
+    with pytest.raises(SpecError) as err:
+        st.layer_bounds(4, 2, ["model.layers.7"], "model.layers")
+    assert "pipeline.split_points" in dict(err.value.problems)
+    with pytest.raises(SpecError):
+        st.layer_bounds(1, 2, None, "model.layers")  # a stage without a layer
+
+
+def families():
+    """A tiny model of each family polyshard splits, untied, eager attention."""
+    import transformers as tf
+
+    common = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False,
+              "attn_implementation": "eager"}
+    moe = {"num_local_experts": 4, "num_experts_per_tok": 2}
+    return {
+        "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**common)),
+        "qwen2": lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(**common)),
+        "mistral": lambda: tf.MistralForCausalLM(tf.MistralConfig(**common)),
+        "mixtral": lambda: tf.MixtralForCausalLM(tf.MixtralConfig(**common, **moe)),
+        "qwen2_moe": lambda: tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(
+            **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+            shared_expert_intermediate_size=16)),
+        "gpt2": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(
+            vocab_size=64, n_embd=32, n_layer=4, n_head=4, n_positions=64,
+            attn_implementation="eager", tie_word_embeddings=False)),
+    }
+
+
+@pytest.mark.parametrize("family", sorted(families()))
+def test_every_family_splits_into_stages_that_chain_to_the_whole_model(family):
+    """Four stages of each family, run one after another on padded rows: the whole model's logits
+    (within 1e-5), and every parameter exactly once under its own name."""
+    torch.manual_seed(0)
+    whole = families()[family]().eval()
+    names = {n for n, _ in whole.named_parameters()}
+    ids = torch.randint(0, 64, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, 8:] = 0
+    expected = whole(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    parts = st.split(whole, [0, 1, 2, 3], 4, None, {"use_cache": False})
+    x = ids
+    for part in parts:
+        x = part(x, attention_mask=mask)
+    assert torch.allclose(x, expected, atol=1e-5), (x - expected).abs().max()
+    held = [n for part in parts for n, _ in part.named_parameters()]
+    assert sorted(held) == sorted(names)
+    view = merged_view(parts[:2], st.family_of(whole))  # one rank holding two stages
+    assert {n for n, _ in view.named_parameters()} == {n for p in parts[:2]
+                                                       for n, _ in p.named_parameters()}
+
+
+def test_what_a_pipeline_cannot_run_exactly_is_refused_at_prepare():
+    from parallel.toy import build_llama, llama_config
+
+    tied = build_llama(llama_config("tiny", tie_word_embeddings=True))
+    from parallel.engine.model.params import tied_groups
+
+    with pytest.raises(SpecError) as err:
+        check_pipelined(tied, tied_groups(tied), True, False, None)
+    assert "tie_word_embeddings=False" in dict(err.value.problems)["topology.pp"]
+    untied = build_llama(llama_config("tiny"))
+    with pytest.raises(SpecError, match="loss_fn"):
+        check_pipelined(untied, [], True, True, None)
+    with pytest.raises(SpecError, match="has no stage split"):
+        check_pipelined(torch.nn.Linear(2, 2), [], True, False, None)
