@@ -28,7 +28,7 @@ from parallel.checkpoint.state.dcp_state import LiveState, read_model_optim, wri
 from parallel.checkpoint.state.sink import Sink
 from parallel.engine.core.engine import Engine
 from parallel.engine.core.step import OptimizerArg, clip_grad_norm, require_fp32
-from parallel.engine.model.tp_plan import resolve_plan
+from parallel.engine.model.tp_plan import held_part, resolve_plan
 from parallel.engine.model.wrap import apply_ac, at_unit_places, plan_wrap
 from parallel.spec.errors import SpecError
 from parallel.spec.model import Spec
@@ -150,14 +150,17 @@ class FSDP2Engine(_TorchFSDP):
         model, lazy = self._materialise(model)
         if not lazy and self.spec.fsdp.sync_module_states:  # the whole model, before any split
             sync_from_rank0(model, self.device)
+        # the tensor-parallel plan is checked against the whole model, each stage takes its part
+        plan = resolve_plan(model, self.dims.tp, self.spec.topology.tp_plan, self.say) \
+            if self.dims.tp > 1 else None
         if self.dims.pp > 1:  # this rank's pipeline stages, each sharded as a model of its own
             model = self._apply_pipeline(model)
-        units = [self._shard_fsdp2(part, lazy)
+        units = [self._shard_fsdp2(part, lazy, plan)
                  for part in (self.pipeline.parts if self.pipeline is not None else [model])]
         self.units = [u for each in units for u in each]
         return model, self._optimizer_over(optimizer, model)
 
-    def _shard_fsdp2(self, model: nn.Module, lazy: bool) -> list[tuple[str, nn.Module]]:
+    def _shard_fsdp2(self, model: nn.Module, lazy: bool, plan) -> list[tuple[str, nn.Module]]:
         """One model (or pipeline stage) split, checkpointed, compiled and sharded; its units."""
         kwargs = fsdp2_kwargs(self.plan["kwargs"], self.device.type)
         mesh = shard_mesh(self.device_mesh, hybrid=len(self.plan["mesh"]) == 2, cp=self.dims.cp)
@@ -171,9 +174,8 @@ class FSDP2Engine(_TorchFSDP):
         # skips FSDP's hooks: inside, they were a graph break before any code of the block, and the
         # block ran eagerly, measured in docs/compile.md). Compile on the wrapper compiles the
         # recomputation too. nn.Module.compile works in place and fully_shard keeps the object.
-        if self.dims.tp > 1:
-            apply_tp(model, self.device_mesh["tp"],
-                     resolve_plan(model, self.dims.tp, self.spec.topology.tp_plan, self.say))
+        if plan is not None:
+            apply_tp(model, self.device_mesh["tp"], held_part(model, plan))
         if self.spec.checkpoint_activations:
             apply_ac(model, units)
         units = at_unit_places(model, units)

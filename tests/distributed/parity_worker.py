@@ -106,6 +106,8 @@ def run_case(case, phase, ckpt_root, known: dict):
             torch.manual_seed(spec.seed + 99)
             return tiny(case)
     engine.prepare(factory if case.get("factory") else factory(), optimizer_arg(case["optimizer"]))
+    if case.get("torch_scaling"):  # topology.pp: torch's default (each micro-batch's own mean)
+        engine.pipeline.scale_grads = True
     ckpt = f"{ckpt_root}/{case['name']}"
     start = 0
     if phase == "resume":
@@ -130,7 +132,14 @@ def run_case(case, phase, ckpt_root, known: dict):
         norms.append(result.grad_norm)
         if phase == "train" and engine.step == case["save_at"]:
             engine.save(ckpt)
+            if case.get("pretrained"):  # the Hugging Face export of the same weights
+                engine.save_pretrained(f"{ckpt}-hf")
     out.update(loss=losses, norm=norms, start=start, notices=engine.notices)
+    if case.get("generate_refused"):  # topology.pp: refused naming the fix, on every rank alike
+        try:
+            engine.generate(torch.zeros(1, 4, dtype=torch.long), max_new_tokens=2)
+        except ValueError as err:
+            out["generate_refused"] = str(err)
     if phase == "train" and engine.is_main:
         # A plain PyTorch model with the checkpoint's weights of step save_at (read whole, in one
         # process) must see the loss the engine saw at the next step.
@@ -139,6 +148,11 @@ def run_case(case, phase, ckpt_root, known: dict):
         whole = batches[case["save_at"]]
         kwargs = whole if isinstance(whole, dict) else {"input_ids": whole, "labels": whole}
         out["consolidated_loss"] = plain(**kwargs).loss.item()
+        if case.get("pretrained"):
+            from transformers import AutoModelForCausalLM
+
+            exported = AutoModelForCausalLM.from_pretrained(f"{ckpt}-hf")
+            out["pretrained_loss"] = exported(**kwargs).loss.item()
     out.update(getattr(engine, "parity_facts", lambda: {})())
     stats = engine.compile_stats()
     if stats is not None:

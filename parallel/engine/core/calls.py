@@ -42,13 +42,21 @@ class EngineCalls(BackendHooks):
         """Token ids (prompt + new, on the host) from the Hugging Face model being trained, on
         this rank's prompts, every rank in step where forwards gather; on XLA with static shapes
         (generate.py). Each rank passes its own prompts."""
+        self._not_pipelined("engine.generate")
         self.model.eval()
         with self._whole_rows():
             return self._generate(input_ids, generate_kwargs)
 
+    def _not_pipelined(self, what: str) -> None:
+        if self.pipeline is not None:  # each rank holds some layers: no rank can run the model
+            raise ValueError(f"{what} with topology.pp {self.dims.pp}: each rank holds only its "
+                             "stages' layers; engine.save_pretrained(directory), then generate "
+                             "from it at topology.pp: 1 (or with transformers directly)")
+
     def unwrap(self):
         """`with engine.unwrap() as model:` the Hugging Face model, to call directly (forward,
         generate with your own arguments); ranks must call it alike where forwards gather."""
+        self._not_pipelined("engine.unwrap")
         self.model.eval()
         return self._unwrapped_whole()
 

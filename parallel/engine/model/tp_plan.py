@@ -91,6 +91,13 @@ def resolve_plan(model: nn.Module, tp: int, spec_plan: dict[str, str] | None,
     return dict(plan)
 
 
+def held_part(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """The entries of a plan resolved on the whole model that match a layer of `model`, one
+    pipeline stage of it (the head's entry on the last stage only)."""
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    return {k: v for k, v in plan.items() if any(fnmatch(n, k) for n in linears)}
+
+
 def lora_parts(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     """The plan carried into PEFT's LoRA layers, which wrap the Linear a plan names: the base layer
     splits as planned, and the adapter so that its delta is laid out like the base's output:

@@ -123,6 +123,8 @@ class Pipeline:
         local = torch.zeros((), device=self.device)
         for micro in micro_batches:
             local += self.run(micro, total() / self.layout.data_parallel, training=True)
+        if self.scale_grads:  # torch's convention: the mean of the micro-batches' own means
+            return local / (self.layout.microbatches * len(micro_batches))
         return local
 
     def whole_groups(self, names: list[list[str]]) -> list[list[str]]:
