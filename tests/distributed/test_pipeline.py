@@ -8,11 +8,13 @@ Llama (2 layers: a stage each; 4 layers for interleaved_1f1b's 2 stages per rank
 - make test: 1f1b with accumulation, clipping and activation checkpointing; interleaved_1f1b; the
   same job under torch's default gradient scaling (each micro-batch's own mean), which must differ
   from one process (the trap torchtitan#2972 is about); a pp 2 checkpoint resumed at pp 1 on ZeRO-3
-  and a ZeRO-3 one at pp 2; save_pretrained's export read back by transformers; generate refused;
+  and on XLA, and theirs at pp 2; save_pretrained's export read back by transformers; generate refused;
   torch's V-shaped schedules over fully_shard measured against one process (why polyshard refuses
   zbv and dualpipev on FSDP2).
 - make test-full: gpipe, each schedule alone, pp 2 x dp 2 and pp 2 x tp 2 on 4 ranks.
 """
+
+import json
 
 import matrix
 import pytest
@@ -84,12 +86,46 @@ def wide_cases(c):
                                ("pp2-tp2", with_pp(c, tp=2, wrap={"policy": "auto"})))]
 
 
+def xla_variant():
+    """XLA's variant that takes the same global batch (2 rows): SPMD on 2 devices if registered."""
+    found = [o for o in matrix.cases(world=2, micro_batch_size=1, every=True)
+             if o.backend == "xla_fsdp"]
+    return next((o for o in found if o.name == "xla2"), found[0] if found else None)
+
+
+def moves(c):
+    """(case, the variant that trains and saves, the one that resumes) between pp 2 and XLA at pp
+    1, each phase in its own backend's launch (XLA's is one process driving its devices)."""
+    x = xla_variant()
+    if x is None:
+        return []
+    to = {**case(f"{c.name}-to-{x.name}-pp1", with_pp(c), optimizer="adamw", padded=True),
+          "resume_spec": x.spec}
+    back = {**case(f"{c.name}-from-{x.name}-pp1", x.spec, optimizer="adamw", padded=True),
+            "resume_spec": with_pp(c)}
+    return [(to, c, x), (back, x, c)]
+
+
+def move_jobs(tmp):
+    jobs = []
+    for one, writer, reader in (m for group in GROUPS.values() for c in group for m in moves(c)):
+        cases_file = tmp / f"{one['name']}.json"
+        cases_file.write_text(json.dumps([one]))
+        for phase, who in ((1, writer), (2, reader)):
+            name = "train" if phase == 1 else "resume"
+            jobs.append(job("parity_worker", ["--cases", cases_file, "--phase", name,
+                                              "--ckpt-root", tmp / "moves", "--out",
+                                              tmp / f"{one['name']}-{name}.json"],
+                            who.nproc, who.env, phase))
+    return jobs
+
+
 def key(prefix, group_name):
     return f"{prefix}-{group_name.replace('+', '-')}"
 
 
 def shared_jobs(tmp):
-    jobs = [job("pipeline_v_worker", ["--out", tmp / "v.json"], 2)]
+    jobs = [job("pipeline_v_worker", ["--out", tmp / "v.json"], 2), *move_jobs(tmp)]
     for name, group in GROUPS.items():
         chosen = [one for c in group for one in cases(c)]
         jobs += parity_jobs(tmp, chosen, nproc=group[0].nproc, env=group[0].env,
@@ -147,6 +183,20 @@ def test_pp2_dp2_and_pp2_tp2_match_one_process(tmp_path, group):
                          env=WIDE[group][0].env)
     print(f"4 ranks with pp 2 ({group}): max |loss - one process| per case: "
           f"{check(results, chosen)}")
+
+
+def test_a_pp2_checkpoint_resumes_on_xla_at_pp1_and_back(request):
+    """Optimizer state included, the losses continuing within 1e-5 (another layout sums in
+    another order), each backend in its own launch."""
+    tmp, run = request.getfixturevalue("shared")[__name__]
+    chosen = [one for group in GROUPS.values() for c in group for one, _, _ in moves(c)]
+    assert chosen, "no XLA variant registered"
+    worst = {}
+    for one in chosen:
+        res = {phase: read(tmp / f"{one['name']}-{phase}.json", run, "parity_worker")[one["name"]]
+               for phase in ("train", "resume")}
+        worst[one["name"]] = check_parity(one["name"], res, resume_tol=1e-5)
+    print(f"pp 2 <-> XLA pp 1: max |loss - one process| per case: {worst}")
 
 
 def test_torch_v_schedules_over_fully_shard_still_differ(request):
