@@ -34,7 +34,35 @@ def longest_line(spec, budget_gib: float, longest: int) -> str:
             "tokens" + ("" if cp > 1 else " (topology.cp N holds about N times as many)"))
 
 
-def as_json(spec, args, rows, best, psi, unit, links, margin, longest) -> str:
+def pipeline_of(spec, cfg, seq: int, psi: float) -> dict | None:
+    """topology.pp's bubble, in-flight activations, p2p bytes and heaviest stage
+    (parallel/tools/stages.py)."""
+    from parallel.tools.plan import activations
+    from parallel.tools.stages import pipeline_facts
+
+    if spec.topology.pp == 1:
+        return None
+    p = spec.pipeline
+    rows = spec.micro_batch_size // (p.microbatches or spec.micro_batch_size)
+    whole = activations(cfg, rows, seq, spec.precision, spec.checkpoint_activations,
+                        spec.topology.tp, spec.sequence.loss_tile,
+                        spec.sequence.offload_activations, spec.topology.cp)
+    return pipeline_facts(spec, cfg, seq, psi, whole)
+
+
+def pipeline_line(facts: dict) -> str:
+    out = (f"pipeline: {facts['schedule']}, {facts['stages']} stages, {facts['microbatches']} "
+           f"micro-batches per step: bubble {facts['bubble']:.1%} of each rank's step, "
+           f"{facts['in_flight']} stage-chunk(s) of activations in flight on the first rank")
+    if "p2p_bytes" in facts:
+        out += (f"; {facts['p2p_bytes'] / 2**20:,.1f} MiB sent point-to-point per rank per step; "
+                f"heaviest stage {facts['stage_params'] / 1e9:.3g} B parameters")
+    if "activations" in facts:
+        out += f", {facts['activations'] / GiB:.2f} GiB of activations"
+    return out + " (the rows above count the whole model per rank; docs/pipeline.md)"
+
+
+def as_json(spec, args, rows, best, psi, unit, links, margin, longest, cfg=None) -> str:
     def row(r):
         return {"backend": r.backend, "shard": r.shard, "offload": r.offload,
                 **{k: getattr(r, k) for k in ("params", "grads", "optimizer", "activations",
@@ -50,6 +78,7 @@ def as_json(spec, args, rows, best, psi, unit, links, margin, longest) -> str:
                        "micro_batch_size": spec.micro_batch_size, "seq": args.seq,
                        "precision": spec.precision, "budget_gib": args.budget,
                        "links_gbps": vars(links), "margin": vars(margin),
+                       "pipeline": pipeline_of(spec, cfg, args.seq, psi),
                        "rows": [row(r) for r in rows]}, indent=1)
 
 
@@ -71,7 +100,7 @@ def run_plan(spec, args) -> int:
     longest = longest_seq(spec, shapes, cfg, budget, unit=unit, margin=margin) \
         if budget and cfg else None
     if args.json:
-        print(as_json(spec, args, rows, best, psi, unit, links, margin, longest))
+        print(as_json(spec, args, rows, best, psi, unit, links, margin, longest, cfg))
         return 0 if budget is None or best is not None else 1
     nodes = f"{args.world // args.per_node} node(s) x {args.per_node}" \
         if args.world % args.per_node == 0 else "1 node"
@@ -102,8 +131,10 @@ def run_plan(spec, args) -> int:
     console.print(f"margin: CUDA context {margin.context_gib} GiB + {margin.fragmentation:.0%} "
                   f"fragmentation; comm: ring collectives at {links.intra} GB/s in a node, "
                   f"{links.inter} GB/s across nodes, offload over PCIe at {links.pcie} GB/s, no "
-                  "overlap (an upper bound); --json for every number", highlight=False,
-                  soft_wrap=True)
+                  "overlap (an upper bound); --json for every number", highlight=False, soft_wrap=True)
+    if spec.topology.pp > 1:
+        console.print(pipeline_line(pipeline_of(spec, cfg, args.seq, psi)), highlight=False,
+                      soft_wrap=True)
     if longest is not None:
         console.print(longest_line(spec, args.budget, longest), highlight=False, soft_wrap=True)
     if budget is not None and best is None:

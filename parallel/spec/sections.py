@@ -74,8 +74,12 @@ class Topology(Section):
     pp: Annotated[
         int,
         Field(ge=1, le=MAX_WORLD,
-              description="Pipeline-parallel degree N: the layers split into N stages over "
-              "ranks. No backend implements it yet: N > 1 is refused naming the backend."),
+              description="Pipeline-parallel degree N: a Hugging Face decoder's layers split into "
+              "N stages (x pipeline.virtual_stages) over ranks, the outermost mesh dimension; "
+              "each stage keeps the model's parameter names, and a step's loss and gradients are "
+              "one process's on the global batch. FSDP2 runs it (torch.distributed.pipelining, "
+              "`pipeline:` picks the schedule); FSDP1, DeepSpeed and XLA refuse N > 1 naming why "
+              "(docs/pipeline.md)."),
     ] = 1
     ep: Annotated[
         int,

@@ -1,3 +1,4 @@
 """Tools built on the Engine: bench/ (`polyshard bench`), parity/ (`polyshard parity`), plan.py
-(`polyshard plan`, its communication in comm.py; per-layout sizes: parallel/kits/sizes.py), dryrun.py
+(`polyshard plan`, its communication in comm.py, topology.pp's bubble and stages in stages.py;
+per-layout sizes: parallel/kits/sizes.py), dryrun.py
 (`polyshard dryrun`), cells.py (a backend or variant name as a spec)."""

@@ -137,3 +137,31 @@ def test_what_a_pipeline_cannot_run_exactly_is_refused_at_prepare():
         check_pipelined(untied, [], True, True, None)
     with pytest.raises(SpecError, match="has no stage split"):
         check_pipelined(torch.nn.Linear(2, 2), [], True, False, None)
+
+
+def test_plan_counts_each_schedules_bubble_and_what_a_stage_holds_and_sends(capsys, tmp_path):
+    import json
+
+    from parallel.cli.main import main
+    from parallel.tools.stages import bubble, in_flight
+
+    # (p - 1) / (m + p - 1); interleaving divides the micro-batches' share by v
+    assert bubble("1f1b", 4, 1, 8) == pytest.approx(3 / 11) == bubble("gpipe", 4, 1, 8)
+    assert bubble("interleaved_1f1b", 4, 2, 8) == pytest.approx(3 / 19)
+    # gpipe holds every micro-batch at the turn, 1f1b at most p, interleaved its warm-up
+    assert (in_flight("gpipe", 4, 1, 8), in_flight("1f1b", 4, 1, 8),
+            in_flight("interleaved_1f1b", 4, 2, 8)) == (8, 4, 11)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192,
+        "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": False}))
+    code = main(["plan", "configs/demo.yaml", "--model", str(config), "--world", "1024", "--seq",
+                 "4096", "--set", "precision=bf16", "--set", "topology.procs_per_node=8", "--set",
+                 "topology.tp=8", "--set", "topology.pp=8", "--set", "micro_batch_size=8",
+                 "--json"])
+    facts = json.loads(capsys.readouterr().out)["pipeline"]
+    assert code == 0 and facts["stages"] == 8 and facts["bubble"] == pytest.approx(7 / 15)
+    # each of a middle rank's 8 micro-batches: 1 row x 4096 tokens x 8192 hidden x bf16, each way
+    assert facts["p2p_bytes"] == 2 * 8 * 4096 * 8192 * 2
+    assert 0 < facts["activations"] and facts["stage_params"] < 70e9 / 8 / 4
