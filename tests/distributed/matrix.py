@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass, field
 
 from parallel import registry
-from parallel.spec.io import load_spec
+from parallel.spec.io import SpecError, load_spec
 from parallel.tools.cells import merged
 
 
@@ -68,6 +68,19 @@ def cases(world: int = 2, micro_batch_size: int = 2, skip: tuple[str, ...] = (),
                     if k in data}
             nproc = load_spec(here).world_size
             out.append(Case(name, d.name, here, nproc, env, d.flat_optimizer(spec)))
+    return out
+
+
+def accepting(spec_of, world: int, micro_batch_size: int = 2) -> list[Case]:
+    """Every variant whose spec with a dimension (`spec_of(case)`: tp, cp, pp) validates; the
+    backends that refuse it are unit-tested."""
+    out = []
+    for c in cases(world=world, micro_batch_size=micro_batch_size, every=True):
+        try:
+            load_spec(spec_of(c))
+        except SpecError:
+            continue
+        out.append(c)
     return out
 
 

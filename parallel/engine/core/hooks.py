@@ -82,8 +82,8 @@ class BackendHooks(ABC):
         return nullcontext()
 
     def _forward_backward(self, micro_batches: list, counts, total) -> torch.Tensor:
-        """The step's forwards and backwards over its micro-batches, in order (a pipeline schedule
-        replaces this loop); returns this rank's part of the step's loss, detached. `counts` /
+        """The step's forwards and backwards over its micro-batches, in order (under topology.pp
+        the pipeline's schedule runs instead: engine.py); returns this rank's part of the step's loss, detached. `counts` /
         `total`: each micro-batch's items and the global count (objective.py)."""
         local = torch.zeros((), device=self.device)
         for i, micro in enumerate(micro_batches):
