@@ -2,9 +2,10 @@
 
 `train_step` is a template, read top to bottom: check the batch, split it into micro-batches, forward
 and backward them (`_forward_backward`, the backend's loop over `model`; under topology.pp the
-pipeline's schedule over `model_parts`, this rank's stages: parallel/engine/model/pipeline/), reduce
-the loss, one optimizer step. Backends fill in only what differs, through the hooks of hooks.py, and nothing else.
-What is not the step is a part the engine owns (setup.py lists them) and calls at a named point.
+pipeline's schedule over `model_parts`, this rank's stages: parallel/engine/model/pipeline/),
+reduce the loss, one optimizer step. Backends fill in only what differs, through the hooks of
+hooks.py, and nothing else. What is not the step is a part the engine owns (setup.py lists them)
+and calls at a named point.
 """
 
 from __future__ import annotations

@@ -82,9 +82,10 @@ class BackendHooks(ABC):
         return nullcontext()
 
     def _forward_backward(self, micro_batches: list, counts, total) -> torch.Tensor:
-        """The step's forwards and backwards over its micro-batches, in order (under topology.pp
-        the pipeline's schedule runs instead: engine.py); returns this rank's part of the step's loss, detached. `counts` /
-        `total`: each micro-batch's items and the global count (objective.py)."""
+        """The step's forwards and backwards over its micro-batches, in order (under
+        topology.pp the pipeline's schedule runs instead: engine.py); returns this rank's part
+        of the step's loss, detached. `counts` / `total`: each micro-batch's items and the
+        global count (objective.py)."""
         local = torch.zeros((), device=self.device)
         for i, micro in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
