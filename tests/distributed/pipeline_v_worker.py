@@ -3,7 +3,8 @@ no polyshard code. Four Linear+Tanh stages, a sum-of-squares loss (scale_grads=F
 on 2 pipeline ranks (x dp when launched on 4): each stage's gradient norms against one process's.
 Without fully_shard every schedule matches; with it interleaved_1f1b matches and the V-shaped ones do
 not (measured: zbv's last stage gets no gradient, or its weight-gradient pass raises, dualpipev's
-last stage is 6% off). It runs in a launch of its own; the test keeps the difference visible: once torch fixes it, the refusal in backends/fsdp/translate.py can go.
+last stage is 6% off). It runs in a launch of its own; the test keeps the difference visible: once
+torch fixes it, the refusal in backends/fsdp/translate.py can go.
 
     torchrun --nproc-per-node 2 pipeline_v_worker.py --out OUT.json
 """
