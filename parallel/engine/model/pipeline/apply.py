@@ -68,16 +68,12 @@ def _real(part: nn.Module, path: str) -> bool:
 def _shell(model: nn.Module, layers: str) -> nn.Module:
     """A shallow copy of `model` and of each module on the path to its layers, with their own
     registries (so that what is set on the copy is not set on the model)."""
-    view = copy.copy(model)
-    node = view
-    for name in layers.split(".")[:-1]:
+    view = node = copy.copy(model)
+    for name in [*layers.split(".")[:-1], None]:  # None: the layers' owner, the path's end
         node._modules = dict(node._modules)
         node._parameters, node._buffers = dict(node._parameters), dict(node._buffers)
-        child = copy.copy(node._modules[name])
-        node._modules[name] = child
-        node = child
-    node._modules = dict(node._modules)
-    node._parameters, node._buffers = dict(node._parameters), dict(node._buffers)
+        if name is not None:
+            node._modules[name] = node = copy.copy(node._modules[name])
     view.__dict__.pop("forward", None)  # the stage's forward is the part's, not the view's
     return view
 

@@ -48,11 +48,9 @@ class StageLayers(nn.ModuleDict):
     layers in order."""
 
     def __getitem__(self, key):
-        if isinstance(key, slice):
+        if isinstance(key, (slice, int)):  # by position, as a ModuleList
             return list(self._modules.values())[key]
-        if isinstance(key, int):
-            return list(self._modules.values())[key]
-        return super().__getitem__(key)
+        return super().__getitem__(key)  # by original index, as named
 
     def __iter__(self):
         return iter(self._modules.values())
