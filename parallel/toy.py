@@ -49,6 +49,37 @@ def build_llama(config):
     return LlamaForCausalLM(config).float()
 
 
+class OwnDecoder(torch.nn.Module):
+    """A model of your own, written as torchtitan writes its models (not a Hugging Face class):
+    `tok_embeddings`, `layers` (a ModuleList), `norm`, `output`, one loop; causal attention over
+    the real tokens of padded rows; `.loss` (transformers' causal-LM loss) when given labels. The
+    tests split it into pipeline stages by `pipeline.split_points` (docs/pipeline.md)."""
+
+    def __init__(self, vocab: int = 256, width: int = 32, layers: int = 2, heads: int = 4):
+        super().__init__()
+        self.tok_embeddings = torch.nn.Embedding(vocab, width)
+        self.layers = torch.nn.ModuleList(torch.nn.TransformerEncoderLayer(
+            width, heads, 2 * width, dropout=0.0, batch_first=True, norm_first=True)
+            for _ in range(layers))
+        self.norm = torch.nn.LayerNorm(width)
+        self.output = torch.nn.Linear(width, vocab, bias=False)
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        h = self.tok_embeddings(input_ids)  # on later pipeline stages: an identity on activations
+        causal = torch.nn.Transformer.generate_square_subsequent_mask(h.shape[1], device=h.device)
+        padding = None if attention_mask is None else torch.zeros(
+            attention_mask.shape, device=h.device).masked_fill(attention_mask == 0, float("-inf"))
+        for layer in self.layers:
+            h = layer(h, src_mask=causal, src_key_padding_mask=padding, is_causal=True)
+        logits = self.output(self.norm(h))
+        if labels is None:
+            return logits
+        from transformers.loss.loss_utils import ForCausalLMLoss
+        from transformers.modeling_outputs import CausalLMOutput
+
+        return CausalLMOutput(loss=ForCausalLMLoss(logits, labels, logits.shape[-1]), logits=logits)
+
+
 def model_config(source: str):
     """A Hugging Face config from a local config.json (a file, or a directory holding one): read as
     bounded data, never fetched from the Hub, never running a repository's code (`auto_map`)."""

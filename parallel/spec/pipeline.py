@@ -41,7 +41,8 @@ class Pipeline(Section):
         list[Annotated[str, StringConstraints(min_length=1, max_length=512)]] | None,
         Field(max_length=4096, description="The decoder layers where stages 2, 3, ... begin, by "
               "module name (e.g. `model.layers.12`): pp x virtual_stages - 1 increasing names. "
-              "Default: the layers split as evenly as they divide."),
+              "Default: a Hugging Face family's layers split as evenly as they divide. Required "
+              "for a model of your own: items of one ModuleList/ModuleDict (docs/pipeline.md)."),
     ] = None
 
     @property
@@ -59,6 +60,10 @@ def pipeline_problems(spec) -> list[tuple[str, str]]:
         return [("pipeline", f"{changed} set, but topology.pp is 1: nothing is pipelined; set "
                  "topology.pp > 1 or remove them")] if changed else []
     out, v = [], p.stages_per_rank
+    if spec.loss_weighting != "tokens":
+        out.append(("loss_weighting", f"{spec.loss_weighting!r} with topology.pp {pp}: the last "
+                    "stage weighs each micro-batch by its targets over the step's (the tokens "
+                    "rule); use loss_weighting: tokens"))
     if p.schedule in ONE_STAGE and v != 1:
         out.append(("pipeline.virtual_stages", f"{v} with schedule {p.schedule!r}, which runs one "
                     "stage per rank; use 1, or schedule: interleaved_1f1b"))

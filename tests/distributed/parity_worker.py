@@ -19,7 +19,7 @@ import torch
 from parallel import create_engine, load_spec
 from parallel.checkpoint.state.portable import read_model
 from parallel.tools.parity.cell import one_process
-from parallel.toy import build_llama, llama_config
+from parallel.toy import OwnDecoder, build_llama, llama_config
 
 SEQ, ROWS = 16, 2  # per rank and micro-batch: ROWS samples of SEQ tokens
 
@@ -36,8 +36,12 @@ def global_batches(steps, world, rows, seed=1234):
 
 
 def tiny(case):
-    """The case's model: the tiny Llama, with the case's config overrides (e.g. tied embeddings)."""
-    return build_llama(llama_config("tiny", **case.get("model", {})))
+    """The case's model: the tiny Llama, with the case's config overrides (e.g. tied embeddings),
+    or with {"own": layers} a model of your own (toy.OwnDecoder)."""
+    overrides = case.get("model", {})
+    if "own" in overrides:
+        return OwnDecoder(layers=overrides["own"])
+    return build_llama(llama_config("tiny", **overrides))
 
 
 def reference(spec, case, batches, known: dict):

@@ -7,7 +7,8 @@ Llama (2 layers: a stage each; 4 layers for interleaved_1f1b's 2 stages per rank
 3, loading its weights alone and evaluating, then resuming in fresh processes:
 - make test: 1f1b with accumulation, clipping and activation checkpointing; interleaved_1f1b; the
   same job under torch's default gradient scaling (each micro-batch's own mean), which must differ
-  from one process (the trap torchtitan#2972 is about); a pp 2 checkpoint resumed at pp 1 on ZeRO-3
+  from one process (the trap torchtitan#2972 is about); a model of your own (toy.OwnDecoder) split
+  where pipeline.split_points says; a pp 2 checkpoint resumed at pp 1 on ZeRO-3
   and on XLA, and theirs at pp 2; save_pretrained's export read back by transformers; generate refused;
   torch's V-shaped schedules over fully_shard measured against one process (why polyshard refuses
   zbv and dualpipev on FSDP2), in a launch of its own.
@@ -25,6 +26,8 @@ from shared import job, read
 pytestmark = pytest.mark.distributed
 BUDGET_S = 45  # seconds in make test (tests/conftest.py): torch's V schedules' launch of its own
 FOUR = {"num_hidden_layers": 4}  # 2 stages per rank at pp 2
+OWN = {"pipeline": {"split_points": ["layers.1"]},  # toy.OwnDecoder: no _no_split_modules
+       "wrap": {"policy": "layer_classes", "layer_classes": ["TransformerEncoderLayer"]}}
 
 
 def with_pp(c, pp=2, tp=1, **extra):
@@ -55,7 +58,9 @@ def cases(c, tier="quick"):
                 pretrained=True, generate_refused=True),
            case("interleaved-padded", with_pp(c, pipeline={"schedule": "interleaved_1f1b"}),
                 optimizer="adamw", padded=True, model=FOUR),
-           case("torch-scaling", with_pp(c), optimizer="adamw", padded=True, torch_scaling=True)]
+           case("torch-scaling", with_pp(c), optimizer="adamw", padded=True, torch_scaling=True),
+           case("own-model-split-points", with_pp(c, **OWN), optimizer="adamw", padded=True,
+                model={"own": 2})]
     other = zero3(c)
     if other is not None:  # the same global batch: 2 rows, one per data-parallel rank at pp 1
         out += [{**case("to-zero3-pp1", with_pp(c), optimizer="adamw", padded=True),

@@ -10,6 +10,7 @@ from parallel import load_spec
 from parallel.engine.model.pipeline import stages as st
 from parallel.engine.model.pipeline.apply import check_pipelined, merged_view
 from parallel.engine.model.pipeline.schedule import stage_ids
+from parallel.kits.objective import Objective, count_shifted
 from parallel.spec.errors import SpecError
 
 
@@ -55,6 +56,8 @@ def test_each_schedule_is_held_to_what_torch_runs():
     # interleaved: a multiple of its rounds (n // pp)
     assert "rounds" in problems(pp("interleaved_1f1b", mbs=5))["pipeline.microbatches"]
     assert load_spec(pp(microbatches=2)).pipeline.microbatches == 2
+    # the last stage weighs micro-batches by their targets: the mean of means is refused
+    assert "tokens" in problems({**pp(), "loss_weighting": "micro_batches"})["loss_weighting"]
 
 
 def test_the_pipeline_section_at_pp1_is_refused_unless_it_is_the_default():
@@ -129,14 +132,47 @@ def test_what_a_pipeline_cannot_run_exactly_is_refused_at_prepare():
     tied = build_llama(llama_config("tiny", tie_word_embeddings=True))
     from parallel.engine.model.params import tied_groups
 
+    counted = Objective(count_shifted, 1)
     with pytest.raises(SpecError) as err:
-        check_pipelined(tied, tied_groups(tied), True, False, None)
+        check_pipelined(tied, tied_groups(tied), counted, False, None)
     assert "tie_word_embeddings=False" in dict(err.value.problems)["topology.pp"]
     untied = build_llama(llama_config("tiny"))
     with pytest.raises(SpecError, match="loss_fn"):
-        check_pipelined(untied, [], True, True, None)
-    with pytest.raises(SpecError, match="has no stage split"):
-        check_pipelined(torch.nn.Linear(2, 2), [], True, False, None)
+        check_pipelined(untied, [], counted, True, None)
+    with pytest.raises(SpecError, match="causal LM's labels loss"):
+        check_pipelined(untied, [], Objective(None, 1), False, None)
+    with pytest.raises(SpecError) as err:
+        check_pipelined(torch.nn.Linear(2, 2), [], Objective(None, 1), False, None)
+    assert "has no stage split" in dict(err.value.problems)["pipeline.split_points"]
+
+
+def test_a_model_of_your_own_splits_where_split_points_say_and_chains_to_the_whole():
+    """torchtitan's contract: what precedes the named layers runs first, what follows last, an
+    identity elsewhere; the causal-LM loss is taken on its logits, counted, and said."""
+    from parallel.toy import OwnDecoder
+
+    torch.manual_seed(0)
+    whole = OwnDecoder(layers=4).eval()
+    ids, mask = torch.randint(0, 256, (2, 12)), torch.ones(2, 12, dtype=torch.long)
+    mask[1, 8:] = 0
+    expected = whole(ids, attention_mask=mask)
+    names = {n for n, _ in whole.named_parameters()}
+    assert st.own_family(whole, ["layers.2"]) == st.Family(
+        "layers", ("tok_embeddings",), ("norm", "output"), own=True)
+    parts = st.split(whole, [0, 1, 2], 3, ["layers.1", "layers.3"], {})
+    x = ids
+    for part in parts:
+        x = part(x, attention_mask=mask)
+    assert torch.equal(x, expected)
+    assert sorted(n for part in parts for n, _ in part.named_parameters()) == sorted(names)
+    assert [list(p.layers._modules) for p in parts] == [["0"], ["1", "2"], ["3"]]
+    said, objective = [], Objective(None, 1)
+    check_pipelined(OwnDecoder(), [], objective, False, None, ["layers.1"], said.append)
+    assert objective.count is count_shifted and "causal-LM loss" in said[0]
+    for bad in (["norm.1"], ["layers.1", "blocks.2"], ["layers.0"], ["layers.9"]):
+        with pytest.raises(SpecError) as err:
+            st.split(OwnDecoder(layers=4), [0, 1], 2 if len(bad) == 1 else 3, bad, {})
+        assert "pipeline.split_points" in dict(err.value.problems), bad
 
 
 def test_plan_counts_each_schedules_bubble_and_what_a_stage_holds_and_sends(capsys, tmp_path):

@@ -169,10 +169,9 @@ class EngineSetup(EngineCalls):
         """topology.pp (backends call it after `_record_params`, before sharding): this rank's
         stages of `model` (`model_parts`); returns one module over them under the model's names."""
         from parallel.engine.model.pipeline.apply import apply_pipeline, check_pipelined
-        from parallel.kits.objective import count_shifted
 
-        check_pipelined(model, self.params.tied, self.objective.count is count_shifted,
-                        self.loss_fn is not None, self.router)
+        check_pipelined(model, self.params.tied, self.objective, self.loss_fn is not None,
+                        self.router, self.spec.pipeline.split_points, self.say)
         view, self.pipeline = apply_pipeline(model, self.spec, self.dims.pp_rank(self.rank),
                                              self.device_mesh["pp"].get_group(), self.device,
                                              self.forward_kwargs)

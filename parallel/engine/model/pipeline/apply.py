@@ -10,21 +10,29 @@ from torch import nn
 
 from parallel.engine.model.pipeline import stages as st
 from parallel.kits.names import clean_name
+from parallel.kits.objective import Objective, count_shifted
 from parallel.engine.model.pipeline.schedule import Pipeline, PipelineLayout, stage_ids
 from parallel.spec.errors import SpecError
 
 
-def check_pipelined(model: nn.Module, tied: list[list[str]], counted: bool, has_loss_fn: bool,
-                    router) -> None:
-    """What topology.pp cannot run exactly, refused at prepare naming the fix."""
+def check_pipelined(model: nn.Module, tied: list[list[str]], objective: Objective,
+                    has_loss_fn: bool, router, split_points: list[str] | None = None,
+                    say=print) -> None:
+    """What topology.pp cannot run exactly, refused at prepare naming the fix. A model of your own
+    (split at `split_points`) trains its last stage's logits on `labels` with the causal-LM loss,
+    counted over the step as a Hugging Face causal LM's is (said at prepare)."""
     if has_loss_fn:
         raise SpecError([("topology.pp", "with a loss_fn: the last stage computes the loss from "
                           "the logits with the model's own loss function; pass a Hugging Face "
                           "causal LM and batches with labels, or topology.pp: 1")])
-    if not counted:
+    family = st.family_of(model, split_points)
+    if family.own and objective.count is None:
+        objective.count = count_shifted
+        say("topology.pp: a model of your own; its last stage's logits take the causal-LM loss "
+            "on `labels` (shifted, -100 ignored, a mean over the step's targets)")
+    if objective.count is not count_shifted:
         raise SpecError([("topology.pp", f"{type(model).__name__}: pipelined steps take a causal "
                           "LM's labels loss (a mean over target tokens); use topology.pp: 1")])
-    family = st.family_of(model)
     both = set(family.first) | set(family.last)
     for group in tied:
         if any(n.rpartition(".")[0] in both for n in group):
@@ -86,7 +94,7 @@ def apply_pipeline(model: nn.Module, spec, pp_rank: int, group, device,
     n_stages = pp * p.stages_per_rank
     whole = {clean_name(n) for n in model.state_dict()}
     parts = st.split(model, ids, n_stages, p.split_points, forward_kwargs)
-    view = merged_view(parts, st.family_of(model))
+    view = merged_view(parts, st.family_of(model, p.split_points))
     layout = PipelineLayout(p.schedule, p.microbatches or spec.micro_batch_size, ids, n_stages, pp,
                             group, spec.dims.dp_cp)
     pipeline = Pipeline(parts, layout, device)

@@ -59,15 +59,14 @@ class Pipeline:
         self._schedules: dict = {}
         self._whole: list[list[str]] | None = None  # whole_groups, once gathered
         self._denominator: torch.Tensor | None = None
-        last = layout.stage_ids.index(layout.n_stages - 1) if self.last else None
-        self._loss = None if last is None else parts[last].loss_function
-        self._vocab = None if last is None else parts[last].config.get_text_config().vocab_size
+        self._loss = _causal_lm_loss(parts[layout.stage_ids.index(layout.n_stages - 1)]
+                                     if self.last else None)
 
     def _loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # the model's own causal-LM loss, summed over the micro-batch's targets / the global count
         if self.scale_grads:  # torch's convention: each micro-batch's own mean
-            return self._loss(logits, labels, self._vocab)
-        return self._loss(logits, labels, self._vocab, num_items_in_batch=self._denominator)
+            return self._loss(logits, labels, logits.shape[-1])
+        return self._loss(logits, labels, logits.shape[-1], num_items_in_batch=self._denominator)
 
     def _schedule(self, shape: tuple, training: bool):
         key = (shape, training)
@@ -162,6 +161,19 @@ class Pipeline:
         if not self.last:
             return torch.zeros((), device=self.device)
         return torch.stack([loss.detach().float() for loss in losses]).sum() * self.layout.pp
+
+
+def _causal_lm_loss(last: nn.Module | None):
+    """The last stage's loss: a Hugging Face model's own `loss_function`, else (a model of your own)
+    transformers' causal-LM loss, the one a Llama's is (shifted, -100 ignored)."""
+    if last is None:
+        return None
+    own = getattr(last, "loss_function", None)
+    if own is not None:
+        return own
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    return ForCausalLMLoss
 
 
 class _ForwardOnly(ts._PipelineScheduleRuntime):

@@ -10,6 +10,12 @@ does the same by hand; here nothing of the model is rewritten).
 
 The families this knows (`FAMILIES`): Llama, Qwen2, Mistral, Mixtral, Qwen2-MoE (a `model.layers`
 decoder with `embed_tokens`, `norm` and `lm_head`) and GPT-2 (`transformer.h`, `wte`/`wpe`, `ln_f`).
+
+A model of your own splits where `pipeline.split_points` names its layers (`layers.4`: items of one
+ModuleList or ModuleDict), torchtitan's contract for its own models: what is registered before the
+layers runs on the first stage, what after on the last, each in its registration order; elsewhere it
+is an identity, so a forward written `h = embed(x); for layer in layers: h = layer(h); return
+head(norm(h))` runs any stage unchanged, taking activations where the first stage takes ids.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ class Family:
     last: tuple[str, ...]  # modules only the last stage runs (an identity elsewhere)
     zero_positions: str | None = None  # a learned position table the first stage adds (GPT-2)
     once: tuple[str, ...] = ()  # what the first stage applies once (GPT-2's embedding dropout)
+    own: bool = False  # a model of your own: its forward as written, absent modules an identity
 
 
 LLAMA = Family("model.layers", ("model.embed_tokens",), ("model.norm", "lm_head"))
@@ -67,13 +74,45 @@ class ZeroPositions(nn.Module):
         return torch.zeros(*ids.shape, self.width, device=ids.device)
 
 
-def family_of(model: nn.Module) -> Family:
+def family_of(model: nn.Module, split_points: list[str] | None = None) -> Family:
     name = type(model).__name__
-    if name not in FAMILIES:
-        raise SpecError([("topology.pp", f"{name} has no stage split polyshard knows (it splits "
-                          f"{', '.join(sorted(FAMILIES))}); use topology.pp: 1, or a model of "
-                          "those families")])
-    return FAMILIES[name]
+    if name in FAMILIES:
+        return FAMILIES[name]
+    if split_points is None:
+        raise SpecError([("pipeline.split_points", f"not set, and {name} has no stage split "
+                          f"polyshard knows (it splits {', '.join(sorted(FAMILIES))}); name the "
+                          "layers where stages 2, 3, ... begin (e.g. `layers.4`, docs/pipeline.md "
+                          "says what such a model's forward does), or use topology.pp: 1")])
+    return own_family(model, split_points)
+
+
+def own_family(model: nn.Module, split_points: list[str]) -> Family:
+    """A model of your own, split at `pipeline.split_points`: items of one ModuleList/ModuleDict."""
+    path = split_points[0].rpartition(".")[0]
+    container = model.get_submodule(path) if path and _has(model, path) else None
+    if not isinstance(container, (nn.ModuleList, nn.ModuleDict)) or any(
+            n.rpartition(".")[0] != path for n in split_points):
+        raise SpecError([("pipeline.split_points", f"{split_points} in {type(model).__name__}: "
+                          "stages begin at items of one ModuleList or ModuleDict of the model "
+                          "(e.g. `layers.4`), named as named_modules() names them")])
+    first: list[str] = []
+    last: list[str] = []
+    node, prefix = model, ""
+    for name in path.split("."):  # at each level: siblings before the layers' path, and after
+        names = list(node._modules)
+        at = names.index(name)
+        first += [prefix + n for n in names[:at] if node._modules[n] is not None]
+        last += [prefix + n for n in names[at + 1:] if node._modules[n] is not None]
+        node, prefix = node._modules[name], f"{prefix}{name}."
+    return Family(path, tuple(first), tuple(last), own=True)
+
+
+def _has(model: nn.Module, path: str) -> bool:
+    try:
+        model.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
 
 
 def layer_bounds(n_layers: int, stages: int, split_points: list[str] | None,
@@ -115,10 +154,10 @@ def make_stage(model: nn.Module, family: Family, bounds: tuple[int, int], first:
     last stage the logits."""
     parent, name = _parent(model, family.layers)
     layers = getattr(parent, name)
-    setattr(parent, name, StageLayers({str(i): layers[i] for i in range(*bounds)}))
+    setattr(parent, name, StageLayers(dict(list(layers._modules.items())[slice(*bounds)])))
     if not first:
         for path in family.first:
-            setattr(*_parent(model, path), None)
+            setattr(*_parent(model, path), nn.Identity() if family.own else None)
         if family.zero_positions:
             table = model.get_submodule(family.zero_positions)
             setattr(*_parent(model, family.zero_positions), ZeroPositions(table.embedding_dim))
@@ -130,9 +169,14 @@ def make_stage(model: nn.Module, family: Family, bounds: tuple[int, int], first:
     own = type(model).forward
 
     def stage_forward(self, x, attention_mask=None, position_ids=None):
-        given = {"inputs_embeds": x} if x.is_floating_point() else {"input_ids": x}
-        out = own(self, **given, attention_mask=attention_mask, position_ids=position_ids,
-                  **forward_kwargs).logits
+        given = {k: v for k, v in (("attention_mask", attention_mask),
+                                   ("position_ids", position_ids)) if v is not None}
+        if family.own:  # the model's forward as written (what a stage lacks is an identity)
+            out = own(self, x, **given)
+            out = getattr(out, "logits", out)
+        else:
+            embeds = {"inputs_embeds": x} if x.is_floating_point() else {"input_ids": x}
+            out = own(self, **embeds, **given, **forward_kwargs).logits
         # the head's input is a slice of the hidden states (logits_to_keep), a view, which the
         # next stage's input-gradient pass (zbv, dualpipev) cannot detach in place (measured:
         # "Can't detach views in-place"); a stage that sends activations sends its own tensor
@@ -145,7 +189,7 @@ def make_stage(model: nn.Module, family: Family, bounds: tuple[int, int], first:
 def split(model: nn.Module, stage_ids: list[int], n_stages: int, split_points: list[str] | None,
           forward_kwargs: dict) -> list[nn.Module]:
     """This rank's stages of `model`, one pruned copy each (the last one prunes `model` itself)."""
-    family = family_of(model)
+    family = family_of(model, split_points)
     n_layers = len(model.get_submodule(family.layers))
     bounds = layer_bounds(n_layers, n_stages, split_points, family.layers)
     out = []
