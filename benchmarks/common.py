@@ -31,6 +31,12 @@ def args(argv=None):
                    "innermost mesh dim; a TP group's ranks take the same rows)")
     p.add_argument("--sp", type=int, default=1, help="DeepSpeed: Ulysses sequence parallelism over N "
                    "ranks (inside tp's place: an sp group's ranks take the same rows)")
+    p.add_argument("--pp", type=int, default=1, help="native_pipeline: pipeline stages over N "
+                   "ranks (the outermost mesh dim: a pipeline's ranks take the same rows)")
+    p.add_argument("--schedule", default="1f1b", help="native_pipeline: gpipe, 1f1b or "
+                   "interleaved_1f1b (2 stages per rank)")
+    p.add_argument("--microbatches", type=int, default=4, help="native_pipeline: pipeline "
+                   "micro-batches per step")
     p.add_argument("--flatten", action="store_true", help="XLA FSDP v1: flatten_parameters")
     p.add_argument("--count", action="store_true", help="count collectives, host reads and store "
                    "calls of every step after the warm-up (not timed)")
@@ -109,7 +115,10 @@ def run(a, step, rank: int, world: int):
     """`step(ids) -> this rank's share of the loss`; times each step with the loss read back, as
     polyshard does."""
     model_ranks = a.tp * a.sp  # a tp x sp block shares its rows; tp is the innermost dim
-    rows, dp_rank = a.global_rows // (world // model_ranks), rank // model_ranks
+    # pp is the outermost: the ranks of one pipeline (world / pp apart) take the same rows
+    per_stage = world // a.pp
+    rows = a.global_rows // (per_stage // model_ranks)
+    dp_rank = rank % per_stage // model_ranks
     times, losses, counting = [], [], counter(a)
     for i, ids in enumerate(batches(a)):
         mine = ids[dp_rank * rows:(dp_rank + 1) * rows]

@@ -10,6 +10,22 @@ from parallel.descriptor import (BackendDescriptor, Bench, Capabilities, Interop
 
 NATIVE_STAGE = {"full": 3, "grad_op": 2}  # benchmarks/native_fsdp{1,2}.py: reshard after forward or not
 
+
+def native_loop(spec):
+    """benchmarks/'s hand-written loop for `spec`: native_fsdp{1,2}.py (with torchtitan's apply_tp
+    at tp > 1), native_pipeline.py at pp > 1 (torchtitan's pipelining); none with cp (torchtitan's
+    context parallelism is ring attention on CUDA SDPA)."""
+    t = spec.topology
+    if t.cp > 1 or (t.pp > 1 and t.tp > 1):
+        return None
+    if t.pp > 1:
+        p = spec.pipeline
+        return "native_pipeline.py", [f"--pp={t.pp}", f"--schedule={p.schedule}",
+                                      f"--microbatches={p.microbatches or spec.micro_batch_size}"]
+    return f"native_fsdp{spec.fsdp.version}.py", [
+        f"--stage={NATIVE_STAGE.get(spec.shard, 0)}", *([f"--tp={t.tp}"] if t.tp > 1 else [])]
+
+
 DESCRIPTOR = BackendDescriptor(
     name="fsdp",
     summary="torch FSDP: FSDP2 fully_shard (default) or FSDP1 FullyShardedDataParallel",
@@ -35,9 +51,5 @@ DESCRIPTOR = BackendDescriptor(
         accelerate_claims=accelerate.claims,
         accelerate_section=accelerate.section),
     bench=Bench(dryrun={"fsdp": {"sync_module_states": False, "cpu_ram_efficient_loading": False}},
-                # no hand-written FSDP2 loop with cp: torchtitan's is ring attention on CUDA SDPA
-                native=lambda spec: None if spec.topology.cp > 1 else (
-                    f"native_fsdp{spec.fsdp.version}.py",
-                    [f"--stage={NATIVE_STAGE.get(spec.shard, 0)}",
-                     *([f"--tp={spec.topology.tp}"] if spec.topology.tp > 1 else [])])),
+                native=native_loop),
 )

@@ -24,8 +24,13 @@ def transient(spec, psi: float, unit: float, low: int, hidden: int | None = None
     dtype. SHARD_GRAD_OP keeps every unit gathered from its forward to its backward, so at the
     end of forward the whole model is held gathered. NO_SHARD holds its parameters as state.
     Buffers: one unit's unsharded gradient in the reduce dtype before its reduce-scatter (or
-    all-reduce)."""
+    all-reduce). topology.pp (`psi`: the rank's stages): torch's schedules keep every stage
+    gathered from its first backward to its last, and its unsharded gradients accumulating
+    until the last reduces them (set_reshard_after_backward / set_requires_gradient_sync False):
+    the rank's whole stages in both (measured by `polyshard dryrun`, docs/pipeline.md)."""
     red = {"fp32": 4, "bf16": 2, "fp16": 2}[spec.grad_reduce_dtype]
+    if spec.topology.pp > 1 and spec.shard != "none":
+        return psi * low, psi * red
     if spec.shard == "none":
         return 0.0, unit * red
     gathered = psi * low if spec.shard in ("grad_op", "hybrid_grad_op") else 2 * unit * low

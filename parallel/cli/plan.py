@@ -34,35 +34,24 @@ def longest_line(spec, budget_gib: float, longest: int) -> str:
             "tokens" + ("" if cp > 1 else " (topology.cp N holds about N times as many)"))
 
 
-def pipeline_of(spec, cfg, seq: int, psi: float) -> dict | None:
-    """topology.pp's bubble, in-flight activations, p2p bytes and heaviest stage
-    (parallel/tools/stages.py)."""
-    from parallel.tools.plan import activations
-    from parallel.tools.stages import pipeline_facts
+def pipeline_line(spec, cfg, seq: int, psi: float) -> str:
+    from parallel.tools.stages import pipeline_of
 
-    if spec.topology.pp == 1:
-        return None
-    p = spec.pipeline
-    rows = spec.micro_batch_size // (p.microbatches or spec.micro_batch_size)
-    whole = activations(cfg, rows, seq, spec.precision, spec.checkpoint_activations,
-                        spec.topology.tp, spec.sequence.loss_tile,
-                        spec.sequence.offload_activations, spec.topology.cp)
-    return pipeline_facts(spec, cfg, seq, psi, whole)
-
-
-def pipeline_line(facts: dict) -> str:
+    facts = pipeline_of(spec, cfg, seq, psi)
     out = (f"pipeline: {facts['schedule']}, {facts['stages']} stages, {facts['microbatches']} "
            f"micro-batches per step: bubble {facts['bubble']:.1%} of each rank's step, "
            f"{facts['in_flight']} stage-chunk(s) of activations in flight on the first rank")
     if "p2p_bytes" in facts:
         out += (f"; {facts['p2p_bytes'] / 2**20:,.1f} MiB sent point-to-point per rank per step; "
-                f"heaviest stage {facts['stage_params'] / 1e9:.3g} B parameters")
+                f"the heaviest pipeline rank holds {facts['stage_params'] / 1e9:.3g} B parameters")
     if "activations" in facts:
         out += f", {facts['activations'] / GiB:.2f} GiB of activations"
-    return out + " (the rows above count the whole model per rank; docs/pipeline.md)"
+    return out + " (the rows above count the heaviest pipeline rank's stages; docs/pipeline.md)"
 
 
 def as_json(spec, args, rows, best, psi, unit, links, margin, longest, cfg=None) -> str:
+    from parallel.tools.stages import pipeline_of
+
     def row(r):
         return {"backend": r.backend, "shard": r.shard, "offload": r.offload,
                 **{k: getattr(r, k) for k in ("params", "grads", "optimizer", "activations",
@@ -87,9 +76,10 @@ def run_plan(spec, args) -> int:
     from rich.table import Table
 
     from parallel.tools.plan import Links, Margin, longest_seq, model_facts, plan
+    from parallel.tools.stages import stage_keep
 
     shapes, cfg, unit = model_facts(args.model, spec.wrap, spec.topology.tp,
-                                     spec.topology.tp_plan, spec.topology.cp)
+                                     spec.topology.tp_plan, spec.topology.cp, stage_keep(spec))
     budget = args.budget * GiB if args.budget else None
     links = Links(args.intra_gbps, args.inter_gbps, args.pcie_gbps)
     margin = Margin(args.context_gib, args.fragmentation)
@@ -104,9 +94,8 @@ def run_plan(spec, args) -> int:
         return 0 if budget is None or best is not None else 1
     nodes = f"{args.world // args.per_node} node(s) x {args.per_node}" \
         if args.world % args.per_node == 0 else "1 node"
-    tp = spec.topology.tp
-    params = f"{psi / 1e9:.3g} B parameters" + (f" per tensor-parallel rank (tp {tp})" if tp > 1
-                                                   else "")
+    params = f"{psi / 1e9:.3g} B parameters" + (f" per tensor-parallel rank (tp {spec.topology.tp})"
+                                                   if spec.topology.tp > 1 else "")
     table = Table(title=f"per-rank peak, {params}, world {args.world} ({nodes}), "
                   f"micro-batch {spec.micro_batch_size} x seq {args.seq}, {spec.precision}")
     for col in ("backend", "shard", "offload", "states", "transient", "activations", "margin",
@@ -133,7 +122,7 @@ def run_plan(spec, args) -> int:
                   f"{links.inter} GB/s across nodes, offload over PCIe at {links.pcie} GB/s, no "
                   "overlap (an upper bound); --json for every number", highlight=False, soft_wrap=True)
     if spec.topology.pp > 1:
-        console.print(pipeline_line(pipeline_of(spec, cfg, args.seq, psi)), highlight=False,
+        console.print(pipeline_line(spec, cfg, args.seq, psi), highlight=False,
                       soft_wrap=True)
     if longest is not None:
         console.print(longest_line(spec, args.budget, longest), highlight=False, soft_wrap=True)

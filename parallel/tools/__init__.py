@@ -1,4 +1,4 @@
 """Tools built on the Engine: bench/ (`polyshard bench`), parity/ (`polyshard parity`), plan.py
-(`polyshard plan`, its communication in comm.py, topology.pp's bubble and stages in stages.py;
-per-layout sizes: parallel/kits/sizes.py), dryrun.py
-(`polyshard dryrun`), cells.py (a backend or variant name as a spec)."""
+(`polyshard plan`, its communication in comm.py, its activation model in activations.py,
+topology.pp's bubble, stages and sends in stages.py; per-layout sizes: parallel/kits/sizes.py),
+dryrun.py (`polyshard dryrun`), cells.py (a backend or variant name as a spec)."""

@@ -38,8 +38,8 @@ def comm_seconds(spec, psi: float, links: Links, output_share: float = 0.0,
     return seconds
 
 
-def planned_collectives(spec, psi: float, output_share: float = 0.0, root_share: float = 0.0
-                        ) -> dict[str, float]:
+def planned_collectives(spec, psi: float, output_share: float = 0.0, root_share: float = 0.0,
+                        last_root: float = 0.0) -> dict[str, float]:
     """Bytes one rank's data-parallel collectives carry per step, as `polyshard dryrun` counts them
     (all-gather: its output; reduce-scatter: its input; all-reduce: its tensor): the gradients are
     reduced once in the reduce dtype (unsharded: all-reduced, `all_reduce_group`; sharded:
@@ -56,6 +56,16 @@ def planned_collectives(spec, psi: float, output_share: float = 0.0, root_share:
     if spec.shard == "none":
         return {"all_reduce_group": psi * red, "all_gather": max(0.0, volume - 2.0) * psi * low}
     out = {"all_gather": max(0.0, volume - 1.0) * psi * low, "reduce_scatter": psi * red}
+    if spec.topology.pp > 1:  # each run of the schedule ends in its own reduction (as torchtitan's)
+        out["reduce_scatter"] *= spec.grad_accum_steps
+    if spec.topology.pp > 1 and spec.shard == "full":
+        # torch's schedules keep a stage gathered from its first backward to its last in each
+        # run (set_reshard_after_backward), and each micro-batch's forward gathers it again:
+        # m + 1 gathers of the rank's stages per run (dry run, FSDP2: 5 at m 4, 9 at m 8), but
+        # once for the last stage's root unit (`last_root` parameters: norm and head), whose
+        # backward follows each forward at once
+        m = spec.pipeline.microbatches or spec.micro_batch_size
+        out["all_gather"] = spec.grad_accum_steps * ((m + 1) * (psi - last_root) + last_root) * low
     if spec.dims.dp_size // n > 1:
         out["all_reduce_replicas"] = psi / n * red
     return out
@@ -71,7 +81,8 @@ def offload_seconds(spec, psi: float, links: Links) -> float:
     return copies / (links.pcie * 1e9)
 
 
-def tp_comm_bytes(cfg: dict | None, spec, seq: int, rowwise: int = 2, colwise: int = 5) -> float:
+def tp_comm_bytes(cfg: dict | None, spec, seq: int, rowwise: int = 2, colwise: int = 5,
+                  pp_rank: int | None = None) -> float:
     """Bytes one rank all-reduces per step for tensor parallelism without sequence parallelism, as
     torch's DTensor runs it (counted by `polyshard dryrun`): per layer and micro-batch, s x b x h in
     the compute dtype for each rowwise output in forward (all but the last again in activation
@@ -79,7 +90,9 @@ def tp_comm_bytes(cfg: dict | None, spec, seq: int, rowwise: int = 2, colwise: i
     Face's Llama-style
     plan: 2 rowwise, o/down; 5 colwise, q/k/v/gate/up: one all-reduce each, where Megatron fuses
     q/k/v and gate/up into 2); plus the head's logits gathered whole once forward and its input
-    gradient all-reduced. With topology.cp each rank's tensors hold seq / cp tokens."""
+    gradient all-reduced. With topology.cp each rank's tensors hold seq / cp tokens. With
+    topology.pp, pipeline rank `pp_rank`'s layers (None: the busiest rank's), the head's part on the
+    rank holding the last stage."""
     tp = spec.topology.tp
     if tp == 1 or not cfg:
         return 0.0
@@ -90,7 +103,15 @@ def tp_comm_bytes(cfg: dict | None, spec, seq: int, rowwise: int = 2, colwise: i
     again = rowwise - 1 if spec.checkpoint_activations else 0
     per_layer = (rowwise + again + colwise) * s * b * h * low
     head = 4 * s * b * cfg["vocab_size"] + s * b * h * low
-    return spec.grad_accum_steps * (cfg["num_hidden_layers"] * per_layer + head)
+    layers = cfg["num_hidden_layers"]
+    if spec.topology.pp == 1:
+        return spec.grad_accum_steps * (layers * per_layer + head)
+    head = s * b * h * low  # the logits' gather is an all-gather there (stages.tp_logits_bytes)
+    from parallel.tools.stages import held_layers
+
+    ranks = range(spec.topology.pp) if pp_rank is None else (pp_rank,)
+    return spec.grad_accum_steps * max(n * per_layer + head * last for n, _, last in
+                                       (held_layers(spec, layers, r) for r in ranks))
 
 
 def cp_comm_bytes(cfg: dict | None, spec, seq: int) -> float:

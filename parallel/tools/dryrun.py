@@ -69,7 +69,7 @@ def dryrun_spec(spec, world: int):
 # the engine would rightly refuse), and the argument holding it; functional ones return theirs
 GATHERS = {"_allgather_base_": 0, "allgather_": 0, "allgather_into_tensor_coalesced_": 0,
            "_reduce_scatter_base_": 0, "reduce_scatter_": 0, "reduce_scatter_tensor_coalesced_": 0,
-           "alltoall_base_": 0}
+           "alltoall_base_": 0, "recv_": 0}
 FUNCTIONAL = ("all_gather_into_tensor", "all_gather_into_tensor_coalesced", "reduce_scatter_tensor",
               "reduce_scatter_tensor_coalesced", "all_to_all_single")
 
@@ -133,14 +133,37 @@ def by_type(planned: dict[str, float], tp_bytes: float) -> dict[str, float]:
     return out
 
 
-def kept_shares(model, wrap, tp: int = 1, tp_plan: dict | None = None) -> tuple[float, float]:
-    """(output, root): the fractions of one tensor-parallel rank's parameters in the output layer
+def predicted_collectives(spec, cfg: dict, seq: int, psi: float, shares: tuple,
+                          pp_rank: int) -> dict[str, float]:
+    """plan's bytes per collective type for this rank (`psi`: its parameters; `shares`:
+    kept_shares'): the data-parallel ones, TP's, and with topology.pp the sends between stages and
+    the last stage's logits gathered over tp; with topology.cp Ulysses' exchanges."""
+    from parallel.tools.comm import cp_comm_bytes, planned_collectives, tp_comm_bytes
+    from parallel.tools.stages import held_layers, p2p_bytes, tp_logits_bytes
+
+    output, root, whole = shares
+    last = spec.topology.pp > 1 and held_layers(spec, cfg["num_hidden_layers"], pp_rank)[2]
+    predicted = by_type(planned_collectives(spec, psi, output, root, output * whole if last
+                                            else 0.0), tp_comm_bytes(cfg, spec, seq, pp_rank=pp_rank))
+    if spec.topology.pp > 1:  # activations and their gradients between stages
+        predicted["send"] = p2p_bytes(spec, cfg, seq, pp_rank)
+        predicted["all_gather"] = predicted.get("all_gather", 0.0) + \
+            tp_logits_bytes(spec, cfg, seq, last)
+    if spec.topology.cp > 1:  # Ulysses' exchanges (plan: cp_comm_bytes)
+        predicted["all_to_all"] = cp_comm_bytes(cfg, spec, seq)
+    return predicted
+
+
+def kept_shares(model, wrap, tp: int = 1, tp_plan: dict | None = None
+                ) -> tuple[float, float, float]:
+    """(output, root, parameters): the fractions of one tensor-parallel rank's parameters in the output layer
     with the final norm before it (Hugging Face names: model.norm, transformer.ln_f), and in what
     no wrap unit holds (embeddings, final norm, head): what a backend may keep gathered from
     forward into backward (its plan model's `comm`). Weighed by the rank's TP shards (`model`
     unprepared, on the meta device): the 8B at tp 8 splits its head 8 ways and not its
     embedding, so the whole model's head share (0.065; 0.35 at 2 layers) is not the rank's
-    (0.045; 0.10), and plan's gathers came out 13% low at 2 layers."""
+    (0.045; 0.10), and plan's gathers came out 13% low at 2 layers. `parameters`: the rank's
+    whole (the shares' denominator)."""
     from parallel.engine.model.tp_plan import local_shapes
     from parallel.engine.model.wrap import plan_wrap
 
@@ -155,7 +178,19 @@ def kept_shares(model, wrap, tp: int = 1, tp_plan: dict | None = None) -> tuple[
     inside = {id(p) for _, unit in plan_wrap(model, wrap) if unit is not model
               for p in unit.parameters()}
     root = sum(n for i, n in size.items() if i not in inside)
-    return sum(size[i] for i in kept) / total, root / total
+    return sum(size[i] for i in kept) / total, root / total, float(total)
+
+
+def activation_of(config, precision: str):
+    """A stage's input after the first: the hidden states of its pipeline micro-batch, in the
+    compute dtype (what torch's shape inference would receive from the previous stage)."""
+    dtype = {"fp32": torch.float32, "fp16": torch.float16}.get(precision, torch.bfloat16)
+    hidden = config.get_text_config().hidden_size
+
+    def given(stage: int, chunk: tuple) -> tuple:
+        return (torch.empty(*chunk, hidden, dtype=dtype, device="meta"),)
+
+    return given
 
 
 HOST_SHARE = 0.8  # of this machine's available memory a dry run may take
@@ -187,26 +222,30 @@ def run(spec, source: str, world: int, rank: int, seq: int, optimizer: str = "ad
     from parallel.registry import create_engine
     from parallel.tools.bench.measure import CommCounter, held_bytes, step_peak_bytes
     from parallel.tools.parity.cell import optimizer_arg
-    from parallel.tools.comm import cp_comm_bytes, planned_collectives, tp_comm_bytes
     from parallel.tools.plan import model_facts, predict
+    from parallel.tools.stages import stage_keep
     from parallel.kits.sizes import numel
     from parallel.toy import meta_model
 
     spec, changed = dryrun_spec(spec, world)
     # plan's prediction first: a rank that would not fit in this machine's memory is refused
     # before anything is allocated (1.7e13 parameters at world 8 allocated 34 GB, then died)
+    pp_rank = spec.dims.pp_rank(rank)
     shapes, cfg, unit = model_facts(source, spec.wrap, spec.topology.tp, spec.topology.tp_plan,
-                                    spec.topology.cp)
+                                    spec.topology.cp, stage_keep(spec, pp_rank))
     est = predict(spec, shapes, cfg, seq, optimizer, unit)
     check_fits(est.total, world, rank)
     join_fake_world(rank, world, spec.topology.procs_per_node)
     engine = create_engine(spec)
     model = meta_model(source)
     # before prepare: TP and FSDP replace the parameters whose shares these are
-    output, root = kept_shares(model, spec.wrap, spec.topology.tp, spec.topology.tp_plan)
+    shares = kept_shares(model, spec.wrap, spec.topology.tp, spec.topology.tp_plan)
     vocab = model.config.vocab_size
     engine.prepare(model, optimizer_arg(optimizer, 1e-4))
-    materialise(engine.model, engine.device)
+    for part in engine.model_parts:  # a rank's stages: each its own copy of what is not shared
+        materialise(part, engine.device)
+    if engine.pipeline is not None:  # stages' inputs: what the previous stage would have said
+        engine.pipeline.given_inputs = activation_of(model.config, spec.precision)
     params = list(engine.model.parameters())
     grads: dict = {}
     engine.on_gradients.append(lambda e: grads.setdefault("bytes", held_bytes(p.grad for p in params)))
@@ -228,10 +267,7 @@ def run(spec, source: str, world: int, rank: int, seq: int, optimizer: str = "ad
     planned = {"params": est.params, "grads": est.grads, "optimizer": est.optimizer,
                "peak": est.total}
     snap = counter.snapshot()
-    predicted = by_type(planned_collectives(spec, float(numel(shapes)), output, root),
-                        tp_comm_bytes(cfg, spec, seq))
-    if spec.topology.cp > 1:  # Ulysses' exchanges (plan: cp_comm_bytes)
-        predicted["all_to_all"] = cp_comm_bytes(cfg, spec, seq)
+    predicted = predicted_collectives(spec, cfg, seq, float(numel(shapes)), shares, pp_rank)
     collectives = {k: {"calls": snap["calls"].get(k, 0), "bytes": snap["bytes"].get(k, 0),
                        "planned": predicted.get(k)}
                    for k in sorted({*snap["calls"], *predicted})}

@@ -30,6 +30,7 @@ from parallel.tools.comm import (  # noqa: F401 (plan's communication, re-export
     tp_comm_bytes,
 )
 from parallel.kits.sizes import numel
+from parallel.tools.activations import activations  # noqa: F401 (plan's activation model)
 
 GB = 1e9  # the ZeRO paper's unit
 ADAM, SGD = 8, 4  # optimizer state bytes per parameter (fp32 moments / momentum)
@@ -109,44 +110,6 @@ def transient(spec, psi: float, unit: float, hidden: int | None = None) -> tuple
     if rule is None:
         return (0.0 if spec.shard == "none" else 2 * unit * low), unit * 4
     return rule(spec, psi, unit, low, hidden)
-
-
-def activations(cfg: dict | None, micro_batch: int, seq: int, precision: str,
-                checkpointing: bool, tp: int = 1, loss_tile: int | None = None,
-                offload: bool = False, cp: int = 1) -> float | None:
-    """Bytes an HF decoder (Llama's layout) keeps for backward, counted tensor by tensor per token
-    (docs/bench.md, "The activation model"), times layers, plus the loss's log-probabilities and
-    what is in flight at the peak. Full recomputation: each layer's input, and one layer's whole
-    activations while its backward runs. TP without sequence parallelism: norms whole on every
-    rank, the rest split over tp. `loss_tile`: one tile's logits. `offload`
-    (sequence.offload_activations): the device holds the layer in flight. `cp` (Ulysses): seq / cp
-    tokens per rank (padded up); eager's scores over the whole row for a / (tp x cp) heads."""
-    if not cfg:
-        return None
-    h, a, layers, vocab = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_hidden_layers"], \
-        cfg["vocab_size"]
-    kv, inner = cfg.get("num_key_value_heads") or a, cfg.get("intermediate_size") or 4 * h
-    c = 4 if precision == "fp32" else 2  # bytes of the compute dtype
-    tokens = -(-seq // cp) * micro_batch
-    eager = (cfg.get("_attn_implementation") or cfg.get("attn_implementation")) == "eager"
-    # each RMSNorm keeps its input in fp32 (upcast), the normalised input and its output
-    norms = 2 * (12 if c == 4 else 8) * h
-    # eager repeats k and v to every head and keeps the fp32 softmax (and its cast) per score;
-    # SDPA / flash keep q, k, v and their output, plus the contiguous copy o_proj reads
-    attention = (c * 4 * h + a * seq * (4 if c == 4 else 6)) if eager else \
-        c * (3 * h + 2 * h * kv / a)
-    mlp = 4 * c * inner  # gate (SiLU's input), its output, up, and their product (down's input)
-    layer = norms + (attention + mlp) / tp
-    kept = (c * h * layers + layer) if checkpointing else layer * layers
-    if offload:
-        kept = layer
-    # the loss keeps its fp32 log-probabilities (the logits are freed with the forward's output)
-    tile = min(tokens, loss_tile or tokens)
-    # in flight at the peak, one at a time: the loss's backward (the gradients of the
-    # log-probabilities and of the logits, fp32), or one layer's (eager's two score-sized
-    # gradients, or the MLP's three)
-    backward = max(8 * tile * vocab, tokens * max(8 * a * seq if eager else 0, 3 * c * inner) / tp)
-    return tokens * kept + 4 * tile * vocab + backward
 
 
 def candidates(spec_data: dict) -> list[dict]:
@@ -239,12 +202,13 @@ def check_model_layout(model, tp: int, cp: int) -> None:
                           "divides it")])
 
 
-def model_facts(source: str, wrap, tp: int = 1, tp_plan: dict | None = None, cp: int = 1
-                ) -> tuple[list[tuple[int, ...]], dict | None, float | None]:
+def model_facts(source: str, wrap, tp: int = 1, tp_plan: dict | None = None, cp: int = 1,
+                keep=None) -> tuple[list[tuple[int, ...]], dict | None, float | None]:
     """One tensor-parallel rank's parameter shapes (all of them at tp 1), the config that sizes
     activations, and the largest shard unit's parameters on that rank (the wrap policy on the
     model built on the meta device: nothing allocated); a bare parameter count gives neither
-    config nor units, and no split."""
+    config nor units, and no split. `keep(model, {name: shape})`: the names a pipeline rank holds
+    (tools/stages.py's stage_keep), the others left out."""
     try:
         count = float(source)
     except ValueError:
@@ -264,19 +228,22 @@ def model_facts(source: str, wrap, tp: int = 1, tp_plan: dict | None = None, cp:
     model = meta_model(source)
     check_model_layout(model, tp, cp)
     local = {name: shape for name, shape, _ in local_shapes(model, tp, tp_plan)}
+    if keep is not None:
+        held = keep(model, local)
+        local = {n: shape for n, shape in local.items() if n in held}
     # a tied weight (lm_head.weight is embed_tokens.weight) is one parameter under its first name,
     # as named_parameters() and the shard units hold it
     first = {id(p): n for n, p in model.named_parameters()}
     units, inside = [], set()
     for _, m in plan_wrap(model, wrap):
-        mine = {first[id(p)] for p in m.parameters()}
+        mine = {first[id(p)] for p in m.parameters()} & local.keys()
         units.append(sum(math.prod(local[n]) for n in mine))
         inside.update(mine)
     # what no unit holds is gathered by the outer units (FSDP2's edges: the embedding alone, the
     # final norm with the head): a vocabulary-sized embedding outweighs a block (Llama-3-8B: 525M
     # against 218M; at tp 8 not split at all), measured by `polyshard dryrun` (docs/tp.md)
     for m in model.modules():
-        own = {first[id(p)] for p in m.parameters(recurse=False)} - inside
+        own = ({first[id(p)] for p in m.parameters(recurse=False)} & local.keys()) - inside
         if own:
             units.append(sum(math.prod(local[n]) for n in own))
             inside.update(own)
@@ -296,5 +263,9 @@ def predict(spec, shapes, cfg: dict | None, seq: int, optimizer: str = "adamw",
                                spec.checkpoint_activations, spec.topology.tp,
                                spec.sequence.loss_tile, spec.sequence.offload_activations,
                                spec.topology.cp))
+    if spec.topology.pp > 1 and cfg:  # a pipeline rank holds its stage-chunks in flight
+        from parallel.tools.stages import pipeline_of
+
+        est.activations = pipeline_of(spec, cfg, seq).get("activations")
     est.gathered, est.buffers = transient(spec, psi, unit or psi, (cfg or {}).get("hidden_size"))
     return est

@@ -17,7 +17,7 @@ from parallel.spec.io import load_spec
 from parallel.tools.comm import tp_comm_bytes
 
 pytestmark = pytest.mark.distributed
-BUDGET_S = 85  # seconds in make test (tests/conftest.py)
+BUDGET_S = 100  # seconds in make test (tests/conftest.py)
 SPEC, MODEL = "configs/tp8-llama3-8b.yaml", "configs/models/llama3-8b.json"
 SEQ = 16
 
@@ -144,3 +144,55 @@ def test_plan_predicts_each_collective_the_dry_run_counts(tmp_path, version, sha
         if row["bytes"] > 1024:  # the loss and target count: scalars plan leaves out
             assert row.get("planned") and abs(row["planned"] - row["bytes"]) <= 0.10 * row["bytes"], (
                 kind, row, collectives)
+
+
+def _dryrun_pp(spec: str, model: str, world: int, rank: int, seq: int) -> dict:
+    out = subprocess.run([sys.executable, "-m", "parallel.cli", "dryrun", spec, "--model", model,
+                          "--world", str(world), "--rank", str(rank), "--seq", str(seq), "--json"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout[out.stdout.index("{"):])
+
+
+def _exact_to_plan(got: dict) -> None:
+    """Every byte plan counts for a pipeline rank, counted: its stages' shards, its sends, FSDP2's
+    gathers and reductions under torch's schedules, TP's all-reduces (plus the loss's and the
+    grad norm's scalars, which plan leaves out)."""
+    measured, planned = got["measured"], got["planned"]
+    assert measured["params"] == planned["params"] and measured["grads"] == planned["grads"], got
+    for kind, row in got["collectives"].items():
+        slack = 64 if kind == "all_reduce" else 0
+        assert row["planned"] is not None and 0 <= row["bytes"] - row["planned"] <= slack, (kind, got)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("rank", [1, 5])  # the first pipeline rank (embeddings), the last (head)
+def test_a_pipeline_ranks_bytes_are_plans(tmp_path, rank):
+    """pp 2 x tp 2 over 8 ranks, interleaved (2 stages per rank), 2 runs of the schedule per step:
+    the sends (each stage's activation forward, its input gradient back, per micro-batch), FSDP2's
+    m + 1 gathers per run (1 for the last stage's norm and head), a reduction per run, and the
+    head's logits gathered over tp, all plan's to the byte."""
+    spec = tmp_path / "pp.yaml"
+    spec.write_text(json.dumps({
+        "backend": "fsdp", "precision": "bf16", "micro_batch_size": 4, "grad_accum_steps": 2,
+        "activation_checkpointing": True,
+        "wrap": {"policy": "layer_classes", "layer_classes": ["LlamaDecoderLayer"]},
+        "topology": {"procs_per_node": 8, "pp": 2, "tp": 2},
+        "pipeline": {"schedule": "interleaved_1f1b"}}))
+    got = _dryrun_pp(str(spec), "toy:demo", 8, rank, 64)
+    # stages 0 and 2 (rank 1), 1 and 3 (rank 5): three sends per micro-batch, 4 of them, 2 runs
+    assert got["collectives"]["send"]["calls"] == 3 * 4 * 2
+    _exact_to_plan(got)
+
+
+@pytest.mark.full
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("rank", [1, 1023])
+def test_llama3_70b_at_1024_ranks_pp8_tp8_is_plans_to_the_byte(tmp_path, rank):
+    """configs/pp8-tp8-llama3-70b.yaml's layout (pp 8 x tp 8 x dp 16, interleaved, 16 stages) at
+    the 70B's widths with one layer per stage and Llama 2's vocabulary (all 80 layers and the
+    128,256-token vocabulary hold 18.5 GB on the simulated rank: measured once, docs/pipeline.md)."""
+    model = tmp_path / "llama3-70b.json"
+    model.write_text(json.dumps({**json.loads((ROOT / "configs/models/llama3-70b.json").read_text()),
+                                 "num_hidden_layers": 16, "vocab_size": 32000}))
+    _exact_to_plan(_dryrun_pp("configs/pp8-tp8-llama3-70b.yaml", str(model), 1024, rank, 16))

@@ -1,7 +1,8 @@
 """A steady-state step costs what the native loop's step costs: counted per step, never timed
 (parallel/tools/bench/counting.py counts both sides by one rule). For every variant in the registry
 that has a hand-written loop (FSDP2, FSDP1, ZeRO-0/1/2/3 at 2 gloo ranks, XLA FSDP v1 on the CPU
-client's 1 process, and FSDP2 at tp 2 against torchtitan's apply_tp by hand), against the
+client's 1 process, FSDP2 at tp 2 against torchtitan's apply_tp by hand and at pp 2 against
+torchtitan's pipelining by hand), against the
 hand-written loop in benchmarks/ running the same job: the same
 collectives op for op, zero store calls, and device-to-host reads equal to the native loop's when
 the loop reads the loss every step (as the native loop does), one fewer when it does not
@@ -37,7 +38,7 @@ CASES = [dataclasses.replace(c, spec={**c.spec, "grad_clip": 1.0})
 
 
 def with_dim(c, dim: str, degree: int = 2):
-    """The variant at tp 2 or cp 2 on the same ranks (dp 1: every rank all rows), where it has
+    """The variant at tp 2, cp 2 or pp 2 on the same ranks (dp 1: every rank all rows), where it has
     that dimension (else None: the refusals are tests/unit/test_dims.py's)."""
     spec = {**c.spec, "micro_batch_size": ROWS,
             "topology": {**c.spec["topology"], dim: degree}}
@@ -48,9 +49,10 @@ def with_dim(c, dim: str, degree: int = 2):
     return dataclasses.replace(c, name=f"{c.name}-{dim}{degree}", spec=spec)
 
 
-# and each of them that splits, at tp 2 against the loop's torchtitan-style --tp
+# and each of them that splits, at tp 2 against the loop's torchtitan-style --tp, and at pp 2
+# against its torchtitan-style pipelining (native_pipeline.py)
 DATA_PARALLEL = list(CASES)
-CASES += [t for c in DATA_PARALLEL if (t := with_dim(c, "tp")) is not None]
+CASES += [t for c in DATA_PARALLEL for dim in ("tp", "pp") if (t := with_dim(c, dim)) is not None]
 # cp 2 where the registry's backend has it. The first with a hand-written Ulysses loop runs against
 # it (native_deepspeed.py --sp: DeepSpeed's own, once per process: its sequence-parallel group is a
 # module global made once); every other one (COMPOSED) is counted against its data-parallel loop plus

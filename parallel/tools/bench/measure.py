@@ -29,6 +29,7 @@ COLLECTIVES = {
     "broadcast_": ("broadcast", 0),
     "reduce_": ("reduce", 0),  # DeepSpeed reduces gradient buckets to their partition's owner
     "alltoall_base_": ("all_to_all", 1),  # topology.cp's exchanges: the bytes a rank sends
+    "send": ("send", 0),  # topology.pp's activations and their gradients, between stages
 }
 
 

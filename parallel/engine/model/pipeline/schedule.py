@@ -16,6 +16,7 @@ pipeline alike (the ranks of one pipeline are fed the same rows) and kept for th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +58,9 @@ class Pipeline:
         self.first = 0 in layout.stage_ids
         self.last = layout.n_stages - 1 in layout.stage_ids
         self._schedules: dict = {}
+        # (stage, pipeline micro-batch shape) -> the stage's input as meta tensors, where they are
+        # known without asking the previous stage (a dry run: the fake group carries no objects)
+        self.given_inputs: Callable[[int, tuple], tuple] | None = None
         self._whole: list[list[str]] | None = None  # whole_groups, once gathered
         self._denominator: torch.Tensor | None = None
         self._loss = _causal_lm_loss(parts[layout.stage_ids.index(layout.n_stages - 1)]
@@ -71,14 +75,15 @@ class Pipeline:
     def _schedule(self, shape: tuple, training: bool):
         key = (shape, training)
         if key not in self._schedules:
-            self._schedules[key] = self._make(training)
+            self._schedules[key] = self._make(training, shape)
         return self._schedules[key]
 
-    def _stages(self) -> list:
+    def _stages(self, shape: tuple) -> list:
         from torch.distributed import pipelining
 
         lay = self.layout
-        stages = [pipelining.PipelineStage(part, s, lay.n_stages, self.device, group=lay.group)
+        stages = [pipelining.PipelineStage(part, s, lay.n_stages, self.device, group=lay.group,
+                                           **self._shapes(part, s, shape))
                   for part, s in zip(self.parts, lay.stage_ids)]
         if torch.distributed.get_backend(lay.group) == "gloo":
             # torch 2.9's first-step handshake (it warms NCCL's p2p communicators up) sends an
@@ -88,14 +93,27 @@ class Pipeline:
                 stage._get_init_p2p_neighbors_ops = list
         return stages
 
-    def _make(self, training: bool):
+    def _shapes(self, part: nn.Module, stage: int, shape: tuple) -> dict:
+        """torch's own shape inference (an exchange with the neighbouring stages at the first step
+        of each shape), unless `given_inputs` knows the input: then the output is what the part
+        makes of zeros, as torch's inference computes it."""
+        if self.given_inputs is None:
+            return {}
+        chunk = (shape[0] // self.layout.microbatches, *shape[1:])
+        inputs = (torch.zeros(chunk, dtype=torch.long, device=self.device),) if stage == 0 else \
+            tuple(torch.zeros_like(t, device=self.device) for t in self.given_inputs(stage, chunk))
+        with torch.no_grad():
+            out = part(*inputs)
+        return {"input_args": tuple(t.to("meta") for t in inputs), "output_args": out.to("meta")}
+
+    def _make(self, training: bool, shape: tuple):
         """torch's schedule for this layout. Two run on torch's action runtime instead of their
         own loop: zbv, whose loop sends activations between a rank's two adjacent stages to itself
         (gloo cannot: "Pair is not connected", measured; the runtime passes them in memory), and
         every multi-stage evaluation (dualpipev's own order runs backward actions even in eval:
         "can't steal_bwd_input if this stage doesn't have backward"), as forwards alone, stage by
         stage."""
-        lay, stages = self.layout, self._stages()
+        lay, stages = self.layout, self._stages(shape)
         args = {"n_microbatches": lay.microbatches, "loss_fn": self._loss_fn,
                 "scale_grads": self.scale_grads}
         if lay.schedule in SINGLE:

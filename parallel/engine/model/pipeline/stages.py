@@ -197,3 +197,21 @@ def split(model: nn.Module, stage_ids: list[int], n_stages: int, split_points: l
         base = model if k == len(stage_ids) - 1 else copy.deepcopy(model)
         out.append(make_stage(base, family, bounds[s], s == 0, s == n_stages - 1, forward_kwargs))
     return out
+
+
+def held_names(model: nn.Module, names: list[str], stage_ids: list[int], n_stages: int,
+               split_points: list[str] | None) -> set[str]:
+    """Which of `model`'s parameter `names` the stages `stage_ids` hold (as `split` prunes them;
+    what `plan` and `dryrun` count per pipeline rank, without splitting anything)."""
+    family = family_of(model, split_points)
+    n_layers = len(model.get_submodule(family.layers))
+    bounds = layer_bounds(n_layers, n_stages, split_points, family.layers)
+    keys = list(model.get_submodule(family.layers)._modules)
+    held = {f"{family.layers}.{keys[i]}." for s in stage_ids for i in range(*bounds[s])}
+    ends = ((family.first + ((family.zero_positions,) if family.zero_positions else ())
+             if 0 in stage_ids else ()) + (family.last if n_stages - 1 in stage_ids else ()))
+    held.update(f"{path}." for path in ends)
+    placed = (family.layers, *family.first, *family.last,
+              *((family.zero_positions,) if family.zero_positions else ()))
+    return {n for n in names if any(n.startswith(h) for h in held)
+            or not any(n.startswith(f"{p}.") for p in placed)}
