@@ -12,7 +12,8 @@ Llama (2 layers: a stage each; 4 layers for interleaved_1f1b's 2 stages per rank
   and on XLA, and theirs at pp 2; save_pretrained's export read back by transformers; generate refused;
   torch's V-shaped schedules over fully_shard measured against one process (why polyshard refuses
   zbv and dualpipev on FSDP2), in a launch of its own.
-- make test-full: gpipe, each schedule alone, pp 2 x dp 2 and pp 2 x tp 2 on 4 ranks.
+- make test: pp 2 x cp 2 on 4 ranks too. make test-full: gpipe, each schedule alone, torch.compile,
+  pp 2 x dp 2 and pp 2 x tp 2 on 4 ranks.
 """
 
 import json
@@ -30,10 +31,11 @@ OWN = {"pipeline": {"split_points": ["layers.1"]},  # toy.OwnDecoder: no _no_spl
        "wrap": {"policy": "layer_classes", "layer_classes": ["TransformerEncoderLayer"]}}
 
 
-def with_pp(c, pp=2, tp=1, **extra):
+def with_pp(c, pp=2, tp=1, cp=1, **extra):
     """A variant's spec (as matrix laid it out on this host) with pipeline stages."""
     spec = {**c.spec, **extra}
-    spec["topology"] = {**c.spec["topology"], "pp": pp, **({"tp": tp} if tp > 1 else {})}
+    spec["topology"] = {**c.spec["topology"], "pp": pp, **({"tp": tp} if tp > 1 else {}),
+                        **({"cp": cp} if cp > 1 else {})}
     return spec
 
 
@@ -71,16 +73,22 @@ def cases(c, tier="quick"):
         out += [case(f"{s}-padded", with_pp(c, pipeline={"schedule": s}), optimizer="adamw",
                      padded=True, model=FOUR if s == "interleaved_1f1b" else {})
                 for s in ("gpipe", "1f1b", "interleaved_1f1b")]
+        out.append(case("compiled", with_pp(c, compile={"enabled": True}), optimizer="adamw",
+                        padded=True))
         out.append(case("interleaved-accum-clip", with_pp(
             c, pipeline={"schedule": "interleaved_1f1b"}, grad_accum_steps=2, grad_clip=0.5),
             model=FOUR))
     return [{**one, "name": f"{c.name}-{one['name']}"} for one in out]
 
 
-def wide_cases(c):
+def wide_cases(c, tier="full"):
+    """4 ranks. make test: pp 2 x cp 2 (the last stage's targets come shifted from cp's split; it
+    once took them shifted twice, 1.23 off, and exited 0); make test-full: pp 2 x dp 2, pp 2 x tp 2."""
+    chosen = (("pp2-cp2", with_pp(c, cp=2)),) if tier == "quick" else (
+        ("pp2-dp2-accum-clip", with_pp(c, grad_accum_steps=2, grad_clip=0.5)),
+        ("pp2-tp2", with_pp(c, tp=2, wrap={"policy": "auto"})))
     return [{**case(name, spec, optimizer="adamw", padded=True), "name": f"{c.name}-{name}"}
-            for name, spec in (("pp2-dp2-accum-clip", with_pp(c, grad_accum_steps=2, grad_clip=0.5)),
-                               ("pp2-tp2", with_pp(c, tp=2, wrap={"policy": "auto"})))]
+            for name, spec in chosen]
 
 
 def xla_variant():
@@ -127,6 +135,10 @@ def shared_jobs(tmp):
         chosen = [one for c in group for one in cases(c)]
         jobs += parity_jobs(tmp, chosen, nproc=group[0].nproc, env=group[0].env,
                             key=key("pp-2", name))
+    for name, group in WIDE.items():
+        chosen = [one for c in group for one in wide_cases(c, "quick")]
+        jobs += parity_jobs(tmp, chosen, nproc=group[0].nproc, env=group[0].env,
+                            key=key("pp-4", name))
     return jobs
 
 
@@ -169,6 +181,15 @@ def test_pp2_matches_one_process_resumes_and_moves_to_pp1(request, tmp_path, gro
         results = run_parity(tmp_path, chosen, nproc=GROUPS[group][0].nproc, timeout=500,
                              env=GROUPS[group][0].env)
     print(f"pp 2 ({group}): max |loss - one process| per case: {check(results, chosen)}")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("group", sorted(WIDE))
+def test_pp2_cp2_matches_one_process(request, group):
+    tmp, run = request.getfixturevalue("shared")[__name__]
+    chosen = [one for c in WIDE[group] for one in wide_cases(c, "quick")]
+    results = parity_results(tmp, run, key=key("pp-4", group))
+    print(f"pp 2 x cp 2 ({group}): max |loss - one process|: {check(results, chosen)}")
 
 
 @pytest.mark.full

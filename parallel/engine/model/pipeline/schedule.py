@@ -63,14 +63,19 @@ class Pipeline:
         self.given_inputs: Callable[[int, tuple], tuple] | None = None
         self._whole: list[list[str]] | None = None  # whole_groups, once gathered
         self._denominator: torch.Tensor | None = None
+        self._shifted = False  # the micro-batch's targets come shifted (topology.cp's split)
         self._loss = _causal_lm_loss(parts[layout.stage_ids.index(layout.n_stages - 1)]
                                      if self.last else None)
 
     def _loss_fn(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        # the model's own causal-LM loss, summed over the micro-batch's targets / the global count
+        # the model's own causal-LM loss, summed over the micro-batch's targets / the global count;
+        # under topology.cp the targets come shifted before the split (`shift_labels`: shifting a
+        # rank's part of the row again would pair each position with the token after its target)
+        given = {"shift_labels": labels} if self._shifted else {}
         if self.scale_grads:  # torch's convention: each micro-batch's own mean
-            return self._loss(logits, labels, logits.shape[-1])
-        return self._loss(logits, labels, logits.shape[-1], num_items_in_batch=self._denominator)
+            return self._loss(logits, labels, logits.shape[-1], **given)
+        return self._loss(logits, labels, logits.shape[-1], num_items_in_batch=self._denominator,
+                          **given)
 
     def _schedule(self, shape: tuple, training: bool):
         key = (shape, training)
@@ -171,7 +176,9 @@ class Pipeline:
         losses: list = []
         schedule = self._schedule(tuple(ids.shape), training)
         args = (ids,) if self.first else ()
-        target = micro["labels"] if self.last else None
+        shifted = micro.get("shift_labels")
+        self._shifted = shifted is not None
+        target = (micro["labels"] if shifted is None else shifted) if self.last else None
         if training:
             schedule.step(*args, target=target, losses=losses, **kwargs)
         else:
