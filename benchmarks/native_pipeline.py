@@ -44,10 +44,6 @@ class Stage(nn.Module):
         return self.output(self.norm(h)) if self.output is not None else h
 
 
-def stage_ids(schedule: str, pp_rank: int, pp: int, virtual: int) -> list[int]:
-    return [pp_rank + k * pp for k in range(virtual)]  # torch's loop: rank r holds r, r + pp, ...
-
-
 def build(a, rank: int, world: int):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import PipelineStage, schedules
@@ -62,7 +58,7 @@ def build(a, rank: int, world: int):
     size, extra = divmod(n_layers, n_stages)
     starts = [i * size + min(i, extra) for i in range(n_stages)] + [n_layers]
     parts, stages = [], []
-    for s in stage_ids(a.schedule, pp_rank, a.pp, virtual):
+    for s in (pp_rank + k * a.pp for k in range(virtual)):  # torch's loop: r, r + pp, ...
         part = Stage(net, starts[s], starts[s + 1], s == 0, s == n_stages - 1)
         for layer in part.layers.values():  # torchtitan's apply_fsdp, per model part
             fully_shard(layer, mesh=dp_mesh)

@@ -106,9 +106,9 @@ def tp_comm_bytes(cfg: dict | None, spec, seq: int, rowwise: int = 2, colwise: i
     layers = cfg["num_hidden_layers"]
     if spec.topology.pp == 1:
         return spec.grad_accum_steps * (layers * per_layer + head)
-    head = s * b * h * low  # the logits' gather is an all-gather there (stages.tp_logits_bytes)
     from parallel.tools.stages import held_layers
 
+    head = s * b * h * low  # the logits' gather is an all-gather there (stages.tp_logits_bytes)
     ranks = range(spec.topology.pp) if pp_rank is None else (pp_rank,)
     return spec.grad_accum_steps * max(n * per_layer + head * last for n, _, last in
                                        (held_layers(spec, layers, r) for r in ranks))

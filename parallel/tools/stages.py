@@ -41,7 +41,8 @@ def held_layers(spec, n_layers: int, pp_rank: int) -> tuple[int, bool, bool]:
 
     p, pp = spec.pipeline, spec.topology.pp
     n = pp * p.stages_per_rank
-    bounds = layer_bounds(n_layers, n, p.split_points, (p.split_points or ["."])[0].rpartition(".")[0])
+    path = p.split_points[0].rpartition(".")[0] if p.split_points else ""  # the layers' container
+    bounds = layer_bounds(n_layers, n, p.split_points, path)
     ids = stage_ids(p.schedule, pp_rank, pp, p.stages_per_rank)
     return sum(bounds[s][1] - bounds[s][0] for s in ids), 0 in ids, n - 1 in ids
 

@@ -66,11 +66,8 @@ def merged_view(parts: list[nn.Module], family: st.Family) -> nn.Module:
 
 
 def _real(part: nn.Module, path: str) -> bool:
-    try:
-        module = part.get_submodule(path)
-    except AttributeError:
-        return False
-    return not isinstance(module, (nn.Identity, st.ZeroPositions))
+    return st.has_module(part, path) and not isinstance(part.get_submodule(path),
+                                                         (nn.Identity, st.ZeroPositions))
 
 
 def _shell(model: nn.Module, layers: str) -> nn.Module:

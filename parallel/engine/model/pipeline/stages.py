@@ -89,7 +89,7 @@ def family_of(model: nn.Module, split_points: list[str] | None = None) -> Family
 def own_family(model: nn.Module, split_points: list[str]) -> Family:
     """A model of your own, split at `pipeline.split_points`: items of one ModuleList/ModuleDict."""
     path = split_points[0].rpartition(".")[0]
-    container = model.get_submodule(path) if path and _has(model, path) else None
+    container = model.get_submodule(path) if path and has_module(model, path) else None
     if not isinstance(container, (nn.ModuleList, nn.ModuleDict)) or any(
             n.rpartition(".")[0] != path for n in split_points):
         raise SpecError([("pipeline.split_points", f"{split_points} in {type(model).__name__}: "
@@ -107,7 +107,7 @@ def own_family(model: nn.Module, split_points: list[str]) -> Family:
     return Family(path, tuple(first), tuple(last), own=True)
 
 
-def _has(model: nn.Module, path: str) -> bool:
+def has_module(model: nn.Module, path: str) -> bool:
     try:
         model.get_submodule(path)
     except AttributeError:
