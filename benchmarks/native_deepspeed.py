@@ -1,17 +1,21 @@
 """DeepSpeed by hand: deepspeed.initialize with a ZeRO config written out; the same job. `build` is
 the step; as a script, a whole job. --tp N: AutoTP as DeepSpeed's AutoTP training tutorial enables
 it, by the config alone (`tensor_parallel.autotp_size`; DeepSpeed reads the model's Hugging Face tp
-plan), a TP group's ranks taking the same rows. --sp N: DeepSpeed's Ulysses (build_sp)."""
+plan), a TP group's ranks taking the same rows. --sp N: DeepSpeed's Ulysses (build_sp). --pp N:
+DeepSpeed's pipeline engine (build_pp)."""
 
 import deepspeed
 import torch
 import torch.distributed as dist
 from common import args, model, run, token_share
+from torch import nn
 
 
 def build(a, rank: int, world: int):
     if a.sp > 1:
         return build_sp(a, rank, world)
+    if a.pp > 1:
+        return build_pp(a, rank, world)
     net = model(a.model, a.seed)
     dp = world // a.tp
     config = {"train_micro_batch_size_per_gpu": a.global_rows // dp,
@@ -78,6 +82,72 @@ def build_sp(a, rank: int, world: int):
         engine.backward(loss)
         engine.step()
         return loss
+
+    return step
+
+
+class Embed(nn.Module):
+    def __init__(self, net):
+        super().__init__()
+        self.embed_tokens = net.model.embed_tokens
+
+    def forward(self, ids):
+        return self.embed_tokens(ids)
+
+
+class Block(nn.Module):
+    """One decoder layer, its rotary embeddings and causal mask made as the model's forward
+    makes them."""
+
+    def __init__(self, net, i: int):
+        super().__init__()
+        self.layer, self.rotary, self.config = net.model.layers[i], net.model.rotary_emb, net.config
+
+    def forward(self, h):
+        from transformers.masking_utils import create_causal_mask
+
+        positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        mask = create_causal_mask(config=self.config, input_embeds=h, attention_mask=None,
+                                  cache_position=positions[0], past_key_values=None,
+                                  position_ids=positions)
+        return self.layer(h, attention_mask=mask, position_ids=positions,
+                          position_embeddings=self.rotary(h, positions))
+
+
+class Head(nn.Module):
+    def __init__(self, net):
+        super().__init__()
+        self.norm, self.lm_head = net.model.norm, net.lm_head
+
+    def forward(self, h):
+        return self.lm_head(self.norm(h))
+
+
+def build_pp(a, rank: int, world: int):
+    """--pp N: DeepSpeed's pipeline tutorial: the model as a list of layers in a PipelineModule
+    (partition_method "uniform": the embedding with the first layers, the last layers with the
+    head), a loss_fn on each micro-batch (the mean over its targets), engine.train_batch over the
+    step's --microbatches micro-batches (their mean loss, on every rank). DeepSpeed's clipping
+    (gradient_clipping) as its config writes it."""
+    from deepspeed.pipe import PipelineModule
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    net = model(a.model, a.seed)
+    layers = [Embed(net), *(Block(net, i) for i in range(len(net.model.layers))), Head(net)]
+    pipe = PipelineModule(layers=layers, num_stages=a.pp, partition_method="uniform",
+                          loss_fn=lambda logits, labels: ForCausalLMLoss(logits, labels,
+                                                                         logits.shape[-1]))
+    rows = a.global_rows // (world // a.pp)
+    config = {"train_micro_batch_size_per_gpu": rows // a.microbatches,
+              "gradient_accumulation_steps": a.microbatches, "gradient_clipping": a.clip,
+              "zero_optimization": {"stage": a.stage}, "steps_per_print": 2 ** 31 - 1}
+    opt = torch.optim.AdamW(pipe.parameters(), lr=a.lr, weight_decay=0.1)
+    engine, *_ = deepspeed.initialize(model=pipe, optimizer=opt, config=config)
+
+    def step(ids):
+        ids = ids.to(engine.device)
+        loss = engine.train_batch(iter([(c, c) for c in ids.tensor_split(a.microbatches)]))
+        return loss / world  # this rank's share: run() sums the shares over the ranks
 
     return step
 

@@ -9,7 +9,8 @@ place); plan.py: memory and communication model; schema.py, interop.py, import_z
 import_tp.py, accelerate.py, exports.py: DeepSpeed's own rules and its files in and out;
 native_checkpoint.py: DeepSpeed checkpoints in (stream_import.py: a ZeRO checkpoint one rank's file at a
 time); universal.py: DeepSpeed universal checkpoints out;
-ops.py: its just-in-time ops (built ahead, first builds said, a killed build's lock refused);
+pipe.py: `topology.pp` through DeepSpeed's pipeline engine (pipe_config.py: what it runs, refuses and
+why, as plain data); ops.py: its just-in-time ops (built ahead, first builds said, a killed build's lock refused);
 library.py: deepspeed imported without what only features polyshard never runs import (mlflow,
 inductor's compiler).
 """

@@ -10,6 +10,16 @@ from backends.deepspeed.options import DeepSpeedOptions
 from parallel.descriptor import (BackendDescriptor, Bench, Capabilities, Checkpoints, Interop,
                                  Launch, Options, PlanModel, Unsupported)
 
+def _pipeline_flags(spec) -> list[str]:
+    """topology.pp: DeepSpeed's pipeline tutorial (PipelineModule, train_batch), its micro-batches
+    the rows polyshard's pipeline micro-batches hold (every one of the step's in one schedule)."""
+    if spec.topology.pp == 1:
+        return []
+    per = spec.micro_batch_size // (spec.pipeline.microbatches or spec.micro_batch_size)
+    return [f"--pp={spec.topology.pp}",
+            f"--microbatches={spec.micro_batch_size * spec.grad_accum_steps // per}"]
+
+
 DESCRIPTOR = BackendDescriptor(
     name="deepspeed",
     summary="DeepSpeed ZeRO stages 0-3, CPU / NVMe offload",
@@ -24,8 +34,9 @@ DESCRIPTOR = BackendDescriptor(
     packages=("deepspeed",),
     variants={f"zero{stage}": {"shard": shard} for shard, stage in STAGES.items()
               if not shard.startswith("hybrid")},
-    # AutoTP at every ZeRO stage (autotp.py); translate refuses DeepCompile with it
-    dimensions=frozenset({"tp", "cp"}),
+    # AutoTP at every ZeRO stage (autotp.py); translate refuses DeepCompile with it. pp: DeepSpeed's
+    # pipeline engine at ZeRO-0 in fp32 (pipe_config.py says what else it refuses and why)
+    dimensions=frozenset({"tp", "cp", "pp"}),
     options=Options("deepspeed", DeepSpeedOptions, "DeepSpeed only knobs."),
     flat_optimizer=lambda spec: True,  # ZeRO's flat fp32 partitions (ZeRO-0 too: state.py)
     plan=PlanModel(plan.model_states, plan.comm, plan.transient),
@@ -45,5 +56,6 @@ DESCRIPTOR = BackendDescriptor(
         f"--stage={STAGES[spec.shard]}",
         *([f"--tp={spec.topology.tp}"] if spec.topology.tp > 1 else []),
         # topology.cp: DeepSpeed's own Ulysses (UlyssesSPAttentionHF), as its ALST tutorial runs it
-        *([f"--sp={spec.topology.cp}"] if spec.topology.cp > 1 else [])])),
+        *([f"--sp={spec.topology.cp}"] if spec.topology.cp > 1 else []),
+        *_pipeline_flags(spec)])),
 )

@@ -41,7 +41,7 @@ from parallel.checkpoint.state import portable as ps
 from parallel.checkpoint.state.dcp_state import read_model_optim, write_model_optim
 from parallel.engine.core.engine import Engine
 from parallel.engine.model.tp_plan import resolve_plan
-from parallel.engine.core.step import OptimizerArg, build_optimizer, require_fp32
+from parallel.engine.core.step import OptimizerArg, build_optimizer, clip_grad_norm, require_fp32
 from parallel.engine.model.wrap import apply_ac, plan_wrap
 from parallel.spec.errors import SpecError
 from parallel.spec.model import Spec
@@ -60,6 +60,8 @@ class DeepSpeedEngine(Engine):
 
     def _prepare(self, model, optimizer: OptimizerArg):
         start_deepspeed(self.ctx.local_rank, self.spec.deepspeed.deepcompile, self.device, self.say)
+        if self.dims.pp > 1:
+            return self._prepare_stages(model, optimizer)
         zero3 = STAGES[self.spec.shard] == 3
         model = build_model(model, known_config(self.config), zero3, self.spec.deepspeed.zero_init)
         require_fp32(model)
@@ -68,6 +70,19 @@ class DeepSpeedEngine(Engine):
             self.config, expected = apply_autotp_plan(self.config, model, self.dims.tp, resolve_plan(
                 model, self.dims.tp, self.spec.topology.tp_plan, self.say))
         self._record_params(model)
+        self._checkpoint_and_compile(model)
+        self.ds, ds_optimizer = apply_zero(
+            model, self._optimizer_over(self._optimizer_factory(optimizer), model), self.config)
+        if not self.ds.zero_optimization() and self.spec.precision == "fp32" and self.spec.grad_clip:
+            keep_clipped_norm(self.ds)
+        self.split = checked_split(self.ds, expected) if expected is not None else None
+        if self.spec.compile.enabled and self.spec.compile.scope == "model":
+            # DeepSpeed's own call: it compiles ds.module in place and records that it did
+            # (DeepCompile, compiled autograd and its nvtx switch hang off that record).
+            self._apply_compile(self.ds.module, [], self._compile_whole)
+        return self.ds, ds_optimizer
+
+    def _checkpoint_and_compile(self, model) -> None:
         # DeepSpeed does not wrap: the wrap policy only picks the units activation checkpointing
         # recomputes and per-block compile compiles, so a model without _no_split_modules needs no
         # policy unless one of those is on. Checkpointing first, so the wrapper (and its recompute)
@@ -79,16 +94,25 @@ class DeepSpeedEngine(Engine):
             apply_ac(model, units)
         if compile_blocks:
             self._apply_compile(model, units)
-        self.ds, ds_optimizer = apply_zero(
-            model, self._optimizer_over(self._optimizer_factory(optimizer), model), self.config)
-        if not self.ds.zero_optimization() and self.spec.precision == "fp32" and self.spec.grad_clip:
-            keep_clipped_norm(self.ds)
-        self.split = checked_split(self.ds, expected) if expected is not None else None
-        if self.spec.compile.enabled and self.spec.compile.scope == "model":
-            # DeepSpeed's own call: it compiles ds.module in place and records that it did
-            # (DeepCompile, compiled autograd and its nvtx switch hang off that record).
-            self._apply_compile(self.ds.module, [], self._compile_whole)
-        return self.ds, ds_optimizer
+
+    def _prepare_stages(self, model, optimizer: OptimizerArg):
+        """topology.pp: this rank's stage in DeepSpeed's PipelineModule, run by its PipelineEngine
+        (pipe.py; the spec allows ZeRO-0 in fp32 only, pipe_config.py). The model is the view over
+        the stage under the model's names: the optimizer's groups and checkpoints read those."""
+        from backends.deepspeed.pipe import DeepSpeedPipeline
+
+        model = build_model(model, known_config(self.config), False, False)
+        require_fp32(model)
+        self.config = fill_model_autos(self.config, model)
+        self._record_params(model)
+        view = self._apply_pipeline(model, DeepSpeedPipeline)
+        for part in self.pipeline.parts:  # activation checkpointing inside the stage (no compile:
+            self._checkpoint_and_compile(part)  # pipe_config.py refuses it with pp)
+        client = self._optimizer_over(self._optimizer_factory(optimizer), view)
+        self.ds, ds_optimizer = apply_zero(self.pipeline.module(self.dims.dp_cp), client,
+                                           self.config)
+        self.pipeline.attach(self.ds)
+        return view, ds_optimizer
 
     def _compile_whole(self, backend, kwargs: dict) -> None:
         """DeepSpeedEngine.compile() with our counting backend. DeepCompile takes a backend *name*
@@ -152,21 +176,29 @@ class DeepSpeedEngine(Engine):
         if not is_zero(self.optimizer):
             for p in self.ds.module.parameters():
                 p.grad = None
-        self.ds.step()
+        self._ds_step()
         return None
+
+    def _ds_step(self) -> None:
+        # a pipeline engine refuses step() ("Only train_batch() is accessible"): its schedule's own
+        # update instruction, which the step's schedule left out (pipe.py)
+        self.ds._exec_optimizer_step() if self.pipeline is not None else self.ds.step()
 
     def _optimizer_step(self):
         norm = None
         plain = not self.ds.zero_optimization() and self.spec.precision == "fp32"
-        if plain and not self.spec.grad_clip:
+        if self.pipeline is not None:  # every stage's gradients, clipped (pipe_config.py)
+            norm = clip_grad_norm(self.model.parameters(), self.spec.grad_clip,
+                                  self.pipeline.layout.group)
+        elif plain and not self.spec.grad_clip:
             # Plain data parallel in fp32 records no norm; the gradients are reduced (AutoTP's
             # shards: their squares summed over the TP group, one scalar all-reduce).
             params = list(self.ds.module.parameters())
             norm = (self.split.grad_norm(params) if self.split else
                     torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
         skipped = self.ds.skipped_steps
-        self.ds.step()
-        if plain and self.spec.grad_clip:
+        self._ds_step()
+        if plain and self.spec.grad_clip and self.pipeline is None:
             norm = self.ds.clipped_norm  # the one DeepSpeed's clipping just computed
         recorded = self.ds.get_global_grad_norm()
         if recorded is not None:  # a tensor under ZeRO: kept on the device until someone asks
@@ -188,9 +220,10 @@ class DeepSpeedEngine(Engine):
             state = unfused_state(self.ds) if master_names(self.ds) else plain_state(
                 self.ds, self.optimizer)
             save_per_parameter(sink, state, split, sharded, self.is_main)
-        else:
-            write_model_optim(sink, self.ds.module, self.optimizer, sharded, self.rank,
-                              on_cpu=self.device.type == "cpu")
+        else:  # ZeRO-0 in fp32; under pp the stage's view, named as the model is
+            write_model_optim(sink, self._named, self.optimizer, sharded, self.rank,
+                              on_cpu=self.device.type == "cpu", whole_groups=None
+                              if self.pipeline is None else self.pipeline.whole_groups)
 
     def _load_model_optim(self, path: Path, manifest: dict, weights_only: bool = False) -> None:
         self.live.clear()
@@ -201,7 +234,14 @@ class DeepSpeedEngine(Engine):
         elif self.split is not None:
             load_plain(self.ds, self.optimizer, path, self.split, weights_only)
         else:
-            read_model_optim(path, self.ds.module, self.optimizer, weights_only)
+            read_model_optim(path, self._named, self.optimizer, weights_only,
+                             self.pipeline.elsewhere if self.pipeline is not None else frozenset())
+
+    @property
+    def _named(self):
+        """The module under the model's names: DeepSpeed's, or under pp the view over the stage
+        (PipelineModule names its layers by index)."""
+        return self.model if self.pipeline is not None else self.ds.module
 
     def state_tensors(self) -> dict:
         """Module parameters (ZeRO-3: this rank's partitions), the gradients ZeRO holds at the step
@@ -266,7 +306,7 @@ class DeepSpeedEngine(Engine):
         if is_zero(self.optimizer):
             return zero_state(self.ds, lambda i: True, with_optimizer=False, split=self.split)["model"]
         model = (unfused_state(self.ds)["model"] if master_names(self.ds) else
-                 {ps.clean_name(k): v.detach().cpu() for k, v in self.ds.module.state_dict().items()})
+                 {ps.clean_name(k): v.detach().cpu() for k, v in self._named.state_dict().items()})
         return model if self.split is None else self.split.state({"model": model},
                                                                  self.split.whole)["model"]
 

@@ -37,6 +37,13 @@ def start_deepspeed(local_rank: int, deepcompile: bool, device: torch.device, sa
     if device.type == "cpu":
         announce_builds(["deepspeed_shm_comm"], say)
     deepspeed.init_distributed(dist_init_required=False)
+    # DeepSpeed keeps the last pipeline engine's grid as its model-parallel unit in a module
+    # global until the group is destroyed; a plain engine after one in the same process read its
+    # model-parallel size from there and failed (measured: "'NoneType' object has no attribute
+    # 'get_model_parallel_rank'"). Each engine starts from none; a PipelineModule sets its own.
+    from deepspeed.utils import groups
+
+    groups.mpu = None
     os.environ.setdefault("LOCAL_RANK", str(local_rank))
     if deepcompile and device.type != "cuda":
         raise SpecError([("deepspeed.deepcompile", f"needs CUDA: DeepSpeed "

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from backends.deepspeed import schema
 from backends.deepspeed.autotp import tensor_parallel_block
+from backends.deepspeed.pipe_config import apply_pipeline_config
 from parallel.spec.errors import SpecError
 from parallel.spec.model import Spec
 
@@ -19,6 +20,7 @@ STAGES = {"none": 0, "optimizer": 1, "grad_op": 2, "full": 3, "hybrid": 3}
 def translate(spec: Spec) -> dict:
     """The DeepSpeed config this spec means, with `deepspeed.native` merged last."""
     config, origins = _config(spec)
+    apply_pipeline_config(spec, config, origins, STAGES[spec.shard])  # topology.pp (pipe_config.py)
     _tensor_parallel(spec, config, origins)
     _deepcompile(spec, config, origins)
     native = _native(spec.deepspeed.native)

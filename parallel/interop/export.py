@@ -5,6 +5,7 @@ own (its descriptor's exports), or a backend that converts any spec to the forma
 
 from __future__ import annotations
 
+from parallel.spec.errors import SpecError
 from parallel.spec.model import Spec
 
 
@@ -12,6 +13,12 @@ def export(spec: Spec, fmt: str) -> dict:
     """`spec` as format `fmt` (accelerate, hf-trainer, or a format a backend converts any spec to)."""
     from parallel.registry import exporter
 
+    if spec.topology.pp > 1:  # no file of these tools says "pipeline stages"
+        raise SpecError([("topology.pp", f"{spec.topology.pp}: {fmt} files carry no pipeline "
+                          "stages (accelerate 1.11 pipelines inference only, HF Trainer not at all, "
+                          "and DeepSpeed builds its stages in code, a PipelineModule, not from its "
+                          "config), so the export would train without them; run this spec with "
+                          "polyshard launch")])
     return exporter(fmt, spec.backend)(spec)
 
 

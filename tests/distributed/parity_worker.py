@@ -110,7 +110,7 @@ def run_case(case, phase, ckpt_root, known: dict):
             torch.manual_seed(spec.seed + 99)
             return tiny(case)
     engine.prepare(factory if case.get("factory") else factory(), optimizer_arg(case["optimizer"]))
-    if case.get("torch_scaling"):  # topology.pp: torch's default (each micro-batch's own mean)
+    if case.get("default_scaling"):  # topology.pp: the schedule's default (each micro-batch's mean)
         engine.pipeline.scale_grads = True
     ckpt = f"{ckpt_root}/{case['name']}"
     start = 0

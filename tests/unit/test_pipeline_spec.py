@@ -25,11 +25,33 @@ def pp(schedule="1f1b", world=2, degree=2, mbs=4, **extra):
             "pipeline": {"schedule": schedule, **extra}}
 
 
-@pytest.mark.parametrize("backend", ["deepspeed", "xla_fsdp"])
-def test_backends_without_pipelines_refuse_pp_naming_the_field_and_the_doc(backend):
-    message = problems({**pp(), "backend": backend})["topology.pp"]
-    assert f"backend {backend!r} does not implement pipeline" in message
+def test_xla_refuses_pp_naming_the_field_and_the_doc():
+    message = problems({**pp(), "backend": "xla_fsdp"})["topology.pp"]
+    assert "backend 'xla_fsdp' does not implement pipeline" in message
     assert "docs/pipeline.md" in message
+
+
+def ds(shard="none", **extra):
+    return {**pp(), "backend": "deepspeed", "shard": shard, **extra}
+
+
+def test_deepspeed_runs_pp_at_zero0_in_fp32_and_refuses_the_rest_naming_why():
+    from backends.deepspeed.translate import translate
+
+    config = translate(load_spec({**ds(grad_accum_steps=3, grad_clip=0.5),
+                                  "pipeline": {"microbatches": 2}}))["config"]
+    # a DeepSpeed micro-batch is a pipeline micro-batch; one schedule a step; clipping is ours
+    assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"],
+            config["train_batch_size"], config["gradient_clipping"]) == (2, 6, 12, 0.0)
+    for shard in ("grad_op", "full"):
+        assert "incompatible with pipeline" in problems(ds(shard))["shard"]
+    assert "7.3e-4" in problems(ds("optimizer"))["shard"]
+    assert "FSDP2" in problems(ds("full"))["shard"]
+    assert "1F1B" in problems({**ds(), "pipeline": {"schedule": "gpipe"}})["pipeline.schedule"]
+    assert "data parallelism only" in problems(
+        {**ds(), "topology": {"procs_per_node": 4, "pp": 2, "tp": 2}})["topology.tp"]
+    assert "fp32 only" in problems(ds(precision="bf16"))["precision"]
+    assert "compile" in problems(ds(compile={"enabled": True}))["compile.enabled"]
 
 
 def test_fsdp1_and_rank0_loading_are_refused_with_pp():
@@ -201,3 +223,13 @@ def test_plan_counts_each_schedules_bubble_and_what_a_stage_holds_and_sends(caps
     # each of a middle rank's 8 micro-batches: 1 row x 4096 tokens x 8192 hidden x bf16, each way
     assert facts["p2p_bytes"] == 2 * 8 * 4096 * 8192 * 2
     assert 0 < facts["activations"] and facts["stage_params"] < 70e9 / 8 / 4
+
+
+@pytest.mark.parametrize("fmt", ["accelerate", "hf-trainer", "deepspeed"])
+@pytest.mark.parametrize("backend", ["fsdp", "deepspeed"])
+def test_a_pipelined_spec_is_not_exported_to_files_that_carry_no_stages(fmt, backend):
+    from parallel.interop.export import export
+
+    with pytest.raises(SpecError) as err:
+        export(load_spec({**pp(), "backend": backend, "shard": "none"}), fmt)
+    assert "no pipeline stages" in dict(err.value.problems)["topology.pp"]

@@ -165,16 +165,17 @@ class EngineSetup(EngineCalls):
         """The modules a step runs: this rank's pipeline stages, else the model alone."""
         return self.pipeline.parts if self.pipeline is not None else [self.model]
 
-    def _apply_pipeline(self, model: nn.Module) -> nn.Module:
+    def _apply_pipeline(self, model: nn.Module, runner: type[Pipeline] = Pipeline) -> nn.Module:
         """topology.pp (backends call it after `_record_params`, before sharding): this rank's
-        stages of `model` (`model_parts`); returns one module over them under the model's names."""
+        stages of `model` (`model_parts`); returns one module over them under the model's names.
+        `runner`: what runs the stages' schedule (torch's, or a backend's own Pipeline)."""
         from parallel.engine.model.pipeline.apply import apply_pipeline, check_pipelined
 
         check_pipelined(model, self.params.tied, self.objective, self.loss_fn is not None,
                         self.router, self.spec.pipeline.split_points, self.say)
         view, self.pipeline = apply_pipeline(model, self.spec, self.dims.pp_rank(self.rank),
                                              self.device_mesh["pp"].get_group(), self.device,
-                                             self.forward_kwargs)
+                                             self.forward_kwargs, runner)
         self.params.restrict({n for _, names in per_parameter(view) for n in names})
         return view
 

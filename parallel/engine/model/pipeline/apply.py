@@ -83,9 +83,9 @@ def _shell(model: nn.Module, layers: str) -> nn.Module:
     return view
 
 
-def apply_pipeline(model: nn.Module, spec, pp_rank: int, group, device,
-                   forward_kwargs: dict) -> tuple[nn.Module, Pipeline]:
-    """(the view over this rank's stages of `model`, the Pipeline that runs them)."""
+def apply_pipeline(model: nn.Module, spec, pp_rank: int, group, device, forward_kwargs: dict,
+                   runner: type[Pipeline] = Pipeline) -> tuple[nn.Module, Pipeline]:
+    """(the view over this rank's stages of `model`, the `runner` that runs them)."""
     p, pp = spec.pipeline, spec.topology.pp
     ids = stage_ids(p.schedule, pp_rank, pp, p.stages_per_rank)
     n_stages = pp * p.stages_per_rank
@@ -94,6 +94,6 @@ def apply_pipeline(model: nn.Module, spec, pp_rank: int, group, device,
     view = merged_view(parts, st.family_of(model, p.split_points))
     layout = PipelineLayout(p.schedule, p.microbatches or spec.micro_batch_size, ids, n_stages, pp,
                             group, spec.dims.dp_cp)
-    pipeline = Pipeline(parts, layout, device)
+    pipeline = runner(parts, layout, device)
     pipeline.elsewhere = frozenset(whole - {clean_name(n) for n in view.state_dict()})
     return view, pipeline
