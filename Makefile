@@ -25,15 +25,15 @@ venv: $(STAMP)
 
 # DeepSpeed's just-in-time CPU ops (its shared-memory comm op, cpu_adam), built once here rather than
 # by the first jobs that need them, each of which would wait minutes silently
-# (backends/deepspeed/ops.py; a later job finding them gone builds them again and says so).
+# (backends/deepspeed/runtime/ops.py; a later job finding them gone builds them again and says so).
 # make test needs the shared-memory op alone (every DeepSpeed job on the CPU accelerator loads it);
 # cpu_adam (50 s more) is for make test-full's deepspeed.cpu_adam case, the demo and users' jobs.
 $(OPS): $(STAMP)
-	$(BIN)/python -m backends.deepspeed.ops
+	$(BIN)/python -m backends.deepspeed.runtime.ops
 	@touch $(OPS) $(OPS_SHM)
 
 $(OPS_SHM): $(STAMP)
-	$(BIN)/python -m backends.deepspeed.ops deepspeed_shm_comm
+	$(BIN)/python -m backends.deepspeed.runtime.ops deepspeed_shm_comm
 	@touch $(OPS_SHM)
 
 ops: $(OPS)

@@ -3,10 +3,12 @@ deepspeed."""
 
 from __future__ import annotations
 
-from backends.deepspeed import accelerate, exports, plan
-from backends.deepspeed.interop import from_deepspeed_file
-from backends.deepspeed.translate import STAGES, translate
-from backends.deepspeed.options import DeepSpeedOptions
+from backends.deepspeed.files import accelerate
+from backends.deepspeed.files import exports
+from backends.deepspeed import plan
+from backends.deepspeed.files.interop import from_deepspeed_file
+from backends.deepspeed.config.translate import STAGES, translate
+from backends.deepspeed.config.options import DeepSpeedOptions
 from parallel.descriptor import (BackendDescriptor, Bench, Capabilities, Checkpoints, Interop,
                                  Launch, Options, PlanModel, Unsupported)
 
@@ -48,10 +50,10 @@ DESCRIPTOR = BackendDescriptor(
         accelerate_section=accelerate.section,
         config_importers={"deepspeed": from_deepspeed_file}),
     checkpoints=Checkpoints(
-        readers={"deepspeed": "backends.deepspeed.native_checkpoint:read_deepspeed",
+        readers={"deepspeed": "backends.deepspeed.checkpoint.native_checkpoint:read_deepspeed",
                  "deepspeed-universal":
-                     "backends.deepspeed.native_checkpoint:read_deepspeed_universal"},
-        writers={"deepspeed-universal": "backends.deepspeed.universal:write_universal"}),
+                     "backends.deepspeed.checkpoint.native_checkpoint:read_deepspeed_universal"},
+        writers={"deepspeed-universal": "backends.deepspeed.checkpoint.universal:write_universal"}),
     bench=Bench(native=lambda spec: ("native_deepspeed.py", [
         f"--stage={STAGES[spec.shard]}",
         *([f"--tp={spec.topology.tp}"] if spec.topology.tp > 1 else []),

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
-from backends.deepspeed.autotp_split import Split
-from backends.deepspeed.fragments import LiveShards, load_sharded, sharded_state
-from backends.deepspeed.library import import_deepspeed
-from backends.deepspeed.parallelize import (
+from backends.deepspeed.runtime.autotp_split import Split
+from backends.deepspeed.checkpoint.fragments import LiveShards, load_sharded, sharded_state
+from backends.deepspeed.runtime.library import import_deepspeed
+from backends.deepspeed.runtime.parallelize import (
     apply_autotp_plan,
     apply_zero,
     build_model,
@@ -23,7 +23,7 @@ from backends.deepspeed.parallelize import (
     start_deepspeed,
     zero3_visible,
 )
-from backends.deepspeed.state import (
+from backends.deepspeed.checkpoint.state import (
     is_zero,
     load_plain,
     load_unfused,
@@ -34,7 +34,7 @@ from backends.deepspeed.state import (
     unfused_state,
     zero_state,
 )
-from backends.deepspeed.translate import STAGES, fill_model_autos, translate
+from backends.deepspeed.config.translate import STAGES, fill_model_autos, translate
 from parallel import dist as pdist
 from parallel.checkpoint.state.sink import Sink
 from parallel.checkpoint.state import portable as ps
@@ -99,7 +99,7 @@ class DeepSpeedEngine(Engine):
         """topology.pp: this rank's stage in DeepSpeed's PipelineModule, run by its PipelineEngine
         (pipe.py; the spec allows ZeRO-0 in fp32 only, pipe_config.py). The model is the view over
         the stage under the model's names: the optimizer's groups and checkpoints read those."""
-        from backends.deepspeed.pipe import DeepSpeedPipeline
+        from backends.deepspeed.runtime.pipe import DeepSpeedPipeline
 
         model = build_model(model, known_config(self.config), False, False)
         require_fp32(model)
@@ -149,7 +149,7 @@ class DeepSpeedEngine(Engine):
                               "with offload: optimizer, or set cpu_adam: false")])
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        from backends.deepspeed.ops import announce_builds
+        from backends.deepspeed.runtime.ops import announce_builds
 
         announce_builds(["cpu_adam"], self.say)
         cls, kwargs = optimizer

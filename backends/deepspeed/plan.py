@@ -10,7 +10,7 @@ stage3_max_live_parameters (2 Psi), 3 Psi beyond.
 
 from __future__ import annotations
 
-from backends.deepspeed.translate import STAGES, fill_sized, model_sized, translate
+from backends.deepspeed.config.translate import STAGES, fill_sized, model_sized, translate
 from parallel.kits.sizes import flat, numel
 
 

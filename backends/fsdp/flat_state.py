@@ -1,7 +1,8 @@
 """FSDP1's portable state written and read in place, O(model / N) per rank, the way ZeRO's flat
-partitions are (backends/deepspeed/fragments.py): each rank's shard of a unit's FlatParameter holds a
-contiguous range of the flattened unit, so each original parameter's part of it is a contiguous
-range of that parameter, written as chunks of the full tensor (parallel/checkpoint/state/chunks.py).
+partitions are (backends/deepspeed/checkpoint/fragments.py): each rank's shard of a unit's
+FlatParameter holds a contiguous range of the flattened unit, so each original parameter's part of
+it is a contiguous range of that parameter, written as chunks of the full tensor
+(parallel/checkpoint/state/chunks.py).
 
 Why not torch's `get_state_dict` / `set_state_dict` (what FSDP2 uses, and what FSDP1 used before):
 for FSDP1 they build a ShardedTensor per parameter and unflatten the optimizer's flat state through

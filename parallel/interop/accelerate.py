@@ -1,7 +1,7 @@
 """`accelerate config` files as specs (`polyshard import accelerate FILE`), meaning what accelerate
 meant by them.
 
-The rule (as for DeepSpeed JSON, backends/deepspeed/interop.py): every field keeps its meaning, or the
+The rule (as for DeepSpeed JSON, backends/deepspeed/files/interop.py): every field keeps its meaning, or the
 import fails naming the field, why and the fix; `--lossy` accepts such losses and reports them. A key
 the file leaves out means what `accelerate launch` 1.11 does without it (measured with accelerate's own
 launcher and plugin classes: tests/unit/test_real_configs.py), written into the spec explicitly:

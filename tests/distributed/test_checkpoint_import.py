@@ -266,7 +266,7 @@ def test_frozen_parameters_come_through_a_zero_import(imported, which):
     was asked to leave them out, so the import had 16 of the model's 21 tensors."""
     from native_worker import model_and_batches
 
-    from backends.deepspeed.native_checkpoint import read_deepspeed
+    from backends.deepspeed.checkpoint.native_checkpoint import read_deepspeed
 
     tmp, _ = imported
     streamed, steps, world = read_deepspeed(tmp / "native" / which)
@@ -296,7 +296,7 @@ def test_a_zero_checkpoint_whose_partitions_cannot_be_its_parameters_is_refused(
     """Rank 1's fp32 partition cut to half its length imported with exit 0 (its parameters filled
     from nothing); an optimizer file with no state was a traceback (#65). Both are refused naming
     the file, streamed or merged, and nothing is written."""
-    from backends.deepspeed.native_checkpoint import read_deepspeed
+    from backends.deepspeed.checkpoint.native_checkpoint import read_deepspeed
     from parallel.checkpoint.importers import CheckpointImportError
 
     tmp, _ = imported

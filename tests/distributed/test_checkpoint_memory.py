@@ -1,6 +1,6 @@
 """A rank's extra host memory while saving and loading is a small fraction of the model + optimizer
 state (issues #16, #27): ZeRO-1/2/3 write and read, in place, only the ranges of each parameter their
-partition holds (backends/deepspeed/fragments.py), and FSDP1 those of its flat shards
+partition holds (backends/deepspeed/checkpoint/fragments.py), and FSDP1 those of its flat shards
 (backends/fsdp/flat_state.py), handed to DCP as tensors it writes without a copy
 (parallel/checkpoint/state/chunks.py exact_view). Measured by sampling each rank's resident anonymous
 memory every millisecond around `save` and `load` of a ~24M-parameter Llama with AdamW (model +

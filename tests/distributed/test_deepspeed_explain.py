@@ -14,7 +14,7 @@ BUDGET_S = 30  # seconds in make test (tests/conftest.py)
 INIT = """
 import json, sys, torch, deepspeed
 from parallel.toy import build_llama, llama_config
-from backends.deepspeed.translate import fill_model_autos
+from backends.deepspeed.config.translate import fill_model_autos
 model = build_llama(llama_config("tiny"))
 config = fill_model_autos(json.loads(sys.stdin.read())["config"], model)
 engine, opt, _, _ = deepspeed.initialize(model=model, config=config,

@@ -1,5 +1,5 @@
 """`polyshard ckpt import deepspeed`, `dcp` and `xla` stream: a checkpoint of the 56M Llama saved at
-4 ranks by plain DeepSpeed ZeRO-3 (backends/deepspeed/stream_import.py: one rank's optimizer file
+4 ranks by plain DeepSpeed ZeRO-3 (backends/deepspeed/checkpoint/stream_import.py: one rank's optimizer file
 in memory at a time), by a plain FSDP2 loop as torch DCP (importers.read_dcp: parts of at most the
 largest source file, each read by its own DCP load) or by a plain XLA FSDP v1 loop (its files cut
 as 4 ranks save them, tests/xla_shards.py; backends/xla/native_checkpoint.py: one rank's file
@@ -21,7 +21,8 @@ DIST = ROOT / "tests" / "distributed"
 WORKER = str(DIST / "streamed_import_worker.py")
 BUDGET_S = 5  # seconds in make test (tests/conftest.py): the whole file is make test-full's
 IMPORT = {  # kind -> one import of argv[1] into argv[2], streamed when argv[3] == "1"
-    "deepspeed": "from backends.deepspeed.native_checkpoint import read_deepspeed as read; step = None",
+    "deepspeed": "from backends.deepspeed.checkpoint.native_checkpoint import read_deepspeed as read; "
+                 "step = None",
     "dcp": "from parallel.checkpoint.importers import read_dcp as read; step = 3",
     "xla": "from backends.xla.native_checkpoint import read_xla as read; step = 3"}
 RUN = ("; import sys; from parallel.checkpoint.importers import import_checkpoint; "

@@ -1,4 +1,4 @@
-"""DeepSpeed AutoTP as `topology.tp` (backends/deepspeed/autotp.py, import_tp.py): the plan polyshard
+"""DeepSpeed AutoTP as `topology.tp` (backends/deepspeed/config/autotp.py, import_tp.py): the plan polyshard
 hands AutoTP splits exactly what the plan says by DeepSpeed's own matcher, a partition_config reads
 back as the plan it is, and DeepSpeed files with AutoTP import and export keeping their meaning."""
 
@@ -8,8 +8,8 @@ import json
 import pytest
 from transformers import MixtralConfig, MixtralForCausalLM
 
-from backends.deepspeed.autotp import STYLE_OF, fnmatch_of, partition_config, plan_of
-from backends.deepspeed import interop as ds_interop
+from backends.deepspeed.config.autotp import STYLE_OF, fnmatch_of, partition_config, plan_of
+from backends.deepspeed.files import interop as ds_interop
 from parallel.engine.model.tp_plan import hf_tp_plan, resolve_plan, style_of
 from parallel.interop.accelerate import from_accelerate
 from parallel.interop.export import export

@@ -1,10 +1,10 @@
 """DeepSpeed's and XLA SPMD's set-up steps that are plain functions of the model and the config,
-each alone on a meta-device model (backends/deepspeed/parallelize.py, backends/xla/spmd.py); what
+each alone on a meta-device model (backends/deepspeed/runtime/parallelize.py, backends/xla/spmd.py); what
 needs the runtime (deepspeed.initialize, mark_sharding) runs in tests/distributed."""
 
 import torch
 
-from backends.deepspeed.parallelize import apply_autotp_plan, known_config
+from backends.deepspeed.runtime.parallelize import apply_autotp_plan, known_config
 from backends.xla.spmd import tp_shardings
 from parallel.engine.model.tp_plan import resolve_plan
 from parallel.toy import build_llama, llama_config

@@ -106,7 +106,7 @@ def test_compile_true_is_shorthand_and_each_backend_says_what_it_does():
             load_spec({**whole, **change})
         assert path in str(err.value), (path, str(err.value))
     spec = load_spec(whole)
-    from backends.deepspeed.translate import translate
+    from backends.deepspeed.config.translate import translate
 
     assert translate(spec)["config"]["compile"] == {"deepcompile": True}
 
@@ -120,7 +120,7 @@ def test_a_mode_reaches_inductor_inside_the_backend():
 
 
 def test_deepcompile_names_an_arch_list_deepspeeds_builder_cannot_read():
-    from backends.deepspeed.parallelize import check_arch_list
+    from backends.deepspeed.runtime.parallelize import check_arch_list
 
     for fine in ("", "9.0", "8.0;9.0+PTX", "8.6 9.0"):
         check_arch_list(fine)

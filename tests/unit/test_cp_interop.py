@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from backends.deepspeed import interop as ds_interop
+from backends.deepspeed.files import interop as ds_interop
 from parallel.interop.accelerate import from_accelerate
 from parallel.interop.export import export
 from parallel.spec.io import SpecError, load_spec

@@ -1,5 +1,5 @@
 """DeepSpeed imported by a job without what only features polyshard never runs import
-(backends/deepspeed/library.py): mlflow (its autotuner's, 2-3 s of a 6.5-8 s import here) and
+(backends/deepspeed/runtime/library.py): mlflow (its autotuner's, 2-3 s of a 6.5-8 s import here) and
 torch's inductor (its ZeRO check imports its Muon optimizer, whose decorators compile: 5.1 s). mlflow
 still imports afterwards, for a tracker, and Muon's functions compile at their first call."""
 

@@ -1,4 +1,4 @@
-"""DeepSpeed's just-in-time ops (backends/deepspeed/ops.py): a killed build's lock is refused naming
+"""DeepSpeed's just-in-time ops (backends/deepspeed/runtime/ops.py): a killed build's lock is refused naming
 the file and the fix, a build in progress is waited for, and a first build is said with its time."""
 
 import os
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from backends.deepspeed import ops
+from backends.deepspeed.runtime import ops
 
 
 def test_a_lock_no_process_holds_is_refused_naming_it(tmp_path):

@@ -1,11 +1,11 @@
-"""backends/deepspeed/schema.py's tables are what the installed DeepSpeed reads: a DeepSpeed upgrade
+"""backends/deepspeed/config/schema.py's tables are what the installed DeepSpeed reads: a DeepSpeed upgrade
 that adds, renames or drops a key fails here instead of drifting silently."""
 
 import pytest
 
 deepspeed = pytest.importorskip("deepspeed")
 
-from backends.deepspeed import schema  # noqa: E402
+from backends.deepspeed.config import schema  # noqa: E402
 
 
 class _Keys(list):

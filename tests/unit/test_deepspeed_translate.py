@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from backends.deepspeed.translate import MODEL_SIZED, translate
+from backends.deepspeed.config.translate import MODEL_SIZED, translate
 from parallel import SpecError, load_spec
 
 
@@ -124,7 +124,7 @@ def test_the_reduce_bucket_is_no_larger_than_the_model_unless_the_spec_sizes_it(
     import torch
 
     from backends.deepspeed.plan import transient
-    from backends.deepspeed.translate import fill_model_autos
+    from backends.deepspeed.config.translate import fill_model_autos
 
     spec = load_spec({"backend": "deepspeed", "shard": "full"})
     config = translate(spec)["config"]

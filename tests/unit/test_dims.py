@@ -39,7 +39,7 @@ def test_spec_data_parallel_facts_come_from_dims():
     spec = load_spec({"backend": "deepspeed", "micro_batch_size": 2, "grad_accum_steps": 3,
                       "topology": {"procs_per_node": 4}})
     assert spec.dims.dp_size == spec.shard_group_size == 4
-    from backends.deepspeed.translate import translate
+    from backends.deepspeed.config.translate import translate
 
     assert translate(spec)["config"]["train_batch_size"] == 2 * 3 * 4
 

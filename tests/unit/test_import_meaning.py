@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from backends.deepspeed import interop as ds_interop
+from backends.deepspeed.files import interop as ds_interop
 from parallel.interop.accelerate import from_accelerate
 from parallel.spec.io import SpecError, load_spec
 

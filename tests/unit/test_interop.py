@@ -10,7 +10,7 @@ import torch
 import pytest
 import yaml
 
-from backends.deepspeed import interop as ds_interop
+from backends.deepspeed.files import interop as ds_interop
 from parallel.cli.main import main
 from parallel.interop.accelerate import from_accelerate
 from parallel.interop.export import export
@@ -128,7 +128,7 @@ def test_data_parallel_types_map_to_shard_none():
 
 
 def test_deepspeed_refusals_match_deepspeeds_own():
-    from backends.deepspeed.schema import zero_key_problems  # noqa: F401 - same tables as native
+    from backends.deepspeed.config.schema import zero_key_problems  # noqa: F401 - same tables as native
 
     found = problems(from_deepspeed, {"zero_optimisation": {"stage": 3}, "gradient_cliping": 1.0})
     assert "did you mean 'zero_optimization'" in found["zero_optimisation"]

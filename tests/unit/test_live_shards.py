@@ -1,5 +1,5 @@
-"""LiveShards (backends/deepspeed/fragments.py): a ZeRO engine's sharded views kept from one save to
-the next. After steps and a learning-rate change, what it hands out is what a fresh sharded_state
+"""LiveShards (backends/deepspeed/checkpoint/fragments.py): a ZeRO engine's sharded views kept from
+one save to the next. After steps and a learning-rate change, what it hands out is what a fresh sharded_state
 computes now, on every ZeRO variant of the registry: names and order, ranges over the same storage,
 step counts and hyper-parameters. A replaced optimizer tensor is seen; an engine's save after a load
 holds the loaded state."""
@@ -8,7 +8,7 @@ import pytest
 import torch
 from kept_views import assert_same_views
 
-from backends.deepspeed.fragments import LiveShards, sharded_state
+from backends.deepspeed.checkpoint.fragments import LiveShards, sharded_state
 from parallel import create_engine, load_spec, registry
 from parallel.toy import build_llama, llama_config
 

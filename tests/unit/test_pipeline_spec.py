@@ -36,7 +36,7 @@ def ds(shard="none", **extra):
 
 
 def test_deepspeed_runs_pp_at_zero0_in_fp32_and_refuses_the_rest_naming_why():
-    from backends.deepspeed.translate import translate
+    from backends.deepspeed.config.translate import translate
 
     config = translate(load_spec({**ds(grad_accum_steps=3, grad_clip=0.5),
                                   "pipeline": {"microbatches": 2}}))["config"]

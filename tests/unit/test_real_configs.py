@@ -35,9 +35,9 @@ NO_DEEPSPEED = importlib.util.find_spec("deepspeed") is None
 needs_deepspeed = pytest.mark.skipif(NO_DEEPSPEED, reason="needs deepspeed (pip install "
                                      "'polyshard[deepspeed]')")
 
-from backends.deepspeed.translate import MODEL_AUTOS  # noqa: E402
-from backends.deepspeed import interop as ds_interop  # noqa: E402
-from backends.deepspeed.interop import read_config  # noqa: E402
+from backends.deepspeed.config.translate import MODEL_AUTOS  # noqa: E402
+from backends.deepspeed.files import interop as ds_interop  # noqa: E402
+from backends.deepspeed.files.interop import read_config  # noqa: E402
 
 from_deepspeed = functools.partial(ds_interop.from_deepspeed, validate=load_spec)  # the CLI's validation
 

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from backends.deepspeed.stream_import import _zero2_places, _zero3_places
+from backends.deepspeed.checkpoint.stream_import import _zero2_places, _zero3_places
 
 SHAPES = [{"a": (5, 3), "b": (7,)}, {"c": (2, 2)}]
 
@@ -188,7 +188,7 @@ def test_deepspeeds_latest_pointer_is_never_read_through_a_link(tmp_path):
     exit 2 naming it, a plain one is followed to its tag."""
     import pytest
 
-    from backends.deepspeed.native_checkpoint import _tag_dir
+    from backends.deepspeed.checkpoint.native_checkpoint import _tag_dir
     from parallel.files import FileError
 
     (tmp_path / "global_step3").mkdir()

@@ -6,7 +6,7 @@ fills it from TrainingArguments): polyshard is the caller here, so the spec deci
 which spec field. An absent field means DeepSpeed's own default, written into the spec explicitly where
 polyshard's default differs (gradient_clipping 1.0, pin_memory true, reduction in the compute dtype,
 no 16-bit gather on save). Keys the spec has no field for go verbatim under `deepspeed.native`, which
-the adapter merges last. Plain data: no deepspeed import (backends/deepspeed/schema.py has its rules).
+the adapter merges last. Plain data: no deepspeed import (backends/deepspeed/config/schema.py has its rules).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from backends.deepspeed import schema
-from backends.deepspeed.import_tp import tensor_parallel_section
-from backends.deepspeed.import_zero import zero_section
+from backends.deepspeed.config import schema
+from backends.deepspeed.files.import_tp import tensor_parallel_section
+from backends.deepspeed.files.import_zero import zero_section
 from parallel.interop.importing import Import, Report
 
 LOGGING = {"steps_per_print", "wall_clock_breakdown", "comms_logger", "tensorboard", "wandb",

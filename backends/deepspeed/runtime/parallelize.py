@@ -14,10 +14,10 @@ import re
 import torch
 from torch import nn
 
-from backends.deepspeed.autotp import with_plan
-from backends.deepspeed.autotp_split import Split
-from backends.deepspeed.ops import announce_builds, check_locks
-from backends.deepspeed.translate import model_sized
+from backends.deepspeed.config.autotp import with_plan
+from backends.deepspeed.runtime.autotp_split import Split
+from backends.deepspeed.runtime.ops import announce_builds, check_locks
+from backends.deepspeed.config.translate import model_sized
 from parallel.checkpoint.state import portable as ps
 from parallel.engine.model.tp_plan import split_shapes
 from parallel.spec.errors import SpecError

@@ -4,7 +4,7 @@ import."""
 
 from __future__ import annotations
 
-from backends.deepspeed.autotp import plan_of
+from backends.deepspeed.config.autotp import plan_of
 from parallel.interop.importing import Import
 
 

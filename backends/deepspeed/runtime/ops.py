@@ -7,7 +7,7 @@ Two things made that silent: a first build says nothing for minutes, and a build
 torch's lock file (`<cache>/<op>/lock`, created by FileBaton and held open by the builder) behind, so
 every later job waits on it for ever, saying nothing. Here a build is announced with its expected time,
 and a lock no process holds open is refused, naming the file and the fix, before DeepSpeed waits on it.
-`python -m backends.deepspeed.ops [NAME ...]` builds them ahead (`make` runs it once, at set-up: make
+`python -m backends.deepspeed.runtime.ops [NAME ...]` builds them ahead (`make` runs it once, at set-up: make
 test the shared-memory op alone, make test-full and the demo both).
 """
 
@@ -77,12 +77,12 @@ def announce_builds(names, say) -> None:
         if not (root / name / f"{name}.so").is_file():
             say(f"DeepSpeed builds its {name} op ({builder}) on first use on this host: about "
                 f"{seconds} s on 2 cores, up to minutes on a busy host; later jobs load it from "
-                f"{root / name}. `python -m backends.deepspeed.ops` builds it ahead")
+                f"{root / name}. `python -m backends.deepspeed.runtime.ops` builds it ahead")
 
 
 def build(names=tuple(OPS)) -> None:
     """Build (or load from the cache) each op, saying how long it took."""
-    from backends.deepspeed.library import import_deepspeed
+    from backends.deepspeed.runtime.library import import_deepspeed
 
     import_deepspeed()
     from deepspeed.accelerator import get_accelerator

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from backends.deepspeed.library import import_deepspeed
+from backends.deepspeed.runtime.library import import_deepspeed
 from parallel.checkpoint.format.directory import resolve
 from parallel.checkpoint.format.manifest import verify_checkpoint
 from parallel.checkpoint.importers import CheckpointImportError

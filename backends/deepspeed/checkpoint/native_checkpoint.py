@@ -16,7 +16,7 @@ from parallel.checkpoint.importers import CheckpointImportError, named_groups
 from parallel.checkpoint.state.portable import clean_name
 from parallel.checkpoint.state.optim_state import shared_step
 from parallel.checkpoint.format.safe import child_name, own_folder, read_text, torch_load
-from backends.deepspeed.library import import_deepspeed
+from backends.deepspeed.runtime.library import import_deepspeed
 
 
 def deepspeed_classes() -> tuple:
@@ -52,7 +52,7 @@ def read_deepspeed(src: Path, trust: bool = False, stream: bool = True):
     import_deepspeed()
     from deepspeed.utils import zero_to_fp32 as z
 
-    from backends.deepspeed.stream_import import checked_partitions, streamed_zero
+    from backends.deepspeed.checkpoint.stream_import import checked_partitions, streamed_zero
 
     tag_dir = _tag_dir(src, "latest")
     with contextlib.redirect_stdout(io.StringIO()):  # zero_to_fp32 prints progress

@@ -15,8 +15,8 @@ from __future__ import annotations
 import difflib
 from pathlib import Path
 
-from backends.deepspeed.import_zero import SHARD_OF_STAGE, zero_section
-from backends.deepspeed.interop import import_into, read_config
+from backends.deepspeed.files.import_zero import SHARD_OF_STAGE, zero_section
+from backends.deepspeed.files.interop import import_into, read_config
 from parallel.interop.importing import Import
 
 PLUGIN_KEYS = {"zero_stage", "offload_optimizer_device", "offload_param_device",
@@ -73,7 +73,7 @@ def deepspeed_section(imp: Import, ds: dict, cfg: dict, base) -> None:
 
 def _autotp_world(imp: Import) -> None:
     """accelerate 1.11 runs AutoTP over a 1-D mesh of the first autotp_size ranks
-    (backends/deepspeed/exports.py: _accelerate_tp): with more processes the others fail."""
+    (backends/deepspeed/files/exports.py: _accelerate_tp): with more processes the others fail."""
     tp = imp.spec.get("topology", {}).get("tp", 1)
     topology = {**imp.spec.get("topology", {}), **(imp.given_value("topology") or {})}
     world = topology.get("nodes", 1) * topology.get("procs_per_node", 1)

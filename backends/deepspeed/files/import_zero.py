@@ -1,10 +1,10 @@
-"""A DeepSpeed config's zero_optimization block as spec fields (backends/deepspeed/interop.py holds
+"""A DeepSpeed config's zero_optimization block as spec fields (backends/deepspeed/files/interop.py holds
 the rule: every field keeps its meaning, or the import fails naming it). Also read by accelerate's
-deepspeed_config (backends/deepspeed/accelerate.py)."""
+deepspeed_config (backends/deepspeed/files/accelerate.py)."""
 
 from __future__ import annotations
 
-from backends.deepspeed import schema
+from backends.deepspeed.config import schema
 from parallel.interop.importing import Import
 
 SHARD_OF_STAGE = {0: "none", 1: "optimizer", 2: "grad_op", 3: "full"}

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from backends.deepspeed import schema
-from backends.deepspeed.autotp import tensor_parallel_block
-from backends.deepspeed.pipe_config import apply_pipeline_config
+from backends.deepspeed.config import schema
+from backends.deepspeed.config.autotp import tensor_parallel_block
+from backends.deepspeed.config.pipe_config import apply_pipeline_config
 from parallel.spec.errors import SpecError
 from parallel.spec.model import Spec
 
@@ -59,7 +59,7 @@ def _deepcompile(spec: Spec, config: dict, origins: dict) -> None:
 
 
 def _tensor_parallel(spec: Spec, config: dict, origins: dict) -> None:
-    """topology.tp as AutoTP (backends/deepspeed/autotp.py). train_batch_size is left out: under
+    """topology.tp as AutoTP (backends/deepspeed/config/autotp.py). train_batch_size is left out: under
     AutoTP DeepSpeed 0.19.8 checks it against different worlds in one job (measured: micro x
     accumulation x every rank at initialize, x data-parallel ranks in ZeRO-3's parameter
     conversion), and derives it right on each path when absent, as its AutoTP tutorial leaves it."""
@@ -208,7 +208,7 @@ def _config(spec: Spec) -> tuple[dict, dict]:
 def _native(native: dict | str) -> dict:
     """The passthrough as DeepSpeed will read it: a dict or a file (hjson, as DeepSpeed reads it),
     zero_optimization keys under one name each, and nothing DeepSpeed would refuse or ignore."""
-    from .interop import read_config
+    from backends.deepspeed.files.interop import read_config
 
     if not isinstance(native, dict):
         try:

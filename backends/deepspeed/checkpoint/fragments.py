@@ -23,7 +23,8 @@ from parallel.checkpoint.state import portable as ps
 from parallel.checkpoint.state.chunks import FlatRange, Kept
 from parallel.engine.model.params import aliases, tied_groups
 
-from .state import _flat_keys, _frozen, _init_zero_state, _with_aliases, partitions, relink
+from backends.deepspeed.checkpoint.state import (_flat_keys, _frozen, _init_zero_state, _with_aliases,
+                                                 partitions, relink)
 
 
 def _ranges(zero, p, flat, keys: list[str], box=None) -> tuple[FlatRange, dict[str, FlatRange]]:

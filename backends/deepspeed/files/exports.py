@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from backends.deepspeed.translate import exported, translate
+from backends.deepspeed.config.translate import exported, translate
 from parallel.interop.exporting import common_accelerate, trainer_args, trainer_document
 from parallel.spec.errors import SpecError, validate_as
 from parallel.spec.model import Spec
