@@ -78,8 +78,8 @@ class Topology(Section):
               "N stages (x pipeline.virtual_stages) over ranks, the outermost mesh dimension; "
               "each stage keeps the model's parameter names, and a step's loss and gradients are "
               "one process's on the global batch. FSDP2 runs it (torch.distributed.pipelining, "
-              "`pipeline:` picks the schedule); FSDP1, DeepSpeed and XLA refuse N > 1 naming why "
-              "(docs/pipeline.md)."),
+              "`pipeline:` picks the schedule), DeepSpeed at ZeRO-0 in fp32 (its pipeline "
+              "engine, 1f1b); FSDP1 and XLA refuse N > 1 naming why (docs/pipeline.md)."),
     ] = 1
     ep: Annotated[
         int,

@@ -1,17 +1,18 @@
 """Pipeline parallelism (`topology.pp`) through the engine, against one process on the global batch.
 
-Cases come from the registry: every variant (matrix.cases) whose spec with pp 2 validates (FSDP2;
-FSDP1, DeepSpeed and XLA refuse it naming why, unit-tested in tests/unit/test_pipeline_spec.py) runs
-pp 2 on 2 ranks with padded SFT rows (micro-batches hold different numbers of targets), on the tiny
-Llama (2 layers: a stage each; 4 layers for interleaved_1f1b's 2 stages per rank), saving after step
-3, loading its weights alone and evaluating, then resuming in fresh processes:
+Cases come from the registry: every variant (matrix.cases) whose spec with pp 2 validates (FSDP2 and
+DeepSpeed's ZeRO-0; FSDP1, XLA and the other ZeRO stages refuse it naming why, unit-tested in
+tests/unit/test_pipeline_spec.py) runs each case whose spec it accepts: pp 2 on 2 ranks with padded
+SFT rows (micro-batches hold different numbers of targets), on the tiny Llama (2 layers: a stage
+each; 4 layers for interleaved_1f1b's 2 stages per rank), saving after step 3, loading its weights
+alone and evaluating, then resuming in fresh processes:
 - make test: 1f1b with accumulation, clipping and activation checkpointing; interleaved_1f1b; the
-  same job under torch's default gradient scaling (each micro-batch's own mean), which must differ
-  from one process (the trap torchtitan#2972 is about); a model of your own (toy.OwnDecoder) split
-  where pipeline.split_points says; a pp 2 checkpoint resumed at pp 1 on ZeRO-3
-  and on XLA, and theirs at pp 2; save_pretrained's export read back by transformers; generate refused;
-  torch's V-shaped schedules over fully_shard measured against one process (why polyshard refuses
-  zbv and dualpipev on FSDP2), in a launch of its own.
+  same job under the schedule's default gradient scaling (each micro-batch's own mean: torch's, and
+  DeepSpeed's train_batch's), which must differ from one process (the trap torchtitan#2972 is
+  about); a model of your own (toy.OwnDecoder) split where pipeline.split_points says; a pp 2
+  checkpoint resumed at pp 1 on ZeRO-3 and on XLA, and theirs at pp 2; save_pretrained's export
+  read back by transformers; generate refused; torch's V-shaped schedules over fully_shard measured
+  against one process (why polyshard refuses zbv and dualpipev on FSDP2), in a launch of its own.
 - make test: pp 2 x cp 2 on 4 ranks too. make test-full: gpipe, each schedule alone, torch.compile,
   pp 2 x dp 2 and pp 2 x tp 2 on 4 ranks.
 """
