@@ -139,7 +139,7 @@ def test_the_public_calls_hand_to_the_engines_parts(tmp_path, one_rank):
 def test_experts_no_rank_used_lose_their_gradient():
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    from parallel.engine.model.experts import Experts
+    from parallel.engine.model.moe.experts import Experts
     from parallel.engine.model.params import per_parameter
 
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""The router's load-balancing loss over the global batch (parallel/engine/model/router.py), on the
+"""The router's load-balancing loss over the global batch (parallel/engine/model/moe/router.py), on the
 four Hugging Face families that compute one (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE), padded rows
 with a 2-D attention mask: one process's loss and gradients equal the model's own
 (`output_router_logits=True`), and the loss summed from ranks' shares of a split batch equals the
@@ -9,8 +9,8 @@ import importlib
 import pytest
 import torch
 
-from parallel.engine.model.experts import moe_blocks
-from parallel.engine.model.router import RouterLoss, balancing_loss, statistics
+from parallel.engine.model.moe.experts import moe_blocks
+from parallel.engine.model.moe.router import RouterLoss, balancing_loss, statistics
 
 COMMON = dict(vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
               num_attention_heads=2, num_key_value_heads=1, num_experts_per_tok=2,

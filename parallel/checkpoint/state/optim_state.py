@@ -75,7 +75,7 @@ def shared_step(entries) -> torch.Tensor | None:
 def single_step(per_name: dict[str, dict], names) -> torch.Tensor | None:
     """The one step count shared by parameters that live in one flat optimizer tensor (this run's).
     A checkpoint with per-parameter counts that differ (a backend that skips parameters without a
-    gradient, e.g. experts no rank used: parallel/engine/model/experts.py) gives the most steps, which is
+    gradient, e.g. experts no rank used: parallel/engine/model/moe/experts.py) gives the most steps, which is
     what the flat tensor would have taken; the skipped parameters' Adam bias correction then uses
     it, as it would have on this backend all along (docs/moe.md)."""
     steps = {float(per_name[n]["step"]) for n in names if "step" in per_name.get(n, {})}

@@ -28,8 +28,8 @@ from parallel.engine.model.compile import apply_compile
 from parallel.engine.model.wrap import forward_kwargs
 from parallel.engine.model.pipeline.schedule import Pipeline
 from parallel.engine.model.context_parallel import ContextParallel, apply_context_parallel
-from parallel.engine.model.experts import Experts, moe_blocks
-from parallel.engine.model.router import RouterLoss
+from parallel.engine.model.moe.experts import Experts, moe_blocks
+from parallel.engine.model.moe.router import RouterLoss
 from parallel.engine.model.params import ParamGroupsHook, ParamPlan, per_parameter
 from parallel.engine.model.tiled_loss import TiledLoss, apply_tiled_loss
 from parallel.engine.observe.flops import model_flops

@@ -1,0 +1,134 @@
+"""topology.ep: each mixture-of-experts block's experts split over the ep ranks, tokens sent to their
+experts' owners and back by all-to-all (torchtitan's token dispatch), with the block's own router,
+top-k, weights and shared expert kept: Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V3 as transformers
+4.57 writes them.
+
+What one process computes, exactly:
+- Each expert runs the same rows through the same weights, on the rank that owns it, whichever
+  rank's tokens they are (rows are independent of each other).
+- A token's k outputs are weighted after the way back and added in expert order (index_add_ over the
+  rows sorted by expert, stably), as the block's own loop adds them.
+- Gradients come back through the same all-to-alls (torch.distributed.nn's differentiable one): an
+  expert's gradient sums every rank's tokens routed to it.
+
+What a block costs per forward: one all-to-all of the per-expert row counts (ep x experts / ep
+integers), read on the host (the next two all-to-alls' splits; the block's own loop reads its routing
+to the host too), the rows out and the rows back; backward: the two row all-to-alls again.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+class HeldExperts(nn.ModuleDict):
+    """The experts one rank owns, under their original indices (`experts.5.w1.weight` stays so on its
+    owner, so checkpoints and optimizer groups read the names one process has); its length is the
+    block's expert count, as the model's code reads it."""
+
+    def __init__(self, experts: dict[str, nn.Module], total: int):
+        super().__init__(experts)
+        self.total = total
+
+    def __getitem__(self, key):
+        return super().__getitem__(str(key))
+
+    def __len__(self):
+        return self.total
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+
+class Dispatch:
+    """Rows to their experts' owners and back, for one block on one rank."""
+
+    def __init__(self, experts: HeldExperts, n_experts: int, ep: int, rank: int, group):
+        self.experts, self.n, self.ep, self.rank, self.group = experts, n_experts, ep, rank, group
+        self.per = n_experts // ep
+
+    def __call__(self, x: torch.Tensor, selected: torch.Tensor, weights: torch.Tensor
+                 ) -> torch.Tensor:
+        """x: (tokens, hidden); selected, weights: (tokens, k). Returns sum_k w_k expert_k(x)."""
+        from torch.distributed.nn.functional import all_to_all_single
+
+        k, h = selected.shape[-1], x.shape[-1]
+        flat = selected.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs by expert, then token
+        token = order // k
+        counts = torch.bincount(flat, minlength=self.n)  # rows this rank sends to each expert
+        got = torch.empty_like(counts)
+        dist.all_to_all_single(got, counts, group=self.group)  # [source rank][my expert]
+        table = torch.stack([counts, got]).view(2, self.ep, self.per).tolist()  # one host read
+        send = [sum(row) for row in table[0]]
+        recv = [sum(row) for row in table[1]]
+        rows = all_to_all_single(x.new_empty(sum(recv), h), x[token], recv, send, group=self.group)
+        out = self._experts(rows, table[1])
+        back = all_to_all_single(x.new_empty(len(token), h), out, send, recv, group=self.group)
+        back = back * weights.reshape(-1)[order, None].to(back.dtype)
+        return x.new_zeros(x.shape[0], h, dtype=back.dtype).index_add_(0, token, back)
+
+    def _experts(self, rows: torch.Tensor, got: list[list[int]]) -> torch.Tensor:
+        """The received rows (source-major, expert-minor) through this rank's experts, in place."""
+        sizes = [n for source in got for n in source]
+        pieces = list(rows.split(sizes))
+        for j in range(self.per):
+            mine = [src * self.per + j for src in range(self.ep)]
+            taken = torch.cat([pieces[i] for i in mine])
+            if taken.shape[0] == 0:
+                continue  # no rank routed a token here: no gradient, as on one process
+            done = self.experts[self.rank * self.per + j](taken).split([sizes[i] for i in mine])
+            for i, part in zip(mine, done):
+                pieces[i] = part
+        return torch.cat(pieces) if pieces else rows
+
+
+def _route(block, x: torch.Tensor):
+    """Mixtral / Qwen2-MoE / Qwen3-MoE's routing, as their forwards write it."""
+    logits = block.gate(x)
+    weights = F.softmax(logits, dim=1, dtype=torch.float)
+    weights, selected = torch.topk(weights, block.top_k, dim=-1)
+    if getattr(block, "norm_topk_prob", True):  # Mixtral always normalises
+        weights /= weights.sum(dim=-1, keepdim=True)
+    return logits, weights.to(x.dtype), selected
+
+
+def _routed_forward(block, dispatch: Dispatch):
+    def forward(self, hidden_states):
+        b, s, h = hidden_states.shape
+        x = hidden_states.view(-1, h)
+        logits, weights, selected = _route(self, x)
+        out = dispatch(x, selected, weights).to(x.dtype)
+        if getattr(self, "shared_expert", None) is not None:  # Qwen2-MoE
+            out = out + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out.view(b, s, h), logits
+
+    return types.MethodType(forward, block)
+
+
+def apply_expert_parallel(blocks: list[tuple[str, nn.Module]], ep: int, rank: int, group) -> None:
+    """Each block (moe_blocks(model)) keeps experts [rank x n / ep, (rank + 1) x n / ep), the others
+    dropped, and dispatches its tokens over `group` (the ep ranks; None: the world). The routing must
+    be deterministic: a router's jitter draws other noise on each rank."""
+    for name, block in blocks:
+        n = len(block.experts)
+        if n % ep:
+            raise ValueError(f"{name}: {n} experts do not split evenly over topology.ep {ep}; pick "
+                             "a divisor of the expert count")
+        if getattr(block, "jitter_noise", 0):
+            raise ValueError(f"{name}: router_jitter_noise {block.jitter_noise} with topology.ep: "
+                             "it draws other noise on each rank; build the model with "
+                             "router_jitter_noise=0")
+        per = n // ep
+        held = HeldExperts({str(i): block.experts[i] for i in range(rank * per, (rank + 1) * per)}, n)
+        block.experts = held
+        dispatch = Dispatch(held, n, ep, rank, group)
+        if hasattr(block, "moe"):  # DeepSeek-V3: its own router and shared experts around moe()
+            block.moe = lambda x, idx, w, d=dispatch: d(x, idx, w).type(x.dtype)
+        else:
+            block.forward = _routed_forward(block, dispatch)
