@@ -182,7 +182,10 @@ class DeepSpeedEngine(Engine):
     def _ds_step(self) -> None:
         # a pipeline engine refuses step() ("Only train_batch() is accessible"): its schedule's own
         # update instruction, which the step's schedule left out (pipe.py)
-        self.ds._exec_optimizer_step() if self.pipeline is not None else self.ds.step()
+        if self.pipeline is not None:
+            self.ds._exec_optimizer_step()
+        else:
+            self.ds.step()
 
     def _optimizer_step(self):
         norm = None
