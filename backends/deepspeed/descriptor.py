@@ -3,14 +3,14 @@ deepspeed."""
 
 from __future__ import annotations
 
-from backends.deepspeed.files import accelerate
-from backends.deepspeed.files import exports
 from backends.deepspeed import plan
-from backends.deepspeed.files.interop import from_deepspeed_file
-from backends.deepspeed.config.translate import STAGES, translate
 from backends.deepspeed.config.options import DeepSpeedOptions
+from backends.deepspeed.config.translate import STAGES, translate
+from backends.deepspeed.files import accelerate, exports
+from backends.deepspeed.files.interop import from_deepspeed_file
 from parallel.descriptor import (BackendDescriptor, Bench, Capabilities, Checkpoints, Interop,
                                  Launch, Options, PlanModel, Unsupported)
+
 
 def _pipeline_flags(spec) -> list[str]:
     """topology.pp: DeepSpeed's pipeline tutorial (PipelineModule, train_batch), its micro-batches

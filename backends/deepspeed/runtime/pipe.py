@@ -23,9 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from parallel.engine.model.pipeline.schedule import Pipeline
-
-PASSED = ("attention_mask", "position_ids")  # what every stage reads beside its input
+from parallel.engine.model.pipeline.schedule import PASSED, Pipeline
 
 
 class Stage(nn.Module):
@@ -103,12 +101,9 @@ class DeepSpeedPipeline(Pipeline):
         """The micro-batch as DeepSpeed's data iterator gives it: ((input, passed...), labels) per
         pipeline micro-batch."""
         self.keys[:] = [k for k in PASSED if micro.get(k) is not None]
-        shifted = micro.get("shift_labels")
-        labels = micro["labels"] if shifted is None else shifted
-        self._shifted = shifted is not None
         n = self.layout.microbatches
         split = [torch.tensor_split(micro[k], n) for k in ["input_ids", *self.keys]]
-        return [(tuple(t[i] for t in split), labels.tensor_split(n)[i]) for i in range(n)]
+        return list(zip(zip(*split), torch.tensor_split(self._targets(micro), n)))
 
     def _execute(self, chunks: list[tuple], training: bool, steps) -> None:
         ds = self.ds

@@ -27,6 +27,7 @@ SINGLE = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 MULTI = {"interleaved_1f1b": "ScheduleInterleaved1F1B", "zbv": "ScheduleZBVZeroBubble",
          "dualpipev": "ScheduleDualPipeV"}
 V_SHAPED = ("zbv", "dualpipev")  # rank r holds stages r and 2 pp - 1 - r; the others loop
+PASSED = ("attention_mask", "position_ids")  # what every stage reads beside its input
 
 
 def stage_ids(schedule: str, pp_rank: int, pp: int, virtual: int) -> list[int]:
@@ -166,19 +167,23 @@ class Pipeline:
         summed = self.run(micro, torch.ones((), device=self.device), training=False)
         return summed / self.layout.pp / count.clamp(min=1)
 
+    def _targets(self, micro: dict) -> torch.Tensor:
+        """The last stage's targets: `labels`, or under topology.cp the ones its split shifted."""
+        shifted = micro.get("shift_labels")
+        self._shifted = shifted is not None
+        return micro["labels"] if shifted is None else shifted
+
     def run(self, micro: dict, denominator: torch.Tensor, training: bool) -> torch.Tensor:
         """One engine micro-batch through the pipeline; this rank's part of the step's loss (on
         the last stage its share x pp, so that the engine's mean over the world is the loss;
         elsewhere 0)."""
         self._denominator = denominator
         ids = micro["input_ids"]
-        kwargs = {k: micro[k] for k in ("attention_mask", "position_ids") if micro.get(k) is not None}
+        kwargs = {k: micro[k] for k in PASSED if micro.get(k) is not None}
         losses: list = []
         schedule = self._schedule(tuple(ids.shape), training)
         args = (ids,) if self.first else ()
-        shifted = micro.get("shift_labels")
-        self._shifted = shifted is not None
-        target = (micro["labels"] if shifted is None else shifted) if self.last else None
+        target = self._targets(micro) if self.last else None
         if training:
             schedule.step(*args, target=target, losses=losses, **kwargs)
         else:
