@@ -85,7 +85,7 @@ class Dispatch:
             done = self.experts[self.rank * self.per + j](taken).split([sizes[i] for i in mine])
             for i, part in zip(mine, done):
                 pieces[i] = part
-        return torch.cat(pieces) if pieces else rows
+        return torch.cat(pieces)  # ep x experts / ep pieces, some empty: never none
 
 
 def _route(block, x: torch.Tensor):
