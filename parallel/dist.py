@@ -268,3 +268,12 @@ def all_max(value: torch.Tensor, group) -> torch.Tensor:
         value = value.clone()
         dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
     return value
+
+
+def union_names(names: list[list[str]], group) -> list[list[str]]:
+    """Each list of `names` (an optimizer group's parameters) unioned over the ranks of `group`,
+    sorted: the whole model's groups where each rank holds a part of it (pipeline stages, ep's
+    experts), so that a checkpoint's groups read the same under any layout."""
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, names, group=group)
+    return [sorted({n for each in gathered for n in each[i]}) for i in range(len(names))]

@@ -33,20 +33,30 @@ SIZES = CORPUS.parent / "toy_models.json"  # shared with benchmarks/common.py
 
 
 def llama_config(size: str = "demo", **overrides):
-    """`demo`: ~3.2M parameters; `tiny`: ~0.1M, for tests (sizes: examples/data/toy_models.json)."""
+    """`demo`: ~3.2M parameters; `tiny`: ~0.1M, for tests (sizes: examples/data/toy_models.json);
+    `mixtral`, `qwen2_moe`, `qwen3_moe` (64 experts, top-8): tiny mixture-of-experts models of
+    those Hugging Face classes."""
     import json
 
-    from transformers import LlamaConfig
+    from transformers import AutoConfig, LlamaConfig
 
     sizes = json.loads(SIZES.read_text())
-    return LlamaConfig(**{**sizes["common"], **sizes[size], **overrides})
+    if size not in sizes or size.startswith("_") or size == "common":
+        raise ValueError(f"toy:{size}: the toy models are "
+                         f"{', '.join(k for k in sizes if k[0] != '_' and k != 'common')}")
+    fields = {**sizes["common"], **sizes[size], **overrides}
+    kind = fields.pop("model_type", None)
+    return AutoConfig.for_model(kind, **fields) if kind else LlamaConfig(**fields)
 
 
 def build_llama(config):
-    """A fresh LlamaForCausalLM in fp32 (the seed decides the weights)."""
-    from transformers import LlamaForCausalLM
+    """A fresh causal LM of `config` (LlamaForCausalLM for Llama's) in fp32 (the seed decides the
+    weights)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-    return LlamaForCausalLM(config).float()
+    if type(config) is LlamaConfig:
+        return LlamaForCausalLM(config).float()
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
 class OwnDecoder(torch.nn.Module):

@@ -225,8 +225,7 @@ class DeepSpeedEngine(Engine):
             save_per_parameter(sink, state, split, sharded, self.is_main)
         else:  # ZeRO-0 in fp32; under pp the stage's view, named as the model is
             write_model_optim(sink, self._named, self.optimizer, sharded, self.rank,
-                              on_cpu=self.device.type == "cpu", whole_groups=None
-                              if self.pipeline is None else self.pipeline.whole_groups)
+                              on_cpu=self.device.type == "cpu", splits=self.splits)
 
     def _load_model_optim(self, path: Path, manifest: dict, weights_only: bool = False) -> None:
         self.live.clear()
@@ -237,8 +236,7 @@ class DeepSpeedEngine(Engine):
         elif self.split is not None:
             load_plain(self.ds, self.optimizer, path, self.split, weights_only)
         else:
-            read_model_optim(path, self._named, self.optimizer, weights_only,
-                             self.pipeline.elsewhere if self.pipeline is not None else frozenset())
+            read_model_optim(path, self._named, self.optimizer, weights_only, self.splits)
 
     @property
     def _named(self):

@@ -39,7 +39,8 @@ DESCRIPTOR = BackendDescriptor(
     }),
     translate=translate,
     engine="backends.fsdp.engine:make_engine",
-    dimensions=frozenset({"tp", "cp", "pp"}),  # FSDP2 only: translate refuses them with version 1
+    # FSDP2 only: translate refuses them with version 1
+    dimensions=frozenset({"tp", "cp", "pp", "ep"}),
     options=Options("fsdp", FsdpOptions, "torch FSDP only knobs."),
     variants={"fsdp2": {"fsdp": {"version": 2}}, "fsdp1": {"fsdp": {"version": 1}}},
     plan=PlanModel(plan.model_states, plan.comm, plan.transient),

@@ -11,6 +11,7 @@ from torch import nn
 
 from backends.fsdp import flat_state
 from backends.fsdp.parallelize import (
+    apply_expert_fsdp,
     apply_forward_prefetch,
     apply_fsdp1,
     apply_fsdp2,
@@ -85,7 +86,8 @@ class _TorchFSDP(ModuleStateTensors, Engine):
 
     def _grad_norm_and_clip(self) -> torch.Tensor:
         stages = self.pipeline.layout.group if self.pipeline is not None else None
-        return clip_grad_norm(self.model.parameters(), self.spec.grad_clip, stages)
+        return clip_grad_norm(self.model.parameters(), self.spec.grad_clip, stages,
+                              self.expert_parallel)
 
     def _optimizer_step(self):
         if self.scaler is not None:
@@ -108,12 +110,11 @@ class _TorchFSDP(ModuleStateTensors, Engine):
     def _save_model_optim(self, sink: Sink) -> None:
         write_model_optim(sink, self.model, self.optimizer, self.spec.state_dict == "sharded",
                           self.rank, on_cpu=self.device.type == "cpu", live=self.live,
-                          whole_groups=self.pipeline.whole_groups if self.pipeline else None)
+                          splits=self.splits)
 
     def _load_model_optim(self, path: Path, manifest: dict, weights_only: bool = False) -> None:
         self.live.clear()  # it holds the state tensors the load replaces
-        read_model_optim(path, self.model, self.optimizer, weights_only,
-                         self.pipeline.elsewhere if self.pipeline is not None else frozenset())
+        read_model_optim(path, self.model, self.optimizer, weights_only, self.splits)
 
     def native_checkpoint(self):
         """(save, load) as torchtitan's checkpointer does it: torch DCP of get_state_dict's model
@@ -155,6 +156,8 @@ class FSDP2Engine(_TorchFSDP):
             if self.dims.tp > 1 else None
         if self.dims.pp > 1:  # this rank's pipeline stages, each sharded as a model of its own
             model = self._apply_pipeline(model)
+        if self.dims.ep > 1:  # this rank's experts (each sharded as a unit of its own below)
+            self._apply_expert_parallel(model)
         units = [self._shard_fsdp2(part, lazy, plan)
                  for part in (self.pipeline.parts if self.pipeline is not None else [model])]
         self.units = [u for each in units for u in each]
@@ -179,6 +182,9 @@ class FSDP2Engine(_TorchFSDP):
         if self.spec.checkpoint_activations:
             apply_ac(model, units)
         units = at_unit_places(model, units)
+        if self.expert_parallel is not None:  # the experts' units first: the blocks' leave them
+            ep = self.expert_parallel
+            apply_expert_fsdp(ep.units(), ep.shard_mesh, kwargs, ep.divide_by, self.device.type)
         if self.spec.compile.scope == "blocks":
             self._apply_compile(model, units)
         apply_fsdp2(model, units, mesh, kwargs, self.spec.fsdp.reshard_output)

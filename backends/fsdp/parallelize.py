@@ -5,6 +5,7 @@ taking the model, the mesh or the units, and plain options, each testable alone 
 - `apply_tp`: the tensor-parallel plan over mesh["tp"] (topology.tp; the plan and its checks:
   parallel/engine/model/tp_plan.py);
 - `apply_fsdp2` / `apply_fsdp1`: the shard units, the model's edges (layout.py) and the root;
+- `apply_expert_fsdp`: topology.ep's experts, each a unit over the ranks holding the same ones;
 - `apply_forward_prefetch`: FSDP2's explicit forward prefetch in forward order;
 - `sync_from_rank0`, `full_state_of`, `fill_from_rank0`: every rank starting from rank 0's weights
   (sync_module_states, cpu_ram_efficient_loading).
@@ -107,6 +108,23 @@ def apply_fsdp2(model: nn.Module, units: list[tuple[str, nn.Module]], mesh, kwar
         fully_shard(modules if len(modules) > 1 else modules[0], mesh=mesh,
                     reshard_after_forward=keep, **kwargs)
     fully_shard(model, mesh=mesh, **kwargs)
+
+
+def apply_expert_fsdp(experts: list[nn.Module], mesh, kwargs: dict, divide_by: int,
+                      device_type: str) -> None:
+    """topology.ep: each held expert its own unit over `mesh` (the ranks holding the same experts),
+    before the blocks (children first: the blocks' units leave the experts' parameters to them),
+    as torchtitan shards experts over dp_shard_mod_ep. The gradient is divided by the whole
+    data-parallel x cp count, not the mesh's size: each owner's gradient already sums its ep
+    group's tokens (torchtitan's gradient divide factor). NCCL folds the division into the
+    reduction (premul-sum); elsewhere (gloo) it is a sum, then the division."""
+    from torch.distributed.fsdp import fully_shard
+
+    for expert in experts:
+        fully_shard(expert, mesh=mesh, **kwargs)
+        expert.set_gradient_divide_factor(float(divide_by))
+        if device_type != "cuda":
+            expert.set_force_sum_reduction_for_comms(True)
 
 
 def apply_forward_prefetch(model: nn.Module, units: list[tuple[str, nn.Module]]) -> None:

@@ -32,8 +32,31 @@ def _check_loss_scale(spec: Spec) -> None:
                          for k in sorted(deepspeed_only)])
 
 
+def _ep_rules(spec: Spec) -> None:
+    """topology.ep: FSDP2's experts split (parallel/engine/model/moe/expert_parallel.py), with
+    what it does not combine with yet named."""
+    t, ep = spec.topology, spec.topology.ep
+    if ep == 1:
+        return
+    if spec.fsdp.version == 1:
+        raise SpecError([("topology.ep", f"{ep} with fsdp.version: 1: each expert is sharded over "
+                          "its own ranks, which FSDP1's one process group per unit cannot do; "
+                          "use fsdp.version: 2")])
+    others = {"topology.tp": t.tp > 1, "topology.pp": t.pp > 1,
+              "compile.enabled": spec.compile.enabled,
+              "fsdp.cpu_ram_efficient_loading": spec.fsdp.cpu_ram_efficient_loading}
+    bad = [name for name, on in others.items() if on]
+    if bad:
+        raise SpecError([(name, f"with topology.ep {ep}: not built with expert parallelism yet "
+                          "(each rank holds other experts: tp's split of them, pp's stages, "
+                          "compiled dispatch and rank 0's weights for every rank are not done); "
+                          f"unset it, or use topology.ep: 1 (docs/moe.md)") for name in bad])
+
+
 def _fsdp2_dims(spec: Spec) -> None:
-    """tp, cp and pp are FSDP2's: fully_shard's mesh spans them, FSDP1's flat parameters do not."""
+    """tp, cp, pp and ep are FSDP2's: fully_shard's mesh spans them, FSDP1's flat parameters do
+    not."""
+    _ep_rules(spec)
     if spec.fsdp.version == 2:
         if spec.topology.pp > 1 and spec.pipeline.schedule in V_SHAPED:
             raise SpecError([("pipeline.schedule", f"{spec.pipeline.schedule!r} with fully_shard: "
@@ -84,6 +107,10 @@ def translate(spec: Spec) -> dict:
         if spec.topology.cp > 1:  # sharded over dp_shard x cp; attention's all-to-all over cp
             out["cp"] = {"size": spec.topology.cp, "attention": "ulysses all-to-all",
                          "shard_mesh": "dp_shard x cp"}
+        if spec.topology.ep > 1:  # experts split over ep, each sharded over what ep leaves
+            out["ep"] = {"size": spec.topology.ep, "dispatch": "all-to-all",
+                         "experts_shard_mesh": "dp_replicate x dp_mod_ep"
+                         if len(out["mesh"]) == 2 else "dp_mod_ep"}
         return out
     f = spec.fsdp
     if spec.shard in HYBRID and spec.shard_group_size == 1:

@@ -84,6 +84,23 @@ class ParallelDims:
         return (rank // (self.cp * self.tp)) % self.dp_size
 
     @property
+    def dp_mod_ep(self) -> int:
+        """The ranks of dp_shard x cp that hold the same experts (what ep leaves of the ranks it
+        borrows, torchtitan's dp_shard_mod_ep): each expert is sharded over them."""
+        return self.dp_shard * self.cp // self.ep
+
+    def expert_mesh(self, device_type: str):
+        """The mesh experts live on: the engine's ranks as (pp, dp_replicate, dp_mod_ep, ep, tp),
+        dp_shard x cp split into (dp_mod_ep, ep) with ep inner (its all-to-alls between
+        neighbouring ranks, one host's links first); the same rank order as `device_mesh`."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        sizes = {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_mod_ep": self.dp_mod_ep,
+                 "ep": self.ep, "tp": self.tp}
+        names = tuple(n for n, v in sizes.items() if v > 1 or n in ("dp_replicate", "dp_mod_ep"))
+        return init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=names)
+
+    @property
     def mesh_dims(self) -> tuple[str, ...]:
         """The mesh's dimension names: dp_replicate, dp_shard and tp always (size 1 included, so
         `mesh["dp_shard"]` and `mesh["tp"]` always exist), pp and cp where they are above 1 (a

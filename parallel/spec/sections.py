@@ -84,9 +84,14 @@ class Topology(Section):
     ep: Annotated[
         int,
         Field(ge=1, le=MAX_WORLD,
-              description="Expert-parallel degree N: a mixture-of-experts layer's experts "
-              "split over N ranks borrowed from data (and context) parallelism. No backend "
-              "implements it yet: N > 1 is refused naming the backend (docs/moe.md)."),
+              description="Expert-parallel degree N: each mixture-of-experts block's experts split "
+              "over N ranks borrowed from data and context parallelism (N divides dp_shard x "
+              "cp), tokens sent to their experts' owners and back by all-to-all; each expert is "
+              "sharded over the ranks holding the same ones. The router, top-k, shared experts "
+              "and balancing loss are the model's own, no token dropped: a step is one "
+              "process's. FSDP2 runs it for Hugging Face Mixtral, Qwen2-MoE, Qwen3-MoE and "
+              "DeepSeek-V3 blocks; FSDP1, DeepSpeed and XLA refuse N > 1 naming why "
+              "(docs/moe.md)."),
     ] = 1
     tp_plan: Annotated[
         dict[Annotated[str, StringConstraints(min_length=1, max_length=512)],

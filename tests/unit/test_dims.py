@@ -170,12 +170,17 @@ def test_a_head_tied_to_its_embedding_stays_whole_and_foreign_styles_are_named()
 
 
 def test_a_dimension_no_backend_implements_is_refused_naming_why():
+    """ep: FSDP2 runs it; a backend without it names itself and the fix."""
+    from parallel import registry
     from parallel.spec.errors import SpecError
 
-    with pytest.raises(SpecError) as err:
-        load_spec({"topology": {"procs_per_node": 4, "ep": 2}})
-    message = dict(err.value.problems)["topology.ep"]
-    assert "backend 'fsdp' does not implement" in message and "use ep: 1 (docs/moe.md)" in message
+    lacking = [d.name for d in registry.descriptors() if "ep" not in d.dimensions]
+    assert "xla_fsdp" in lacking and "fsdp" not in lacking, lacking
+    for name in lacking:
+        with pytest.raises(SpecError) as err:
+            load_spec({"backend": name, "topology": {"procs_per_node": 4, "ep": 2}})
+        message = dict(err.value.problems)["topology.ep"]
+        assert f"backend {name!r} does not implement" in message and "use ep: 1" in message
 
 
 def test_cp_is_refused_where_a_backend_lacks_it_naming_the_field():
@@ -213,3 +218,27 @@ def test_every_dimension_has_its_slot_in_the_layout():
     assert dims.mesh_dims == ("dp_replicate", "dp_shard", "cp", "tp")
     assert ParallelDims(2, 2).mesh_dims == ("dp_replicate", "dp_shard", "tp")  # size-1: no cp, pp
     assert ParallelDims(1, 4, pp=2).world_size == 8
+
+
+def test_ep_borrows_from_dp_shard_x_cp_and_fsdp2_names_what_it_does_not_combine_with():
+    from parallel.spec.errors import SpecError
+
+    spec = load_spec({"topology": {"procs_per_node": 8, "ep": 4, "cp": 2}})
+    assert (spec.dims.dp_shard, spec.dims.cp, spec.dims.ep, spec.dims.dp_mod_ep) == (4, 2, 4, 2)
+    with pytest.raises(SpecError) as err:
+        load_spec({"topology": {"procs_per_node": 4, "ep": 3}})
+    assert "must divide the ranks it borrows from, dp_shard x cp = 4" in \
+        dict(err.value.problems)["topology.ep"]
+    with pytest.raises(SpecError) as err:
+        load_spec({"fsdp": {"version": 1}, "topology": {"procs_per_node": 4, "ep": 2}})
+    assert "use fsdp.version: 2" in dict(err.value.problems)["topology.ep"]
+    for field, extra in (("topology.tp", {"topology": {"procs_per_node": 4, "ep": 2, "tp": 2}}),
+                         ("topology.pp", {"topology": {"procs_per_node": 4, "ep": 2, "pp": 2},
+                                         "micro_batch_size": 2}),
+                         ("compile.enabled", {"compile": {"enabled": True}}),
+                         ("fsdp.cpu_ram_efficient_loading",
+                          {"fsdp": {"cpu_ram_efficient_loading": True}})):
+        with pytest.raises(SpecError) as err:
+            load_spec({"topology": {"procs_per_node": 4, "ep": 2}, **extra})
+        assert "not built with expert parallelism yet" in dict(err.value.problems)[field], field
+    assert load_spec({"topology": {"procs_per_node": 4, "ep": 2}}).dims.dp_mod_ep == 2

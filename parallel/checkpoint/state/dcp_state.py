@@ -26,13 +26,16 @@ from parallel.checkpoint.state.sink import Sink
 
 def write_model_optim(sink: Sink, model, optimizer, sharded: bool, rank: int,
                       on_cpu: bool = False, live: LiveState | None = None,
-                      whole_groups: Callable | None = None) -> None:
-    """`whole_groups(names per group)`: every rank's names of each group, where this rank holds
-    part of the model (topology.pp): the stored groups name the whole model's parameters."""
+                      splits: tuple = ()) -> None:
+    """`splits`: the engine's parts that leave this rank part of the model (pipeline stages, ep's
+    experts; each has `whole_groups(names per group)`, every rank's names of each group): the
+    stored groups name the whole model's parameters."""
     if sharded:  # every rank writes its own shards (DTensor / ShardedTensor chunks)
         msd, osd = (live or LiveState()).get(model, optimizer)
-        if whole_groups is not None:
-            names = whole_groups([list(g["params"]) for g in osd["param_groups"]])
+        if splits:
+            names = [list(g["params"]) for g in osd["param_groups"]]
+            for split in splits:  # the experts over ep first, then the stages over pp
+                names = split.whole_groups(names)
             osd = {**osd, "param_groups": [{**g, "params": n}
                                            for g, n in zip(osd["param_groups"], names)]}
         save_state({"model": msd, "optim": osd}, sink)
@@ -47,11 +50,12 @@ def write_model_optim(sink: Sink, model, optimizer, sharded: bool, rank: int,
 
 
 def read_model_optim(path: Path, model, optimizer, weights_only: bool = False,
-                     elsewhere: frozenset[str] = frozenset()) -> None:
+                     splits: tuple = ()) -> None:
     # The templates come from this run's own sharding: DCP reshards into them, whatever world size
     # or backend wrote the files. get_state_dict also creates optimizer state that does not exist
     # yet, so a weights-only load asks for the model's alone: the optimizer stays as it is.
-    # `elsewhere`: the model's entries other ranks hold (topology.pp's other stages).
+    # `splits`' elsewhere: the model's entries other ranks hold (other stages, other ep ranks').
+    elsewhere = frozenset().union(*(split.elsewhere for split in splits))
     reader = open_state(path)
     if weights_only:
         msd = get_model_state_dict(model)

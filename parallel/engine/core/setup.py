@@ -28,6 +28,7 @@ from parallel.engine.model.compile import apply_compile
 from parallel.engine.model.wrap import forward_kwargs
 from parallel.engine.model.pipeline.schedule import Pipeline
 from parallel.engine.model.context_parallel import ContextParallel, apply_context_parallel
+from parallel.engine.model.moe.expert_parallel import ExpertParallel
 from parallel.engine.model.moe.experts import Experts, moe_blocks
 from parallel.engine.model.moe.router import RouterLoss
 from parallel.engine.model.params import ParamGroupsHook, ParamPlan, per_parameter
@@ -70,6 +71,7 @@ class EngineSetup(EngineCalls):
         self.attention: str | None = None  # the HF model's attention implementation, likewise
         self.context: ContextParallel | None = None  # topology.cp's split and attention, likewise
         self.pipeline: Pipeline | None = None  # topology.pp's stages and schedule (_apply_pipeline)
+        self.expert_parallel: ExpertParallel | None = None  # topology.ep (_apply_expert_parallel)
         self.notices: list[str] = []  # what this run does differently from one process, said once
         self.loaders = Loaders()  # training loaders by name (checkpointed), eval loaders apart
         self.user_state = UserState()  # the user's objects saved with each checkpoint
@@ -179,6 +181,19 @@ class EngineSetup(EngineCalls):
         self.params.restrict({n for _, names in per_parameter(view) for n in names})
         return view
 
+    def _apply_expert_parallel(self, model: nn.Module) -> ExpertParallel:
+        """topology.ep (backends call it after `_record_params` and any pipeline split, before
+        sharding): each block keeps its ep rank's experts (expert_parallel.py)."""
+        self.expert_parallel = ExpertParallel(model, self.experts.blocks, self.dims,
+                                              self.device.type)
+        self.params.restrict({n for _, names in per_parameter(model) for n in names})
+        return self.expert_parallel
+
+    @property
+    def splits(self) -> tuple:
+        """The parts that leave each rank part of the model: ep's experts, pipeline stages."""
+        return tuple(p for p in (self.expert_parallel, self.pipeline) if p is not None)
+
     def _apply_compile(self, model: nn.Module, units: list[tuple[str, nn.Module]],
                        compile_model: Callable | None = None) -> None:
         """Backends call this from `_prepare` where their order needs it (model/compile.py)."""
@@ -200,7 +215,8 @@ class EngineSetup(EngineCalls):
         # gradients are averaged over every rank holding other tokens: data parallel x cp
         self.objective = Objective.for_model(model, self._count_fn, self.loss_fn is not None,
                                              self.spec.loss_weighting, self.dims.dp_cp)
-        self.experts = Experts(model, touch=self.dims.dp_cp > 1) or None
+        # under ep the dispatch runs every held expert itself (expert_parallel.py)
+        self.experts = Experts(model, touch=self.dims.dp_cp > 1 and self.dims.ep == 1) or None
         self.router = RouterLoss.for_model(model, moe_blocks(model), self.spec.moe.router_loss,
                                            self.dims.dp_cp, self.loss_fn is not None)
         self.forward_kwargs = forward_kwargs(model, self.router is not None)

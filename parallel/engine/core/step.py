@@ -66,33 +66,50 @@ def require_fp32(model: nn.Module) -> None:
                          "`precision: bf16` for bf16 compute")
 
 
-def clip_grad_norm(params, max_norm: float | None, stages=None) -> torch.Tensor:
+def clip_grad_norm(params, max_norm: float | None, stages=None, experts=None) -> torch.Tensor:
     """The global gradient 2-norm of `params`, clipped to `max_norm` when set. DTensor gradients
     (FSDP2) give partial norms per shard: reduced to the full norm before clipping. Gradients on
     several meshes (TP + FSDP2: the split projections on (dp_shard, tp), the rest on dp_shard)
     are normed per mesh and the squares summed: torch stacks per-tensor norms, which DTensor
     refuses across meshes (measured: "All operands in aten.stack.default must have the same
     mesh"), so each mesh costs one reduction. `stages`: topology.pp's group, whose ranks hold the
-    other layers: the squares summed over it too (torchtitan's one extra reduction under pp)."""
+    other layers: the squares summed over it too (torchtitan's one extra reduction under pp).
+    `experts`: topology.ep's part (ExpertParallel): the squares of its parameters' gradients (each
+    rank holds other experts) summed over its ep group, one more reduction, on every rank alike
+    (a rank whose experts got no gradient adds a zero)."""
+    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
+    held = experts.param_ids if experts is not None else frozenset()
     groups: dict = {}
+    own: list = []
     for p in params:
         if p.grad is not None:
+            if id(p) in held:
+                own.append(p)
+                continue
             mesh = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
             groups.setdefault(mesh, []).append(p)
-    norms = []
-    for members in groups.values() or [[]]:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in members], 2.0, False)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    norm = norms[0] if len(norms) == 1 else torch.stack([n ** 2 for n in norms]).sum().sqrt()
+    norms = [_norm(members) for members in groups.values() or [[]]]
+    if experts is not None:  # after the dense meshes' reductions, on every rank in this order
+        square = (_norm(own).float() ** 2).to(norms[0].device) if own else \
+            torch.zeros((), device=norms[0].device)
+        dist.all_reduce(square, group=experts.group)
+        norms.append(square.sqrt())
+    norm = norms[0] if len(norms) == 1 else torch.stack([n.float() ** 2 for n in norms]).sum().sqrt()
     if stages is not None:
-        import torch.distributed as dist
-
         square = norm.float() ** 2
         dist.all_reduce(square, group=stages)
         norm = square.sqrt()
     if max_norm is not None:
-        for members in groups.values():
+        for members in [*groups.values(), own]:
             torch.nn.utils.clip_grads_with_norm_(members, max_norm, norm)
     return norm
+
+
+def _norm(members: list) -> torch.Tensor:
+    """The 2-norm of the gradients of `members` (one mesh), reduced over its shards."""
+    from torch.distributed.tensor import DTensor
+
+    norm = torch.nn.utils.get_total_norm([p.grad for p in members], 2.0, False)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm

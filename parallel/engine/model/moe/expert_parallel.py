@@ -18,12 +18,16 @@ to the host too), the rows out and the rows back; backward: the two row all-to-a
 
 from __future__ import annotations
 
+import functools
 import types
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from parallel.dist import union_names
+from parallel.kits.names import clean_name
 
 
 class HeldExperts(nn.ModuleDict):
@@ -48,9 +52,14 @@ class HeldExperts(nn.ModuleDict):
 class Dispatch:
     """Rows to their experts' owners and back, for one block on one rank."""
 
-    def __init__(self, experts: HeldExperts, n_experts: int, ep: int, rank: int, group):
+    def __init__(self, experts: HeldExperts, n_experts: int, ep: int, rank: int, group,
+                 touch: bool = False):
         self.experts, self.n, self.ep, self.rank, self.group = experts, n_experts, ep, rank, group
         self.per = n_experts // ep
+        # every held expert runs each forward, on no rows where no rank routed a token to it: its
+        # gradient is then a zero on every rank, so the ranks sharding it reduce the same experts
+        # in the same order (the engine drops the gradients of experts no rank used)
+        self.touch = touch
 
     def __call__(self, x: torch.Tensor, selected: torch.Tensor, weights: torch.Tensor
                  ) -> torch.Tensor:
@@ -80,7 +89,7 @@ class Dispatch:
         for j in range(self.per):
             mine = [src * self.per + j for src in range(self.ep)]
             taken = torch.cat([pieces[i] for i in mine])
-            if taken.shape[0] == 0:
+            if taken.shape[0] == 0 and not self.touch:
                 continue  # no rank routed a token here: no gradient, as on one process
             done = self.experts[self.rank * self.per + j](taken).split([sizes[i] for i in mine])
             for i, part in zip(mine, done):
@@ -111,10 +120,13 @@ def _routed_forward(block, dispatch: Dispatch):
     return types.MethodType(forward, block)
 
 
-def apply_expert_parallel(blocks: list[tuple[str, nn.Module]], ep: int, rank: int, group) -> None:
+def apply_expert_parallel(blocks: list[tuple[str, nn.Module]], ep: int, rank: int, group,
+                          touch: bool = False) -> list[HeldExperts]:
     """Each block (moe_blocks(model)) keeps experts [rank x n / ep, (rank + 1) x n / ep), the others
-    dropped, and dispatches its tokens over `group` (the ep ranks; None: the world). The routing must
-    be deterministic: a router's jitter draws other noise on each rank."""
+    dropped, and dispatches its tokens over `group` (the ep ranks; None: the world); the held
+    experts of each block. The routing must be deterministic: a router's jitter draws other noise on
+    each rank. `touch`: run every held expert each forward (Dispatch)."""
+    out = []
     for name, block in blocks:
         n = len(block.experts)
         if n % ep:
@@ -127,8 +139,53 @@ def apply_expert_parallel(blocks: list[tuple[str, nn.Module]], ep: int, rank: in
         per = n // ep
         held = HeldExperts({str(i): block.experts[i] for i in range(rank * per, (rank + 1) * per)}, n)
         block.experts = held
-        dispatch = Dispatch(held, n, ep, rank, group)
+        out.append(held)
+        dispatch = Dispatch(held, n, ep, rank, group, touch)
         if hasattr(block, "moe"):  # DeepSeek-V3: its own router and shared experts around moe()
             block.moe = lambda x, idx, w, d=dispatch: d(x, idx, w).type(x.dtype)
         else:
             block.forward = _routed_forward(block, dispatch)
+    return out
+
+
+class ExpertParallel:
+    """topology.ep's part of an engine: the experts of each mixture-of-experts block split over the
+    ep ranks, which borrow from dp_shard x cp (ParallelDims.expert_mesh); the backend shards each
+    held expert over the ranks holding the same ones (`shard_mesh`, with the replicas under hybrid
+    sharding).
+
+    What one process computes: an expert's gradient on its owner sums every ep rank's tokens routed
+    to it (the all-to-all's backward), and the sharded reduction adds the other replicas' (ranks of
+    `shard_mesh`), so the divide factor over them is the whole data-parallel x cp count
+    (`divide_by`), as the dense parameters' mean is. The squares of the experts' gradients add
+    over the ep group (each rank holds other experts) for the global norm."""
+
+    def __init__(self, model: nn.Module, blocks: list[tuple[str, nn.Module]], dims,
+                 device_type: str):
+        mesh = dims.expert_mesh(device_type)
+        self.ep, self.group = dims.ep, mesh["ep"].get_group()
+        self.shard_mesh = (mesh["dp_replicate", "dp_mod_ep"] if dims.dp_replicate > 1
+                           else mesh["dp_mod_ep"])
+        self.divide_by = dims.dp_cp
+        whole = {clean_name(n) for n in model.state_dict()}
+        self.held = apply_expert_parallel(blocks, self.ep, mesh["ep"].get_local_rank(),
+                                          self.group, touch=True)
+        # the model's entries other ep ranks hold: a checkpoint's are not this rank's to read
+        self.elsewhere = frozenset(whole - {clean_name(n) for n in model.state_dict()})
+        self._whole: list[list[str]] | None = None
+
+    @functools.cached_property
+    def param_ids(self) -> frozenset[int]:
+        """The held experts' parameters, read at the first step: after sharding, which replaces
+        them (fully_shard's DTensor parameters are new objects)."""
+        return frozenset(id(p) for held in self.held for p in held.parameters())
+
+    def units(self) -> list[nn.Module]:
+        """Each held expert, the unit the backend shards over `shard_mesh`."""
+        return [expert for held in self.held for expert in held.values()]
+
+    def whole_groups(self, names: list[list[str]]) -> list[list[str]]:
+        """Each optimizer group's names over every ep rank's experts, gathered at the first save."""
+        if self._whole is None:
+            self._whole = union_names(names, self.group)
+        return self._whole

@@ -47,12 +47,15 @@ class Experts:
     def __init__(self, model: nn.Module, touch: bool):
         self.blocks = moe_blocks(model)
         self.names: list[str] = []  # one per expert, "model.layers.0.mlp.experts.3"
+        self.params: list[list[str]] = []  # each expert's parameter names (ep drops the others)
         self.used: list[bool] = []  # this rank, this step
         self._touching = False
         self._handles = []
         for block_name, block in self.blocks:
             first = len(self.names)
             self.names += [f"{block_name}.experts.{i}" for i in range(len(block.experts))]
+            self.params += [[f"{block_name}.experts.{i}.{n}" for n, _ in e.named_parameters()]
+                            for i, e in enumerate(block.experts)]
             self.used += [False] * len(block.experts)
             self._hook(block, first, touch)
 
@@ -66,12 +69,7 @@ class Experts:
                 f"{{0..{len(block.experts) - 1}}} ({type(block).__name__})")
 
     def param_names(self, experts: list[int]) -> list[str]:
-        out = []
-        for i in experts:
-            block_name, _, index = self.names[i].rpartition(".experts.")
-            block = dict(self.blocks)[block_name]
-            out += [f"{self.names[i]}.{n}" for n, _ in block.experts[int(index)].named_parameters()]
-        return out
+        return [name for i in experts for name in self.params[i]]
 
     def drop_unused(self, trained, device, group) -> None:
         """Experts no rank used this step got zero gradients: drop them (`.grad = None`), so the
@@ -105,7 +103,7 @@ class Experts:
 
         def expert_pre(index: int) -> Callable:
             def hook(module, args):
-                if self._touching:
+                if self._touching or args[0].shape[0] == 0:  # no rows (ep runs every expert)
                     return None
                 self.used[first + index] = True
                 cursor["pending"] = self._run_empty(block, cursor, index) if touch else None

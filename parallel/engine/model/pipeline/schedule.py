@@ -23,6 +23,8 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import schedules as ts
 
+from parallel.dist import union_names
+
 SINGLE = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 MULTI = {"interleaved_1f1b": "ScheduleInterleaved1F1B", "zbv": "ScheduleZBVZeroBubble",
          "dualpipev": "ScheduleDualPipeV"}
@@ -155,10 +157,7 @@ class Pipeline:
         groups name the whole model's, so that any layout reads them): gathered over the pp group
         at the first save, kept after (the groups do not change)."""
         if self._whole is None:
-            gathered: list = [None] * self.layout.pp
-            torch.distributed.all_gather_object(gathered, names, group=self.layout.group)
-            self._whole = [sorted({n for stage in gathered for n in stage[i]})
-                           for i in range(len(names))]
+            self._whole = union_names(names, self.layout.group)
         return self._whole
 
     def mean_loss(self, micro: dict, count: torch.Tensor) -> torch.Tensor:
