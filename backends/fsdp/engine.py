@@ -143,7 +143,8 @@ class _TorchFSDP(ModuleStateTensors, Engine):
 
         # Every rank gathers (no cpu_offload: FSDP1 segfaults with it on a CPU device, docs/fsdp.md)
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True))
-        return {k: v.detach().cpu() for k, v in state.items()}
+        state = {k: v.detach().cpu() for k, v in state.items()}
+        return state if self.expert_parallel is None else self.expert_parallel.gather_whole(state)
 
 
 class FSDP2Engine(_TorchFSDP):

@@ -36,12 +36,13 @@ def global_batches(steps, world, rows, seed=1234):
 
 
 def tiny(case):
-    """The case's model: the tiny Llama, with the case's config overrides (e.g. tied embeddings),
-    or with {"own": layers} a model of your own (toy.OwnDecoder)."""
-    overrides = case.get("model", {})
+    """The case's model: the tiny Llama (or {"toy": name}: another toy, e.g. mixtral), with the
+    case's config overrides (e.g. tied embeddings), or with {"own": layers} a model of your own
+    (toy.OwnDecoder)."""
+    overrides = dict(case.get("model", {}))
     if "own" in overrides:
         return OwnDecoder(layers=overrides["own"])
-    return build_llama(llama_config("tiny", **overrides))
+    return build_llama(llama_config(overrides.pop("toy", "tiny"), **overrides))
 
 
 def reference(spec, case, batches, known: dict):
@@ -138,12 +139,25 @@ def run_case(case, phase, ckpt_root, known: dict):
             engine.save(ckpt)
             if case.get("pretrained"):  # the Hugging Face export of the same weights
                 engine.save_pretrained(f"{ckpt}-hf")
+            if case.get("eval_at_save"):  # where the step's loss is not evaluate's (a MoE
+                # model's balancing loss): what the weights-only load must evaluate to
+                after = rank_slice(batches[case["save_at"]], engine.dp_rank, rows)
+                out["eval_at_save"] = engine.evaluate([after])["loss"]
     out.update(loss=losses, norm=norms, start=start, notices=engine.notices)
     if case.get("generate_refused"):  # topology.pp: refused naming the fix, on every rank alike
         try:
             engine.generate(torch.zeros(1, 4, dtype=torch.long), max_new_tokens=2)
         except ValueError as err:
             out["generate_refused"] = str(err)
+    if case.get("generate"):  # greedy tokens from the trained model, every rank the same prompt
+        prompt = torch.arange(1, 6).unsqueeze(0)
+        out["generated"] = engine.generate(prompt, max_new_tokens=4, do_sample=False).tolist()
+        whole = engine.gather_model()  # every rank: a collective
+        if engine.is_main:  # the same from a plain model with the gathered weights
+            plain = tiny(case)
+            plain.load_state_dict(whole)
+            out["plain_generated"] = plain.generate(prompt, max_new_tokens=4, do_sample=False,
+                                                    output_router_logits=False).tolist()
     if phase == "train" and engine.is_main:
         # A plain PyTorch model with the checkpoint's weights of step save_at (read whole, in one
         # process) must see the loss the engine saw at the next step.

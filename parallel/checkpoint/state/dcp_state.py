@@ -5,7 +5,6 @@ portable layout. `LiveState` hands its sharded state out again while it still is
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from itertools import chain
 from pathlib import Path
 
@@ -19,8 +18,14 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from parallel.checkpoint.state.chunks import Kept
-from parallel.checkpoint.state.optim_state import groups_template, merge_groups
-from parallel.checkpoint.state.portable import load_state, open_state, save_state
+from parallel.checkpoint.state.optim_state import groups_template, init_optimizer_state, merge_groups
+from parallel.checkpoint.state.portable import (
+    entry_of,
+    load_state,
+    open_state,
+    save_state,
+    stored_keys,
+)
 from parallel.checkpoint.state.sink import Sink
 
 
@@ -63,8 +68,19 @@ def read_model_optim(path: Path, model, optimizer, weights_only: bool = False,
         set_model_state_dict(model, msd)
         return
     groups_template(path, reader)  # none stored: refused before get_state_dict creates state
+    stored = {entry_of(k) for k in stored_keys(path, reader) if k.startswith("optim.state.")}
     msd, osd = get_state_dict(model, optimizer)
-    template = {"model": msd, "optim": {"state": osd["state"],
+    # A parameter that has had no gradient yet (an expert no rank used) has no optimizer state:
+    # where the checkpoint has some, it is made here to be filled; where the checkpoint has none
+    # (none then), the live state is dropped, as the run that wrote it had none.
+    lacking = {id(p) for group, named in zip(optimizer.param_groups, osd["param_groups"])
+               for p, name in zip(group["params"], named["params"])
+               if name in stored and not optimizer.state.get(p)}
+    if lacking:
+        init_optimizer_state(optimizer, only=lacking)
+        msd, osd = get_state_dict(model, optimizer)
+    template = {"model": msd, "optim": {"state": {n: v for n, v in osd["state"].items()
+                                                  if n in stored},
                                         "param_groups": groups_template(path, reader)}}
     load_state(template, path, reader=reader, elsewhere=elsewhere)
     groups = merge_groups(osd["param_groups"], template["optim"]["param_groups"],

@@ -87,14 +87,15 @@ def single_step(per_name: dict[str, dict], names) -> torch.Tensor | None:
     return torch.tensor(max(steps)) if steps else None
 
 
-def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the optimizer's state for every parameter without any, by one step with zero
-    gradients on those alone and lr 0, which changes no parameter for SGD, Adam and AdamW (decoupled
-    decay is scaled by lr) and steps no other (torch's optimizers skip a parameter without a
-    gradient). DCP and DeepSpeed's fragment links fill existing state only; a fresh optimizer has
-    none until its first step, nor has a parameter that never had a gradient (an unused expert)."""
+def init_optimizer_state(optimizer: torch.optim.Optimizer, only: set[int] | None = None) -> None:
+    """Create the optimizer's state for every parameter without any (`only`: those of these ids),
+    by one step with zero gradients on those alone and lr 0, which changes no parameter for SGD,
+    Adam and AdamW (decoupled decay is scaled by lr) and steps no other (torch's optimizers skip a
+    parameter without a gradient). DCP and DeepSpeed's fragment links fill existing state only; a
+    fresh optimizer has none until its first step, nor has a parameter that never had a gradient
+    (an unused expert)."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    fresh = {id(p) for p in params if not optimizer.state.get(p)}
+    fresh = {id(p) for p in params if not optimizer.state.get(p) and (only is None or id(p) in only)}
     if not fresh:
         return
     lrs = [g["lr"] for g in optimizer.param_groups]

@@ -125,7 +125,7 @@ def as_written(state: dict) -> dict:
     return {**state, "optim": {**optim, "param_groups": tuple(optim["param_groups"])}}
 
 
-def _entry_of(key: str) -> str:
+def entry_of(key: str) -> str:
     """The model entry a stored key belongs to: model.<name>, optim.state.<name>.<field>."""
     if key.startswith("optim.state."):
         return key[len("optim.state."):].rpartition(".")[0]
@@ -155,7 +155,7 @@ def load_state(template: dict, path: Path, planner=None, collective: bool = True
     sections = tuple(f"{name}." if name == "model" else "optim.state." for name in template)
     unread = {k for k in stored_keys(path, reader) if k.startswith(sections)}
     unread -= set(flatten_state_dict(template)[0])
-    unread = {k for k in unread if _entry_of(k) not in elsewhere}
+    unread = {k for k in unread if entry_of(k) not in elsewhere}
     if unread:
         raise PortableStateError(
             f"{path / STATE_DIR}: holds {len(unread)} entries this run has no place for (e.g. "

@@ -1,8 +1,9 @@
-"""The engine's public calls that hand straight to a part it owns: checkpoints (checkpointing.py),
-the user's registered state (user_state.py), evaluation (evaluate.py), the tracker and progress bar
-(tracking.py, progress_bar.py), and generation (a backend hook). Each is a line or two, kept here so
+"""The engine's public calls that hand straight to a part it owns: data loaders (loaders.py, packing.py),
+checkpoints (checkpointing.py), the user's registered state (user_state.py), evaluation
+(evaluate.py), the tracker and progress bar (tracking.py, progress_bar.py), and generation (a
+backend hook). Each is a line or two, kept here so
 that setup.py reads as the set-up and engine.py as the step; the parts are the engine's objects,
-made in its __init__ (`checkpoints`, `preemption`, `user_state`, `tracker`)."""
+made in its __init__ (`loaders`, `checkpoints`, `preemption`, `user_state`, `tracker`)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,51 @@ from pathlib import Path
 import torch
 
 from parallel.engine.core.hooks import BackendHooks
+from parallel.engine.data import packing
+from parallel.engine.data.guard import check_pack_args
+from parallel.engine.data.loaders import build_loader
 
 
 class EngineCalls(BackendHooks):
+    # ---- data ----
+    def dataloader(self, dataset, batch_size: int | None = None, shuffle: bool = True,
+                   collate_fn=None, *, name: str | None = None, eval: bool = False,
+                   drop_last: bool | None = None, accept_changed_data: bool = False,
+                   pack_to: int | None = None, pad_token_id: int = 0, **torch_kwargs):
+        """This rank's loader of step batches (micro_batch_size * grad_accum_steps samples each) of
+        a map-style or iterable dataset (Hugging Face `datasets`, streaming too), sharded by
+        data-parallel rank. A training loader's position is saved with the checkpoint under `name`;
+        `eval=True` loaders never are (data/loaders.py). `torch_kwargs`: num_workers, pin_memory,
+        prefetch_factor, persistent_workers, as torch's DataLoader takes them. `pack_to=N`: the
+        dataset's items are tokenized documents, packed whole into rows of N tokens, attention and
+        targets confined to each (data/packing.py); `pad_token_id` fills a row's end."""
+        if drop_last is False and not eval:
+            raise ValueError("engine.dataloader: drop_last=False on a training loader: its last "
+                             "batch would be short and the step takes a fixed number of samples "
+                             "per rank (micro_batch_size x grad_accum_steps); keep drop_last, or "
+                             "pass eval=True for an evaluation loader")
+        pack = None
+        if pack_to is not None:
+            pack, collate_fn = self._packer(pack_to, pad_token_id, collate_fn)
+        loader = build_loader(dataset, size=batch_size or self.samples_per_step,
+                              dp_size=self.dp_size, dp_rank=self.dp_rank, seed=self.spec.seed,
+                              shuffle=shuffle, collate_fn=collate_fn,
+                              drop_last=not eval if drop_last is None else drop_last,
+                              device_loader=self._device_loader, eval_=eval, pack=pack,
+                              **torch_kwargs)
+        return self.loaders.add(loader, name, eval, accept_changed_data)
+
+    def _packer(self, pack_to: int, pad_token_id: int, collate_fn):
+        check_pack_args(pack_to, collate_fn)
+        if self.model is None:
+            raise ValueError("engine.dataloader(pack_to=...): call it after engine.prepare(): how "
+                             "attention is confined to each document depends on the model's "
+                             "attention implementation")
+        mode = packing.mask_mode(self.attention, self.spec.precision, self.samples_per_step,
+                                 pack_to, self.device)
+        vocab = packing.vocab_of(self.model)  # every document's ids checked against it
+        return packing.Packer(pack_to, pad_token_id, self.say, vocab), packing.collate(mode)
+
     # ---- evaluation, tracking, generation ----
     def evaluate(self, loader, metrics: list | tuple = (), max_batches: int | None = None) -> dict:
         """No-grad forward over `loader` (an eval loader: engine.dataloader(..., eval=True)): the
@@ -44,6 +87,12 @@ class EngineCalls(BackendHooks):
         (generate.py). Each rank passes its own prompts."""
         self._not_pipelined("engine.generate")
         self.model.eval()
+        if self.router is not None or getattr(getattr(self.model, "config", None),
+                                              "output_router_logits", False):
+            # transformers 4.57.1's MoE models fail in generate with it on (the balancing loss
+            # reads the whole sequence's mask against one new token's router logits: measured on
+            # Mixtral, "size of tensor a (2) must match ... b (0)"); decoding needs no loss
+            generate_kwargs.setdefault("output_router_logits", False)
         with self._whole_rows():
             return self._generate(input_ids, generate_kwargs)
 

@@ -1,6 +1,7 @@
 """The engine's set-up: the process group and the parts the engine owns, then `prepare` (the backend's
-model set-up between `_record_params` and `_optimizer_over`) and the data loaders. engine.py builds the
-step on top of it; what a backend implements is hooks.py.
+model set-up between `_record_params` and `_optimizer_over`, with the model-parallel splits it calls:
+`_apply_pipeline`, `_apply_expert_parallel`). engine.py builds the step on top of it; the data loaders
+and the calls that hand to a part are calls.py; what a backend implements is hooks.py.
 
 The parts, each one object made here and testable alone: `hang` (where this rank is, reported when a
 collective times out), `checkpoints` (save / load / periodic saves / resume), `preemption` (a signal
@@ -22,8 +23,7 @@ from parallel.engine.core.calls import EngineCalls
 from parallel.kits.objective import CountFn, Objective
 from parallel.engine.core.step import LossFn, OptimizerArg, build_optimizer
 from parallel.engine.data import packing
-from parallel.engine.data.guard import check_pack_args
-from parallel.engine.data.loaders import Loaders, build_loader
+from parallel.engine.data.loaders import Loaders
 from parallel.engine.model.compile import apply_compile
 from parallel.engine.model.wrap import forward_kwargs
 from parallel.engine.model.pipeline.schedule import Pipeline
@@ -251,44 +251,6 @@ class EngineSetup(EngineCalls):
         trained tensor with the original names it holds, where that is not one per parameter."""
         return self.params.optimizer(lambda groups: build_optimizer(optimizer, groups),
                                      sharded or per_parameter(model))
-
-    def dataloader(self, dataset, batch_size: int | None = None, shuffle: bool = True,
-                   collate_fn=None, *, name: str | None = None, eval: bool = False,
-                   drop_last: bool | None = None, accept_changed_data: bool = False,
-                   pack_to: int | None = None, pad_token_id: int = 0, **torch_kwargs):
-        """This rank's loader of step batches (micro_batch_size * grad_accum_steps samples each) of
-        a map-style or iterable dataset (Hugging Face `datasets`, streaming too), sharded by
-        data-parallel rank. A training loader's position is saved with the checkpoint under `name`;
-        `eval=True` loaders never are (data/loaders.py). `torch_kwargs`: num_workers, pin_memory,
-        prefetch_factor, persistent_workers, as torch's DataLoader takes them. `pack_to=N`: the
-        dataset's items are tokenized documents, packed whole into rows of N tokens, attention and
-        targets confined to each (data/packing.py); `pad_token_id` fills a row's end."""
-        if drop_last is False and not eval:
-            raise ValueError("engine.dataloader: drop_last=False on a training loader: its last "
-                             "batch would be short and the step takes a fixed number of samples "
-                             "per rank (micro_batch_size x grad_accum_steps); keep drop_last, or "
-                             "pass eval=True for an evaluation loader")
-        pack = None
-        if pack_to is not None:
-            pack, collate_fn = self._packer(pack_to, pad_token_id, collate_fn)
-        loader = build_loader(dataset, size=batch_size or self.samples_per_step,
-                              dp_size=self.dp_size, dp_rank=self.dp_rank, seed=self.spec.seed,
-                              shuffle=shuffle, collate_fn=collate_fn,
-                              drop_last=not eval if drop_last is None else drop_last,
-                              device_loader=self._device_loader, eval_=eval, pack=pack,
-                              **torch_kwargs)
-        return self.loaders.add(loader, name, eval, accept_changed_data)
-
-    def _packer(self, pack_to: int, pad_token_id: int, collate_fn):
-        check_pack_args(pack_to, collate_fn)
-        if self.model is None:
-            raise ValueError("engine.dataloader(pack_to=...): call it after engine.prepare(): how "
-                             "attention is confined to each document depends on the model's "
-                             "attention implementation")
-        mode = packing.mask_mode(self.attention, self.spec.precision, self.samples_per_step,
-                                 pack_to, self.device)
-        vocab = packing.vocab_of(self.model)  # every document's ids checked against it
-        return packing.Packer(pack_to, pad_token_id, self.say, vocab), packing.collate(mode)
 
     @property
     def samples_per_step(self) -> int:

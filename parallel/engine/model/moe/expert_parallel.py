@@ -172,6 +172,8 @@ class ExpertParallel:
                                           self.group, touch=True)
         # the model's entries other ep ranks hold: a checkpoint's are not this rank's to read
         self.elsewhere = frozenset(whole - {clean_name(n) for n in model.state_dict()})
+        self.prefixes = tuple(clean_name(name) + "." for name, m in model.named_modules()
+                              if isinstance(m, HeldExperts))
         self._whole: list[list[str]] | None = None
 
     @functools.cached_property
@@ -183,6 +185,17 @@ class ExpertParallel:
     def units(self) -> list[nn.Module]:
         """Each held expert, the unit the backend shards over `shard_mesh`."""
         return [expert for held in self.held for expert in held.values()]
+
+    def gather_whole(self, state: dict) -> dict:
+        """A whole-model state dict (every rank's, on every rank: gather_model) from this rank's,
+        which holds its own experts only: the held experts' entries exchanged over the ep group."""
+        mine = {k: v for k, v in state.items() if k.startswith(self.prefixes)}
+        gathered: list = [None] * self.ep
+        dist.all_gather_object(gathered, mine, group=self.group)
+        whole = dict(state)
+        for each in gathered:
+            whole.update(each)
+        return whole
 
     def whole_groups(self, names: list[list[str]]) -> list[list[str]]:
         """Each optimizer group's names over every ep rank's experts, gathered at the first save."""
