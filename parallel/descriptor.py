@@ -205,6 +205,8 @@ class BackendDescriptor:
     # cp, pp, ep): the spec refuses any other above 1, naming it; the backend's translate refuses
     # the modes it cannot split in
     dimensions: frozenset[str] = frozenset()
+    # why it lacks a dimension (name -> reason, measured), said in the refusal of that dimension
+    lacking: dict[str, str] = field(default_factory=dict)
     # Short names for common configurations of this backend (name -> spec overrides), which
     # `polyshard bench/parity --backends` and every cross-backend test take: fsdp1, zero2, xla1...
     variants: dict[str, dict] = field(default_factory=dict)

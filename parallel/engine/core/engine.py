@@ -95,13 +95,17 @@ class Engine(EngineSetup):
         if self.nonfinite is None:  # raise | skip: decided before the update
             # The mean over ranks is non-finite exactly when some rank's loss is: the reduction a
             # logging loop does anyway carries the decision, and one host read makes it.
-            mean = self._reduce_loss(local)
-            value = float(mean)
+            mean, value = self._reduce_loss(local, read=True)
             grad_norm, stepped = (self._update() if math.isfinite(value)
                                   else self._nonfinite(local))
+        elif self._drops_experts():  # raise_deferred, and the experts' use is read before the
+            # update: the loss travels with it, and that one read is the step's loss read too
+            mean, value = self._reduce_loss(local, read=True)
+            grad_norm, stepped = self._update()
+            self.nonfinite.record(mean, local)
         else:  # raise_deferred: nothing waits for the loss; the record is checked later
             grad_norm, stepped = self._update()
-            mean, value = self._reduce_loss(local), None
+            mean, value = self._reduce_loss(local, read=False)
             self.nonfinite.record(mean, local)
         if self.scheduler is not None and stepped:
             self.scheduler.step()
@@ -112,21 +116,40 @@ class Engine(EngineSetup):
                           step_time=time.perf_counter() - start, stepped=stepped,
                           loss_value=value)
 
-    def _reduce_loss(self, local: torch.Tensor) -> torch.Tensor:
+    def _reduce_loss(self, local: torch.Tensor, read: bool) -> tuple[torch.Tensor, float | None]:
         """The step's one reduction, over the world: the mean loss and, in the same tensor (no
         second collective), the fraction of ranks that caught a preemption signal (preempt.py),
-        which every rank must see."""
+        which every rank must see, and, where the update drops unused experts, each expert's use
+        (experts.py), which the host must read before the update. (mean, its value where read:
+        `read`, or the experts' use, whose one host read brings the loss along)."""
+        extras = []
         flag = self.preemption.flag(local.device)
-        if flag is None:
-            return pdist.all_mean(local, self.groups.world)
-        packed = pdist.all_mean(torch.stack([local.float(), flag]), self.groups.world)
-        self.preemption.record(self.step + 1, packed[1])
-        return packed[0]
+        if flag is not None:
+            extras.append(flag.float().reshape(1))
+        use = self.experts.use_of_step(local.device) if self._drops_experts() else None
+        if use is not None:
+            extras.append(use)
+        if not extras:
+            mean = pdist.all_mean(local, self.groups.world)
+            return mean, float(mean) if read else None
+        packed = pdist.all_mean(torch.cat([local.float().reshape(1), *extras]), self.groups.world)
+        if flag is not None:
+            self.preemption.record(self.step + 1, packed[1])
+        if use is None:
+            return packed[0], float(packed[0]) if read else None
+        host = packed.tolist()  # the loss and the experts' use, in one read
+        self._expert_use = [n * self.world_size for n in host[-len(use):]]
+        return packed[0], host[0]
+
+    def _drops_experts(self) -> bool:
+        """Experts no rank used get no update (experts.py): several ranks, per-parameter updates."""
+        return bool(self.experts) and self.dims.dp_cp > 1 and self.per_parameter_grads
 
     def _update(self) -> tuple[torch.Tensor | None, bool]:
-        if self.experts and self.dims.dp_cp > 1 and self.per_parameter_grads:
-            # as one process skips them
-            self.experts.drop_unused(self._trained_params(), self.device, self.groups.world)
+        if self._drops_experts():  # as one process skips them
+            summed, self._expert_use = self._expert_use, None  # from the loss's reduction
+            self.experts.drop_unused(self._trained_params(), self.device, self.groups.world,
+                                     summed)
         for hook in self.on_gradients:  # gradients exist only now
             hook(self)
         return self._optimizer_step()

@@ -71,21 +71,29 @@ class Experts:
     def param_names(self, experts: list[int]) -> list[str]:
         return [name for i in experts for name in self.params[i]]
 
-    def drop_unused(self, trained, device, group) -> None:
+    def drop_unused(self, trained, device, group, summed: list[float] | None = None) -> None:
         """Experts no rank used this step got zero gradients: drop them (`.grad = None`), so the
-        optimizer skips them as one process does. One small sum over ranks and one host read, for
-        mixture-of-experts models only (whose blocks read their routing to the host anyway).
-        `trained`: (tensor, [its original name]) of every parameter the optimizer steps; `group`:
-        the ranks whose routing counts (every rank: an expert any of them used keeps its gradient)."""
+        optimizer skips them as one process does. `trained`: (tensor, [its original name]) of every
+        parameter the optimizer steps; `group`: the ranks whose routing counts (every rank: an
+        expert any of them used keeps its gradient). `summed`: `use_of_step` already summed over
+        `group`, on the host (the engine packs it into the step's loss reduction and reads both in
+        one read, which is the step's loss read too); else one small sum over ranks and one host
+        read here."""
         from parallel import dist as pdist
 
-        used = torch.tensor(self.step_done(), dtype=torch.float32, device=device)
-        unused = [i for i, n in enumerate(pdist.PendingSum(used, group)().tolist()) if n == 0]
+        if summed is None:
+            summed = pdist.PendingSum(self.use_of_step(device), group)().tolist()
+        unused = [i for i, n in enumerate(summed) if n < 0.5]
         if unused:
             names = set(self.param_names(unused))
             for p, (name,) in trained:
                 if name in names:
                     p.grad = None
+
+    def use_of_step(self, device) -> torch.Tensor:
+        """This rank's use of each expert during the step that just ran (1 or 0), for the sum over
+        ranks; the record starts again."""
+        return torch.tensor(self.step_done(), dtype=torch.float32, device=device)
 
     def step_done(self) -> list[bool]:
         """This rank's use during the step that just ran; the record starts again."""
