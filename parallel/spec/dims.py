@@ -116,18 +116,17 @@ class ParallelDims:
         return init_device_mesh(device_type, tuple(getattr(self, n) for n in names),
                                 mesh_dim_names=names)
 
-    def problems(self, implemented: frozenset[str], backend: str,
-                 lacking: dict[str, str] | None = None) -> list[tuple[str, str]]:
-        """(field, message) for each model-parallel dimension above 1 that `backend` does not
-        implement (`lacking`: the backend's reason, by dimension), or whose degree does not fit
-        the layout."""
-        out = []
+    def problems(self, backend) -> list[tuple[str, str]]:
+        """(field, message) for each model-parallel dimension above 1 that `backend` (its
+        descriptor: `dimensions`, and `lacking`, why not) does not implement, or whose degree does
+        not fit the layout."""
+        implemented, out = backend.dimensions, []
         for name, what in MODEL_DIMS.items():
             degree = getattr(self, name)
             if degree > 1 and name not in implemented:
                 has = ", ".join(sorted(implemented)) or "none"
-                why = (lacking or {}).get(name)
-                out.append((f"topology.{name}", f"{degree}: backend {backend!r} does not implement "
+                why = backend.lacking.get(name)
+                out.append((f"topology.{name}", f"{degree}: backend {backend.name!r} does not implement "
                             f"{what} (its dimensions beyond data parallelism: {has})"
                             f"{': ' + why if why else ''}; use {name}: 1 ({DOCS[name]})"))
         if self.ep > 1 and (self.dp_shard * self.cp) % self.ep:

@@ -277,8 +277,7 @@ class Spec(Section):
         t, d = self.topology, self.dims
         # as written (under SPMD, dims holds the processes' share of tp: 1)
         problems = ParallelDims(d.dp_replicate, d.dp_shard, tp=t.tp, cp=t.cp, pp=t.pp,
-                                ep=t.ep).problems(descriptor.dimensions, self.backend,
-                                                  descriptor.lacking)
+                                ep=t.ep).problems(descriptor)
         if t.tp == 1 and t.tp_plan is not None:
             problems.append(("topology.tp_plan", "is set but topology.tp is 1, so nothing is "
                              "split; set tp > 1 or remove tp_plan"))
