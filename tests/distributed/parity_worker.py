@@ -94,8 +94,12 @@ def fed(engine, batches):
 
 def run_case(case, phase, ckpt_root, known: dict):
     # "resume_spec": the checkpoint loads into another layout or backend (the transfer cases)
-    spec = load_spec(case["resume_spec"] if phase == "resume" and "resume_spec" in case
-                     else case["spec"])
+    data = case["resume_spec"] if phase == "resume" and "resume_spec" in case else case["spec"]
+    runs = Path(ckpt_root) / f"{case['name']}-{phase}-runs"
+    if case.get("tracked"):  # every `tracked` steps to metrics.jsonl (the trackers' own view)
+        data = {**data, "tracking": {"to": ["jsonl"], "every": case["tracked"], "dir": str(runs),
+                                     "run_name": "run"}}
+    spec = load_spec(data)
     engine = create_engine(spec)
     rows = engine.samples_per_step  # per process: all its devices' samples under SPMD
     batches = global_batches(case["steps"], engine.dp_size, rows)
@@ -171,6 +175,9 @@ def run_case(case, phase, ckpt_root, known: dict):
 
             exported = AutoModelForCausalLM.from_pretrained(f"{ckpt}-hf")
             out["pretrained_loss"] = exported(**kwargs).loss.item()
+    if case.get("tracked") and engine.is_main:  # the sink flushes every line
+        lines = (runs / "run" / "metrics.jsonl").read_text().splitlines()
+        out["tracked"] = [json.loads(line) for line in lines if '"train/loss"' in line]
     out.update(getattr(engine, "parity_facts", lambda: {})())
     stats = engine.compile_stats()
     if stats is not None:

@@ -72,7 +72,8 @@ def case(name, spec, model, **extra):
 
 
 def cases(c):
-    out = [case("mixtral-top2-aux-padded", with_ep(c), MIXTRAL, pretrained=True, generate=True),
+    out = [case("mixtral-top2-aux-padded", with_ep(c), MIXTRAL, pretrained=True, generate=True,
+                tracked=2),
            case("qwen2moe-shared-accum-clip", with_ep(c, grad_accum_steps=2, grad_clip=0.5),
                 QWEN2),
            case("qwen3moe-64x8-aux", with_ep(c), QWEN3)]
@@ -151,7 +152,27 @@ def check(results, chosen):
             assert abs(train["pretrained_loss"] - train["loss"][3]) <= 1e-5, (name, train)
         if one.get("generate"):
             assert train["generated"] == train["plain_generated"], train
+        if one.get("tracked"):
+            check_loads(name, train["tracked"], one)
     return worst
+
+
+def check_loads(name, tracked, one):
+    """The trackers' expert loads at each logging step: every token of every rank, each to its
+    top-k experts in each block, over the steps since the last log (padding tokens are routed too)."""
+    import json as _json
+
+    from parallel.toy import SIZES
+
+    toy = _json.loads(SIZES.read_text())[one["model"]["toy"]]
+    per_step = one["spec"]["micro_batch_size"] * one["spec"]["topology"]["procs_per_node"] * 16
+    for line in tracked:
+        tokens = sum(v for k, v in line.items() if k.startswith("moe/tokens/expert_"))
+        assert tokens == per_step * toy["num_experts_per_tok"] * toy["num_hidden_layers"] * \
+            one["tracked"], (name, line)
+        assert line["moe/imbalance"] >= 1.0 and "moe/model.layers.0.block_sparse_moe/imbalance" \
+            in line, (name, line)
+    assert [line["step"] for line in tracked] == [2, 4], (name, tracked)
 
 
 @pytest.mark.timeout(600)

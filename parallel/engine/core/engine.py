@@ -114,32 +114,49 @@ class Engine(EngineSetup):
                           tokens=count_tokens(batch) * self.dp_size,
                           targets_tensor=total() if total is not None else None,
                           step_time=time.perf_counter() - start, stepped=stepped,
-                          loss_value=value)
+                          loss_value=value, metrics=self._take_metrics())
 
     def _reduce_loss(self, local: torch.Tensor, read: bool) -> tuple[torch.Tensor, float | None]:
         """The step's one reduction, over the world: the mean loss and, in the same tensor (no
-        second collective), the fraction of ranks that caught a preemption signal (preempt.py),
-        which every rank must see, and, where the update drops unused experts, each expert's use
-        (experts.py), which the host must read before the update. (mean, its value where read:
-        `read`, or the experts' use, whose one host read brings the loss along)."""
-        extras = []
-        flag = self.preemption.flag(local.device)
-        if flag is not None:
-            extras.append(flag.float().reshape(1))
-        use = self.experts.use_of_step(local.device) if self._drops_experts() else None
-        if use is not None:
-            extras.append(use)
-        if not extras:
+        second collective), what every rank must see of the step (`_riders`). Returns (mean, its
+        value where read: `read`, or where the experts' use rides along, whose one host read
+        brings the loss too)."""
+        riders = self._riders(local.device)
+        if not riders:
             mean = pdist.all_mean(local, self.groups.world)
             return mean, float(mean) if read else None
-        packed = pdist.all_mean(torch.cat([local.float().reshape(1), *extras]), self.groups.world)
-        if flag is not None:
-            self.preemption.record(self.step + 1, packed[1])
-        if use is None:
+        packed = pdist.all_mean(torch.cat([local.float().reshape(1), *riders.values()]),
+                                self.groups.world)
+        got = dict(zip(riders, packed[1:].split([t.numel() for t in riders.values()])))
+        if "preempt" in got:
+            self.preemption.record(self.step + 1, got["preempt"][0])
+        if "loads" in got:  # summed over ranks, for the trackers (read at the log)
+            loads = got["loads"].view(len(self.expert_parallel.blocks), -1) * self.world_size
+            self._step_metrics = self.expert_parallel.load_metrics(loads)
+        if "use" not in got:
             return packed[0], float(packed[0]) if read else None
         host = packed.tolist()  # the loss and the experts' use, in one read
-        self._expert_use = [n * self.world_size for n in host[-len(use):]]
+        self._expert_use = [n * self.world_size for n in host[-len(got["use"]):]]
         return packed[0], host[0]
+
+    def _riders(self, device) -> dict[str, torch.Tensor]:
+        """What travels in the loss reduction, each a flat float tensor averaged over the world:
+        the ranks that caught a preemption signal (preempt.py); at a logging step under ep, each
+        rank's tokens per expert (the trackers'); where the update drops unused experts, their use
+        (experts.py), which the host reads before the update (last: read with the loss)."""
+        out = {}
+        flag = self.preemption.flag(device)
+        if flag is not None:
+            out["preempt"] = flag.float().reshape(1)
+        if self.expert_parallel is not None and self.tracker.logs_at(self.step + 1):
+            out["loads"] = self.expert_parallel.take_tokens(device).flatten()
+        if self._drops_experts():
+            out["use"] = self.experts.use_of_step(device)
+        return out
+
+    def _take_metrics(self):
+        metrics, self._step_metrics = self._step_metrics, None
+        return metrics
 
     def _drops_experts(self) -> bool:
         """Experts no rank used get no update (experts.py): several ranks, per-parameter updates."""

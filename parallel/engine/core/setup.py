@@ -66,6 +66,7 @@ class EngineSetup(EngineCalls):
         self.objective = Objective(None, self.dims.dp_cp)  # set from the model in _record_params
         self.experts: Experts | None = None  # mixture-of-experts blocks, from _record_params
         self._expert_use: list[float] | None = None  # their use this step, summed over ranks
+        self._step_metrics = None  # this step's metrics for the trackers (StepResult.metrics)
         self.router: RouterLoss | None = None  # their load-balancing loss, global (router.py)
         self.forward_kwargs, self.confines_flattened = {}, True  # (below; packing.py)
         self.tiled: TiledLoss | None = None  # sequence.loss_tile's patched lm_head, likewise

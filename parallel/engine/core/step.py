@@ -32,6 +32,9 @@ class StepResult:
     # items the step's loss averaged over, all ranks (target tokens of a labelled HF batch); None
     # where every micro-batch weighs alike
     targets_tensor: torch.Tensor | None = None
+    # at a logging step, more metrics for the trackers as (names, one device tensor, unread):
+    # topology.ep's expert loads
+    metrics: tuple[list[str], torch.Tensor] | None = None
 
     @property
     def loss(self) -> float:

@@ -86,6 +86,11 @@ class Tracker:
             sink.hparams(params)
         self._since = time.perf_counter()
 
+    def logs_at(self, step: int) -> bool:
+        """`step` is a logging step: the same answer on every rank (what all of them must add to
+        a reduction that the main rank logs)."""
+        return bool(self.options.to) and step % self.options.every == 0
+
     def after_step(self, result, width: int) -> None:
         if not self.active:
             return
@@ -98,6 +103,9 @@ class Tracker:
         window, self._window = self._window, []
         last = window[-1][0]
         out = {"train/loss": last.loss, "train/lr": last.lr}  # the read: waits for the device
+        if last.metrics is not None:  # the step's own (ep's expert loads): one more read
+            names, values = last.metrics
+            out.update(zip(names, values.tolist()))
         if last.grad_norm_tensor is not None:
             out["train/grad_norm"] = last.grad_norm
         now = time.perf_counter()

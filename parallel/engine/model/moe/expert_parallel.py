@@ -60,10 +60,13 @@ class Dispatch:
         # gradient is then a zero on every rank, so the ranks sharding it reduce the same experts
         # in the same order (the engine drops the gradients of experts no rank used)
         self.touch = touch
+        self.tokens: torch.Tensor | None = None  # rows this rank routed to each expert, training
 
-    def __call__(self, x: torch.Tensor, selected: torch.Tensor, weights: torch.Tensor
-                 ) -> torch.Tensor:
-        """x: (tokens, hidden); selected, weights: (tokens, k). Returns sum_k w_k expert_k(x)."""
+
+    def __call__(self, x: torch.Tensor, selected: torch.Tensor, weights: torch.Tensor,
+                 record: bool = False) -> torch.Tensor:
+        """x: (tokens, hidden); selected, weights: (tokens, k). Returns sum_k w_k expert_k(x).
+        `record`: add this call's rows per expert to `tokens` (training: on the device, unread)."""
         from torch.distributed.nn.functional import all_to_all_single
 
         k, h = selected.shape[-1], x.shape[-1]
@@ -71,6 +74,8 @@ class Dispatch:
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs by expert, then token
         token = order // k
         counts = torch.bincount(flat, minlength=self.n)  # rows this rank sends to each expert
+        if record:
+            self.tokens = counts if self.tokens is None else self.tokens + counts
         got = torch.empty_like(counts)
         dist.all_to_all_single(got, counts, group=self.group)  # [source rank][my expert]
         table = torch.stack([counts, got]).view(2, self.ep, self.per).tolist()  # one host read
@@ -112,7 +117,7 @@ def _routed_forward(block, dispatch: Dispatch):
         b, s, h = hidden_states.shape
         x = hidden_states.view(-1, h)
         logits, weights, selected = _route(self, x)
-        out = dispatch(x, selected, weights).to(x.dtype)
+        out = dispatch(x, selected, weights, self.training).to(x.dtype)
         if getattr(self, "shared_expert", None) is not None:  # Qwen2-MoE
             out = out + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out.view(b, s, h), logits
@@ -121,11 +126,11 @@ def _routed_forward(block, dispatch: Dispatch):
 
 
 def apply_expert_parallel(blocks: list[tuple[str, nn.Module]], ep: int, rank: int, group,
-                          touch: bool = False) -> list[HeldExperts]:
+                          touch: bool = False) -> list[Dispatch]:
     """Each block (moe_blocks(model)) keeps experts [rank x n / ep, (rank + 1) x n / ep), the others
-    dropped, and dispatches its tokens over `group` (the ep ranks; None: the world); the held
-    experts of each block. The routing must be deterministic: a router's jitter draws other noise on
-    each rank. `touch`: run every held expert each forward (Dispatch)."""
+    dropped, and dispatches its tokens over `group` (the ep ranks; None: the world); returns each
+    block's Dispatch (its held experts: `.experts`). The routing must be deterministic: a router's
+    jitter draws other noise on each rank. `touch`: run every held expert each forward."""
     out = []
     for name, block in blocks:
         n = len(block.experts)
@@ -139,10 +144,11 @@ def apply_expert_parallel(blocks: list[tuple[str, nn.Module]], ep: int, rank: in
         per = n // ep
         held = HeldExperts({str(i): block.experts[i] for i in range(rank * per, (rank + 1) * per)}, n)
         block.experts = held
-        out.append(held)
         dispatch = Dispatch(held, n, ep, rank, group, touch)
+        out.append(dispatch)
         if hasattr(block, "moe"):  # DeepSeek-V3: its own router and shared experts around moe()
-            block.moe = lambda x, idx, w, d=dispatch: d(x, idx, w).type(x.dtype)
+            block.moe = types.MethodType(
+                lambda self, x, idx, w, d=dispatch: d(x, idx, w, self.training).type(x.dtype), block)
         else:
             block.forward = _routed_forward(block, dispatch)
     return out
@@ -168,8 +174,10 @@ class ExpertParallel:
                            else mesh["dp_mod_ep"])
         self.divide_by = dims.dp_cp
         whole = {clean_name(n) for n in model.state_dict()}
-        self.held = apply_expert_parallel(blocks, self.ep, mesh["ep"].get_local_rank(),
-                                          self.group, touch=True)
+        self.dispatches = apply_expert_parallel(blocks, self.ep, mesh["ep"].get_local_rank(),
+                                                self.group, touch=True)
+        self.held = [d.experts for d in self.dispatches]
+        self.blocks = [name for name, _ in blocks]
         # the model's entries other ep ranks hold: a checkpoint's are not this rank's to read
         self.elsewhere = frozenset(whole - {clean_name(n) for n in model.state_dict()})
         self.prefixes = tuple(clean_name(name) + "." for name, m in model.named_modules()
@@ -185,6 +193,28 @@ class ExpertParallel:
     def units(self) -> list[nn.Module]:
         """Each held expert, the unit the backend shards over `shard_mesh`."""
         return [expert for held in self.held for expert in held.values()]
+
+    def take_tokens(self, device) -> torch.Tensor:
+        """Rows this rank routed to each expert (blocks x experts, float) since the last take,
+        for the trackers (summed over ranks in the step's loss reduction at a logging step)."""
+        out = torch.stack([d.tokens.float() if d.tokens is not None else
+                           torch.zeros(d.n, device=device) for d in self.dispatches])
+        for d in self.dispatches:
+            d.tokens = None
+        return out
+
+    def load_metrics(self, tokens: torch.Tensor) -> tuple[list[str], torch.Tensor]:
+        """The trackers' view of `tokens` (blocks x experts, summed over every rank and the steps
+        since the last log), as names and one device tensor (read once, at the logging step): each
+        block's load imbalance (its busiest expert over the mean, 1 when balanced) and unused
+        experts, and the tokens each expert index took over all blocks."""
+        mean = tokens.mean(dim=1).clamp_min(1e-9)
+        names = [f"moe/{b}/imbalance" for b in self.blocks]
+        names += [f"moe/{b}/unused_experts" for b in self.blocks]
+        names += ["moe/imbalance"] + [f"moe/tokens/expert_{i}" for i in range(tokens.shape[1])]
+        imbalance = tokens.max(dim=1).values / mean
+        return names, torch.cat([imbalance, (tokens == 0).sum(dim=1).float(),
+                                 imbalance.max().reshape(1), tokens.sum(dim=0)])
 
     def gather_whole(self, state: dict) -> dict:
         """A whole-model state dict (every rank's, on every rank: gather_model) from this rank's,
