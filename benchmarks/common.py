@@ -31,6 +31,8 @@ def args(argv=None):
                    "innermost mesh dim; a TP group's ranks take the same rows)")
     p.add_argument("--sp", type=int, default=1, help="DeepSpeed: Ulysses sequence parallelism over N "
                    "ranks (inside tp's place: an sp group's ranks take the same rows)")
+    p.add_argument("--ep", type=int, default=1, help="native_ep: experts split over N ranks (the "
+                   "innermost of the data-parallel ranks)")
     p.add_argument("--pp", type=int, default=1, help="native_pipeline: pipeline stages over N "
                    "ranks (the outermost mesh dim: a pipeline's ranks take the same rows)")
     p.add_argument("--schedule", default="1f1b", help="native_pipeline: gpipe, 1f1b or "
@@ -63,16 +65,19 @@ def config(name: str):
         return AutoConfig.from_pretrained(name, local_files_only=True, trust_remote_code=False)
     with open(SIZES) as f:
         sizes = json.load(f)
-    return LlamaConfig(**sizes["common"], **sizes[name.removeprefix("toy:")])
+    fields = {**sizes["common"], **sizes[name.removeprefix("toy:")]}
+    kind = fields.pop("model_type", None)  # the mixture-of-experts toys
+    return AutoConfig.for_model(kind, **fields) if kind else LlamaConfig(**fields)
 
 
 def model(name: str, seed: int):
-    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    if name.startswith("toy:"):
-        return LlamaForCausalLM(config(name)).float()
-    return AutoModelForCausalLM.from_config(config(name), torch_dtype=torch.float32).float()
+    cfg = config(name)
+    if type(cfg) is LlamaConfig:
+        return LlamaForCausalLM(cfg).float()
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).float()
 
 
 def batches(a):

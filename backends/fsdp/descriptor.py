@@ -13,11 +13,14 @@ NATIVE_STAGE = {"full": 3, "grad_op": 2}  # benchmarks/native_fsdp{1,2}.py: resh
 
 def native_loop(spec):
     """benchmarks/'s hand-written loop for `spec`: native_fsdp{1,2}.py (with torchtitan's apply_tp
-    at tp > 1), native_pipeline.py at pp > 1 (torchtitan's pipelining); none with cp (torchtitan's
-    context parallelism is ring attention on CUDA SDPA)."""
+    at tp > 1), native_pipeline.py at pp > 1 (torchtitan's pipelining), native_ep.py at ep > 1
+    (torchtitan's expert parallelism); none with cp (torchtitan's context parallelism is ring
+    attention on CUDA SDPA)."""
     t = spec.topology
     if t.cp > 1 or (t.pp > 1 and t.tp > 1):
         return None
+    if t.ep > 1:  # torchtitan's token dispatch and expert sharding, by hand
+        return "native_ep.py", [f"--ep={t.ep}", f"--stage={NATIVE_STAGE.get(spec.shard, 0)}"]
     if t.pp > 1:
         p = spec.pipeline
         return "native_pipeline.py", [f"--pp={t.pp}", f"--schedule={p.schedule}",

@@ -53,7 +53,7 @@ def _explain(args) -> int:
     plan = explain(spec)
     if args.model:
         from parallel.engine.model.wrap import plan_wrap
-        from parallel.tools.plan import check_model_layout
+        from parallel.tools.facts import check_model_layout
         from parallel.toy import meta_model
 
         model = meta_model(args.model)

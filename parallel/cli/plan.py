@@ -49,6 +49,24 @@ def pipeline_line(spec, cfg, seq: int, psi: float) -> str:
     return out + " (the rows above count the heaviest pipeline rank's stages; docs/pipeline.md)"
 
 
+def experts_of(spec, cfg, seq: int) -> dict | None:
+    """topology.ep's facts for --json (tools/experts.py), None without it."""
+    from parallel.tools.experts import all_to_all_bytes
+
+    moe = (cfg or {}).get("_moe") if spec.topology.ep > 1 else None
+    return None if moe is None else {**moe, "all_to_all_bytes": all_to_all_bytes(moe, spec, seq)}
+
+
+def ep_line(spec, cfg, seq: int) -> str:
+    from parallel.tools.experts import expert_line
+
+    moe = (cfg or {}).get("_moe")
+    if moe is None:
+        return ("expert parallelism: the model has no mixture-of-experts blocks plan can read "
+                "(a parameter count, or no `experts` ModuleList): its experts are not modelled")
+    return expert_line(moe, spec, seq)
+
+
 def as_json(spec, args, rows, best, psi, unit, links, margin, longest, cfg=None) -> str:
     from parallel.tools.stages import pipeline_of
 
@@ -68,6 +86,7 @@ def as_json(spec, args, rows, best, psi, unit, links, margin, longest, cfg=None)
                        "precision": spec.precision, "budget_gib": args.budget,
                        "links_gbps": vars(links), "margin": vars(margin),
                        "pipeline": pipeline_of(spec, cfg, args.seq, psi),
+                       "experts": experts_of(spec, cfg, args.seq),
                        "rows": [row(r) for r in rows]}, indent=1)
 
 
@@ -75,11 +94,11 @@ def run_plan(spec, args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from parallel.tools.plan import Links, Margin, longest_seq, model_facts, plan
+    from parallel.tools.facts import facts_of
+    from parallel.tools.plan import Links, Margin, longest_seq, plan
     from parallel.tools.stages import stage_keep
 
-    shapes, cfg, unit = model_facts(args.model, spec.wrap, spec.topology.tp,
-                                     spec.topology.tp_plan, spec.topology.cp, stage_keep(spec))
+    shapes, cfg, unit = facts_of(args.model, spec, stage_keep(spec))
     budget = args.budget * GiB if args.budget else None
     links = Links(args.intra_gbps, args.inter_gbps, args.pcie_gbps)
     margin = Margin(args.context_gib, args.fragmentation)
@@ -121,11 +140,11 @@ def run_plan(spec, args) -> int:
                   f"fragmentation; comm: ring collectives at {links.intra} GB/s in a node, "
                   f"{links.inter} GB/s across nodes, offload over PCIe at {links.pcie} GB/s, no "
                   "overlap (an upper bound); --json for every number", highlight=False, soft_wrap=True)
-    if spec.topology.pp > 1:
-        console.print(pipeline_line(spec, cfg, args.seq, psi), highlight=False,
-                      soft_wrap=True)
-    if longest is not None:
-        console.print(longest_line(spec, args.budget, longest), highlight=False, soft_wrap=True)
+    notes = [pipeline_line(spec, cfg, args.seq, psi) if spec.topology.pp > 1 else None,
+             ep_line(spec, cfg, args.seq) if spec.topology.ep > 1 else None,
+             longest_line(spec, args.budget, longest) if longest is not None else None]
+    for note in filter(None, notes):
+        console.print(note, highlight=False, soft_wrap=True)
     if budget is not None and best is None:
         console.print(f"[red]nothing fits in {args.budget} GiB per device[/]: "
                       + "; ".join(suggestions(spec, rows)), soft_wrap=True)

@@ -83,7 +83,12 @@ def finite_collectives():
 
     def zero_output(name: str, args, out) -> None:
         space, _, op = name.partition("::")
-        if space == "c10d" and op in GATHERS:
+        if space == "c10d" and op == "alltoall_base_" and args[0].shape == args[1].shape \
+                and not args[0].is_floating_point():
+            # topology.ep's exchange of row counts: each rank is handed its own, as if its peers
+            # routed alike, so it receives as many rows as it sends (zeros: none at all)
+            args[0].copy_(args[1])
+        elif space == "c10d" and op in GATHERS:
             _zero(args[GATHERS[op]])
         elif space == "_c10d_functional" and op in FUNCTIONAL:
             _zero(out)
@@ -139,9 +144,12 @@ def predicted_collectives(spec, cfg: dict, seq: int, psi: float, shares: tuple,
     kept_shares'): the data-parallel ones, TP's, and with topology.pp the sends between stages and
     the last stage's logits gathered over tp; with topology.cp Ulysses' exchanges."""
     from parallel.tools.comm import cp_comm_bytes, planned_collectives, tp_comm_bytes
+    from parallel.tools.experts import all_to_all_bytes, extra_gather_bytes
     from parallel.tools.stages import held_layers, p2p_bytes, tp_logits_bytes
 
     output, root, whole = shares
+    moe = cfg.get("_moe") if spec.topology.ep > 1 else None
+    psi = moe["gathered"] if moe else psi  # ep: the rank gathers its own experts only
     last = spec.topology.pp > 1 and held_layers(spec, cfg["num_hidden_layers"], pp_rank)[2]
     predicted = by_type(planned_collectives(spec, psi, output, root, output * whole if last
                                             else 0.0), tp_comm_bytes(cfg, spec, seq, pp_rank=pp_rank))
@@ -151,6 +159,9 @@ def predicted_collectives(spec, cfg: dict, seq: int, psi: float, shares: tuple,
             tp_logits_bytes(spec, cfg, seq, last)
     if spec.topology.cp > 1:  # Ulysses' exchanges (plan: cp_comm_bytes)
         predicted["all_to_all"] = cp_comm_bytes(cfg, spec, seq)
+    if moe:  # the experts' dispatch, and their gathers in recomputation (tools/experts.py)
+        predicted["all_to_all"] = predicted.get("all_to_all", 0.0) + all_to_all_bytes(moe, spec, seq)
+        predicted["all_gather"] = predicted.get("all_gather", 0.0) + extra_gather_bytes(moe, spec)
     return predicted
 
 
@@ -219,10 +230,12 @@ def run(spec, source: str, world: int, rank: int, seq: int, optimizer: str = "ad
     """Build rank `rank` of `world` for `spec` and `source` (a config.json, toy:NAME or a
     module:function) over the fake group, run two steps, measure the second's collectives and the
     first's peak, and put plan's prediction beside them."""
+    from parallel.heap import fixed_mmap_threshold
     from parallel.registry import create_engine
     from parallel.tools.bench.measure import CommCounter, held_bytes, step_peak_bytes
     from parallel.tools.parity.cell import optimizer_arg
-    from parallel.tools.plan import model_facts, predict
+    from parallel.tools.facts import facts_of
+    from parallel.tools.plan import predict
     from parallel.tools.stages import stage_keep
     from parallel.kits.sizes import numel
     from parallel.toy import meta_model
@@ -231,10 +244,10 @@ def run(spec, source: str, world: int, rank: int, seq: int, optimizer: str = "ad
     # plan's prediction first: a rank that would not fit in this machine's memory is refused
     # before anything is allocated (1.7e13 parameters at world 8 allocated 34 GB, then died)
     pp_rank = spec.dims.pp_rank(rank)
-    shapes, cfg, unit = model_facts(source, spec.wrap, spec.topology.tp, spec.topology.tp_plan,
-                                    spec.topology.cp, stage_keep(spec, pp_rank))
+    shapes, cfg, unit = facts_of(source, spec, stage_keep(spec, pp_rank))
     est = predict(spec, shapes, cfg, seq, optimizer, unit)
     check_fits(est.total, world, rank)
+    fixed_mmap_threshold()  # a dry run's host memory is its tensors' (heap.py)
     join_fake_world(rank, world, spec.topology.procs_per_node)
     engine = create_engine(spec)
     model = meta_model(source)
@@ -264,8 +277,7 @@ def run(spec, source: str, world: int, rank: int, seq: int, optimizer: str = "ad
     state = [t for s in engine.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
     measured = {"params": held_bytes(params), "grads": grads.get("bytes"),
                 "optimizer": held_bytes(state), "peak": peak["peak"] if peak else None}
-    planned = {"params": est.params, "grads": est.grads, "optimizer": est.optimizer,
-               "peak": est.total}
+    planned = {"params": est.params, "grads": est.grads, "optimizer": est.optimizer, "peak": est.total}
     snap = counter.snapshot()
     predicted = predicted_collectives(spec, cfg, seq, float(numel(shapes)), shares, pp_rank)
     collectives = {k: {"calls": snap["calls"].get(k, 0), "bytes": snap["bytes"].get(k, 0),

@@ -31,6 +31,7 @@ from parallel.tools.comm import (  # noqa: F401 (plan's communication, re-export
 )
 from parallel.kits.sizes import numel
 from parallel.tools.activations import activations  # noqa: F401 (plan's activation model)
+from parallel.tools.experts import all_to_all_bytes, extra_gather_bytes, shard_groups
 
 GB = 1e9  # the ZeRO paper's unit
 ADAM, SGD = 8, 4  # optimizer state bytes per parameter (fp32 moments / momentum)
@@ -77,8 +78,7 @@ class Estimate:
 
 
 def zero_paper(psi: float, n: int, k: int = 12) -> dict[str, float]:
-    """Mixed-precision Adam as in the ZeRO paper: 2 Psi fp16 weights, 2 Psi fp16 gradients, K Psi
-    optimizer state (fp32 master, momentum, variance): bytes per device."""
+    """The ZeRO paper's mixed-precision Adam bytes per device (2 + 2 + K Psi, partitioned)."""
     return {"DP": (2 + 2 + k) * psi, "ZeRO-1": (2 + 2) * psi + k * psi / n,
             "ZeRO-2": 2 * psi + (2 + k) * psi / n, "ZeRO-3": (2 + 2 + k) * psi / n}
 
@@ -98,6 +98,15 @@ def model_states(spec, shapes, n: int | None = None, optimizer: str = "adamw",
     states = get(spec.backend).plan.model_states(spec, shapes, n, low, opt)
     moved = (False, False, spec.offload != "none") if spec.offload != "params" else (True,) * 3
     return tuple(x if m == host else 0.0 for x, m in zip(states, moved))
+
+
+def states_of(spec, shapes, cfg: dict | None, optimizer: str = "adamw",
+              host: bool = False) -> tuple[float, float, float]:
+    """model_states over each group of the rank's parameters and the ranks it is sharded over
+    (topology.ep's experts apart: tools/experts.py)."""
+    parts = [model_states(spec, group, n, optimizer, host) for group, n in
+             shard_groups(spec, shapes, cfg)]
+    return tuple(sum(values) for values in zip(*parts))
 
 
 def transient(spec, psi: float, unit: float, hidden: int | None = None) -> tuple[float, float]:
@@ -154,9 +163,15 @@ def plan(spec, shapes, cfg: dict | None, world: int, seq: int, optimizer: str = 
         est = predict(s, shapes, cfg, seq, optimizer, unit)
         tensors = est.total
         est.margin = margin.context_gib * 2 ** 30 + margin.fragmentation * tensors
-        est.host_per_node = sum(model_states(s, shapes, optimizer=optimizer, host=True)) * \
+        est.host_per_node = sum(states_of(s, shapes, cfg, optimizer, host=True)) * \
             s.topology.procs_per_node
-        est.comm_s, est.offload_s = comm_seconds(s, psi, links), offload_seconds(s, psi, links)
+        moe = (cfg or {}).get("_moe") if s.topology.ep > 1 else None
+        gathered = moe["gathered"] if moe else psi  # ep: each rank gathers its own experts
+        est.comm_s, est.offload_s = comm_seconds(s, gathered, links), offload_seconds(s, psi, links)
+        ep = s.topology.ep  # an all-to-all moves (ep - 1) / ep of its input; ep sits inside hosts
+        est.comm_s += (ep - 1) / ep * all_to_all_bytes(moe, s, seq) / (
+            (links.intra if ep <= s.topology.procs_per_node else links.inter) * 1e9)
+        est.comm_s += extra_gather_bytes(moe, s) / (links.inter * 1e9)  # over dp_shard / ep
         tp = s.topology.tp  # a ring all-reduce moves 2 (tp - 1) / tp of the bytes, inside a host
         est.comm_s += 2 * (tp - 1) / tp * tp_comm_bytes(cfg, s, seq) / (links.intra * 1e9)
         cp = s.topology.cp  # an all-to-all moves (cp - 1) / cp of its input; cp sits inside hosts
@@ -188,77 +203,13 @@ def longest_seq(spec, shapes, cfg: dict | None, budget_bytes: float, optimizer: 
     return low * step
 
 
-def check_model_layout(model, tp: int, cp: int) -> None:
-    """What prepare would refuse about the model at this layout, refused now (validate, explain,
-    plan and dryrun with --model): cp must divide each tensor-parallel rank's query heads."""
-    if cp <= 1:
-        return
-    from parallel.engine.model.context_parallel import kv_repeat
-    from parallel.spec.errors import SpecError
-
-    bad = kv_repeat(getattr(model, "config", None), tp, cp)[1]
-    if bad:
-        raise SpecError([("topology.cp", f"{cp}: {type(model).__name__}: {bad}; pick a cp that "
-                          "divides it")])
-
-
-def model_facts(source: str, wrap, tp: int = 1, tp_plan: dict | None = None, cp: int = 1,
-                keep=None) -> tuple[list[tuple[int, ...]], dict | None, float | None]:
-    """One tensor-parallel rank's parameter shapes (all of them at tp 1), the config that sizes
-    activations, and the largest shard unit's parameters on that rank (the wrap policy on the
-    model built on the meta device: nothing allocated); a bare parameter count gives neither
-    config nor units, and no split. `keep(model, {name: shape})`: the names a pipeline rank holds
-    (tools/stages.py's stage_keep), the others left out."""
-    try:
-        count = float(source)
-    except ValueError:
-        count = None
-    if count is not None:
-        from parallel.spec.errors import SpecError
-        from parallel.kits.model_limits import PARAM_LIMIT
-
-        if not (math.isfinite(count) and 1 <= count <= PARAM_LIMIT):
-            raise SpecError([("--model", f"{source}: a parameter count is a number from 1 to "
-                              f"{PARAM_LIMIT:.0e}")])
-        return [(int(count) // tp,)], None, None
-    from parallel.engine.model.tp_plan import local_shapes
-    from parallel.engine.model.wrap import plan_wrap
-    from parallel.toy import meta_model
-
-    model = meta_model(source)
-    check_model_layout(model, tp, cp)
-    local = {name: shape for name, shape, _ in local_shapes(model, tp, tp_plan)}
-    if keep is not None:
-        held = keep(model, local)
-        local = {n: shape for n, shape in local.items() if n in held}
-    # a tied weight (lm_head.weight is embed_tokens.weight) is one parameter under its first name,
-    # as named_parameters() and the shard units hold it
-    first = {id(p): n for n, p in model.named_parameters()}
-    units, inside = [], set()
-    for _, m in plan_wrap(model, wrap):
-        mine = {first[id(p)] for p in m.parameters()} & local.keys()
-        units.append(sum(math.prod(local[n]) for n in mine))
-        inside.update(mine)
-    # what no unit holds is gathered by the outer units (FSDP2's edges: the embedding alone, the
-    # final norm with the head): a vocabulary-sized embedding outweighs a block (Llama-3-8B: 525M
-    # against 218M; at tp 8 not split at all), measured by `polyshard dryrun` (docs/tp.md)
-    for m in model.modules():
-        own = ({first[id(p)] for p in m.parameters(recurse=False)} & local.keys()) - inside
-        if own:
-            units.append(sum(math.prod(local[n]) for n in own))
-            inside.update(own)
-    cfg = model.config.to_dict()  # which attention runs sizes activations; to_dict() leaves it out
-    cfg["_attn_implementation"] = getattr(model.config, "_attn_implementation", None)
-    return list(local.values()), cfg, float(max(units)) if units else None
-
-
 def predict(spec, shapes, cfg: dict | None, seq: int, optimizer: str = "adamw",
             unit: float | None = None) -> Estimate:
     """One spec's tensors at the peak per rank, without the margin (what `polyshard bench`
     compares with the bytes it measures); `unit` as in plan()."""
     psi = float(numel(shapes))
     est = Estimate(spec.backend, spec.shard, spec.offload,
-                   *model_states(spec, shapes, optimizer=optimizer),
+                   *states_of(spec, shapes, cfg, optimizer),
                    activations(cfg, spec.micro_batch_size, seq, spec.precision,
                                spec.checkpoint_activations, spec.topology.tp,
                                spec.sequence.loss_tile, spec.sequence.offload_activations,

@@ -196,3 +196,37 @@ def test_llama3_70b_at_1024_ranks_pp8_tp8_is_plans_to_the_byte(tmp_path, rank):
     model.write_text(json.dumps({**json.loads((ROOT / "configs/models/llama3-70b.json").read_text()),
                                  "num_hidden_layers": 16, "vocab_size": 32000}))
     _exact_to_plan(_dryrun_pp("configs/pp8-tp8-llama3-70b.yaml", str(model), 1024, rank, 16))
+
+
+@pytest.mark.timeout(600)
+# make test: Qwen3-30B-A3B's widths and layout at 2 of its 48 blocks and a 32,000-token vocabulary
+# (the 151,936-token embedding and head gathered by the simulated rank dominate the time); make
+# test-full: all 48 blocks with the real vocabulary
+@pytest.mark.parametrize("layers,vocab", [(2, 32000), pytest.param(48, 151936, marks=pytest.mark.full)])
+def test_qwen3_30b_a3b_at_1024_ranks_ep8_exchanges_what_plan_says(tmp_path, layers, vocab):
+    """configs/ep8-qwen3-30b-a3b.yaml: 128 experts per block split over ep 8 (16 held), each sharded
+    over the 128 ranks holding the same ones, FSDP2 over all 1024 for the rest. The dispatch's
+    all-to-alls are plan's to the byte (each block: the row counts, the rows out and back in
+    forward and again in the recomputation, the two row exchanges in backward), the parameter
+    bytes plan's (the experts' shards over 128 ranks, not 1024), FSDP's gathers within 10%."""
+    seq, model = 16, tmp_path / "qwen3-30b-a3b.json"
+    model.write_text(json.dumps({**json.loads((ROOT / "configs/models/qwen3-30b-a3b.json")
+                                              .read_text()),
+                                 "num_hidden_layers": layers, "vocab_size": vocab}))
+    out = subprocess.run([sys.executable, "-m", "parallel.cli", "dryrun",
+                          "configs/ep8-qwen3-30b-a3b.yaml", "--model", str(model), "--world",
+                          "1024", "--seq", str(seq), "--json"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=580)
+    assert out.returncode == 0, out.stderr[-4000:]
+    got = json.loads(out.stdout[out.stdout.index("{"):])
+    exchanged = got["collectives"]["all_to_all"]
+    assert exchanged["calls"] == layers * (3 + 3 + 2)  # forward, recomputation, backward
+    # rows: 2 samples x 16 tokens x top-8 x 2048 in bf16; counts: 128 int64
+    rows, counts = 2 * seq * 8 * 2048 * 2, 128 * 8
+    assert exchanged["bytes"] == exchanged["planned"] == layers * (2 * (counts + 2 * rows)
+                                                                   + 2 * rows), exchanged
+    measured, planned = got["measured"], got["planned"]
+    assert abs(planned["params"] - measured["params"]) <= 0.01 * measured["params"], got
+    for kind in ("all_gather", "reduce_scatter"):
+        row = got["collectives"][kind]
+        assert abs(row["planned"] - row["bytes"]) <= 0.10 * row["bytes"], (kind, row)

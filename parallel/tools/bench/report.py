@@ -165,7 +165,7 @@ def bench(spec, names, shards, worlds, options: dict, out_dir: Path, timeout: fl
 def _facts(model: str, wrap, tp: int = 1, tp_plan: dict | None = None):
     """plan's view of the model (shapes, config, largest unit), or None when it cannot be built on
     the meta device (then no planned peak is shown)."""
-    from parallel.tools.plan import model_facts
+    from parallel.tools.facts import model_facts
 
     try:
         return model_facts(model, wrap, tp, tp_plan)
