@@ -16,6 +16,8 @@ def build(a, rank: int, world: int):
         return build_sp(a, rank, world)
     if a.pp > 1:
         return build_pp(a, rank, world)
+    if a.ep > 1:
+        return build_ep(a, rank, world)
     net = model(a.model, a.seed)
     dp = world // a.tp
     config = {"train_micro_batch_size_per_gpu": a.global_rows // dp,
@@ -36,6 +38,37 @@ def build(a, rank: int, world: int):
         ids = ids.to(engine.device)  # DeepSpeed moves the model, not the batch
         loss = token_share(engine(input_ids=ids, labels=ids).loss, ids, group)
         engine.backward(loss * dp)  # DeepSpeed averages gradients over the data-parallel ranks
+        engine.step()
+        return loss
+
+    return step
+
+
+def build_ep(a, rank: int, world: int):
+    """--ep N: AutoEP as DeepSpeed 0.19.8 documents it, by the config's `expert_parallel` section
+    alone. Its presets match transformers >= 5.0's fused experts only, so on transformers 4.57's
+    Qwen3-MoE (an `experts` ModuleList of gate/up/down projections) the layer and expert names are
+    given as its custom patterns; AutoEP fuses each block's experts into one tensor per projection
+    and dispatches tokens by all-to-all. DeepSpeed averages gradients over the data-parallel ranks."""
+    net = model(a.model, a.seed)
+    config = {"train_micro_batch_size_per_gpu": a.global_rows // world,
+              "gradient_accumulation_steps": 1, "gradient_clipping": a.clip,
+              "zero_optimization": {"stage": a.stage}, "zero_allow_untested_optimizer": True,
+              "steps_per_print": 2 ** 31 - 1,
+              "expert_parallel": {"enabled": True, "autoep_size": a.ep,
+                                  "moe_layer_pattern": r"model\.layers\.\d+\.mlp",
+                                  "expert_w1": "gate_proj", "expert_w2": "down_proj",
+                                  "expert_w3": "up_proj", "num_experts_attr": "num_experts",
+                                  "route_norm": True},
+              # DeepSpeed builds the optimizer (AutoEP splits its expert parameter groups)
+              "optimizer": {"type": "AdamW", "params": {"lr": a.lr, "weight_decay": 0.1,
+                                                        "torch_adam": True}}}
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)
+
+    def step(ids):
+        ids = ids.to(engine.device)
+        loss = token_share(engine(input_ids=ids, labels=ids).loss, ids)
+        engine.backward(loss * world)
         engine.step()
         return loss
 

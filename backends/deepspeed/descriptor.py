@@ -43,7 +43,8 @@ DESCRIPTOR = BackendDescriptor(
                    "model by preset (its presets need transformers >= 5.0's fused experts; "
                    "measured on Mixtral, Qwen2-MoE and Qwen3-MoE) and, given patterns, fuses "
                    "each block's experts into one tensor, which steps experts no rank used "
-                   "(1.6e-4 off one process by step 3); FSDP2 runs it exactly"},
+                   "(measured up to 1.6e-4 off one process by step 3) under names that are not "
+                   "the model's; FSDP2 runs it exactly"},
     options=Options("deepspeed", DeepSpeedOptions, "DeepSpeed only knobs."),
     flat_optimizer=lambda spec: True,  # ZeRO's flat fp32 partitions (ZeRO-0 too: state.py)
     plan=PlanModel(plan.model_states, plan.comm, plan.transient),

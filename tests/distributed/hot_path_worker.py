@@ -17,10 +17,10 @@ from parallel.toy import build_llama, llama_config
 WARMUP, COUNTED = 2, 3
 
 
-def counts(spec_dict: dict, rows: int) -> dict:
+def counts(spec_dict: dict, rows: int, model: str = "tiny") -> dict:
     engine = create_engine(load_spec(spec_dict))
     torch.manual_seed(0)
-    model = build_llama(llama_config("tiny"))
+    model = build_llama(llama_config(model))
     engine.prepare(model, (torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.1}))
     batches = global_batches(2 * (WARMUP + COUNTED), 1, rows)
     mine = engine.samples_per_step
@@ -46,8 +46,10 @@ def main():
     p.add_argument("--cases", required=True)
     p.add_argument("--rows", type=int, required=True)
     p.add_argument("--out", required=True)
+    p.add_argument("--model", default="tiny", help="a toy model (parallel/toy.py): tiny, mixtral, ...")
     args = p.parse_args()
-    results = {name: counts(spec, args.rows) for name, spec in json.load(open(args.cases)).items()}
+    results = {name: counts(spec, args.rows, args.model)
+               for name, spec in json.load(open(args.cases)).items()}
     dist = torch.distributed
     if not dist.is_initialized() or dist.get_rank() == 0:
         json.dump(results, open(args.out, "w"), indent=1)

@@ -15,7 +15,14 @@ its weights alone and evaluates, then resumes in fresh processes:
   optimizer: within docs/moe.md's bound) and theirs back to ep 2.
 - make test, dp 2 x ep 2 on 4 ranks: the 64-expert model with accumulation and clipping.
 - make test-full, 4 ranks: hybrid sharding (replicas of ep-split experts), ep 2 x cp 2.
+
+What a step pays (parallel/tools/bench/counting.py), against the loop torchtitan's EP is written as
+by hand (benchmarks/native_ep.py, the descriptor's native loop at ep > 1): the same collectives op
+for op (the all-to-alls through c10d here, functional there), no more host reads, and no read of its
+own when the loop does not read the loss.
 """
+
+import json
 
 import matrix
 import pytest
@@ -23,7 +30,9 @@ from harness import case as parity_case
 from harness import check_parity, parity_jobs, parity_results, run_parity
 from shared import job, read
 
+from parallel.registry import get
 from parallel.spec.io import SpecError, load_spec
+from parallel.tools.bench.report import NATIVE_DIR
 
 pytestmark = pytest.mark.distributed
 BUDGET_S = 60  # seconds in make test (tests/conftest.py): the dispatch and ep 2's cases ride shared
@@ -103,8 +112,29 @@ def key(prefix, group_name):
     return f"{prefix}-{group_name.replace('+', '-')}"
 
 
+COUNTED = {"backend": "fsdp", "micro_batch_size": 2, "grad_clip": 1.0,
+           "topology": {"procs_per_node": 2, "ep": 2}}
+
+
+def count_jobs(tmp):
+    """polyshard's steps at ep 2 (hot_path_worker.py) and the native loop's (native_ep.py), on the
+    toy Mixtral, each counted after a warm-up."""
+    (tmp / "ep-count-cases.json").write_text(json.dumps({"ep2": COUNTED}))
+    script, flags = get("fsdp").bench.native(load_spec(COUNTED))
+    native = {"ep2": [script, "--model=toy:mixtral", "--steps=3", "--warmup=2", "--seq=16",
+                      "--global-rows=4", "--clip=1.0", "--count", *flags,
+                      f"--out={tmp / 'ep-native.json'}"]}
+    (tmp / "ep-native-cases.json").write_text(json.dumps(native))
+    env = fsdp2().env
+    return [job("hot_path_worker", ["--cases", tmp / "ep-count-cases.json", "--rows", 4, "--model",
+                                    "mixtral", "--out", tmp / "ep-count.json"], 2, env),
+            job(str(NATIVE_DIR / "cases.py"), ["--cases", tmp / "ep-native-cases.json", "--out",
+                                               tmp / "ep-native-all.json"], 2, env)]
+
+
 def shared_jobs(tmp):
-    jobs = [job("expert_parallel_worker", ["--out", tmp / "ep.json"], 2, fsdp2().env)]
+    jobs = [job("expert_parallel_worker", ["--out", tmp / "ep.json"], 2, fsdp2().env),
+            *count_jobs(tmp)]
     for name, group in GROUPS.items():
         jobs += parity_jobs(tmp, [one for c in group for one in cases(c)], nproc=group[0].nproc,
                             env=group[0].env, key=key("ep-2", name))
@@ -197,3 +227,19 @@ def test_dp2_x_ep2_matches_one_process(request, tmp_path, group, tier):
                              env=WIDE[group][0].env)
     print(f"ep 2 on 4 ranks ({group}): max |loss - one process| per case: "
           f"{check(results, chosen)}")
+
+
+def test_a_step_pays_what_torchtitans_ep_by_hand_pays(shared):
+    tmp, run = shared[__name__]
+    ours = read(tmp / "ep-count.json", run, "hot_path_worker")["ep2"]
+    steps = read(tmp / "ep-native-all.json", run, str(NATIVE_DIR / "cases.py"))["ep2"]["counts"]
+    assert all(s == steps[0] for s in steps), steps  # steady
+    theirs = {k.replace("all_to_all_single", "alltoall_base_"): v for k, v in steps[0].items()}
+    for mode in ("read", "noread"):
+        counted = dict(ours[mode])
+        reads = counted.pop("host_reads", 0)
+        assert counted == {k: v for k, v in theirs.items() if k != "host_reads"}, (mode, ours, theirs)
+        assert reads <= theirs["host_reads"], (mode, ours, theirs)
+    # the loss rides with the experts' use, read before the update: a loop's read adds none
+    assert ours["read"]["host_reads"] == ours["noread"]["host_reads"], ours
+    print(f"ep 2 per step: polyshard {ours['read']}, by hand {steps[0]}")
