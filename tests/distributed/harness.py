@@ -98,6 +98,30 @@ def parity_results(tmp: Path, run, key: str = "parity") -> dict:
     return results
 
 
+def accepted(one) -> bool:
+    """A parity case's specs (and its resume spec) validate: a backend refuses what it does not
+    run (unit-tested there), and its variant then has no such case."""
+    from parallel.spec.io import SpecError, load_spec
+
+    try:
+        for spec in (one["spec"], one.get("resume_spec") or one["spec"]):
+            load_spec(spec)
+    except SpecError:
+        return False
+    return True
+
+
+def tier_results(request, tmp_path, module: str, key: str, chosen: list[dict], launch,
+                 tier: str) -> dict:
+    """A tiered parity test's results: make test's (`tier` quick) from the module's jobs in the
+    suite's shared launches (parity_jobs under `key`), make test-full's run here, each phase a
+    launch like `launch` (a matrix case: its nproc and env)."""
+    if tier == "quick":
+        tmp, run = request.getfixturevalue("shared")[module]
+        return parity_results(tmp, run, key=key)
+    return run_parity(tmp_path, chosen, nproc=launch.nproc, timeout=500, env=launch.env)
+
+
 def case(name, spec, optimizer="sgd", steps=5, save_at=3, **extra):
     return {"name": name, "spec": spec, "optimizer": optimizer, "steps": steps, "save_at": save_at,
             **extra}

@@ -27,11 +27,11 @@ import json
 import matrix
 import pytest
 from harness import case as parity_case
-from harness import check_parity, parity_jobs, parity_results, run_parity
+from harness import accepted, check_parity, parity_jobs, parity_results, tier_results
 from shared import job, read
 
 from parallel.registry import get
-from parallel.spec.io import SpecError, load_spec
+from parallel.spec.io import load_spec
 from parallel.tools.bench.report import NATIVE_DIR
 
 pytestmark = pytest.mark.distributed
@@ -51,15 +51,6 @@ def with_ep(c, ep=2, cp=1, shard_group_size=None, **extra):
     spec["topology"] = {**c.spec["topology"], "ep": ep, **({"cp": cp} if cp > 1 else {}),
                         **({"shard_group_size": shard_group_size} if shard_group_size else {})}
     return spec
-
-
-def accepted(one) -> bool:
-    try:
-        for spec in (one["spec"], one.get("resume_spec") or one["spec"]):
-            load_spec(spec)
-    except SpecError:
-        return False
-    return True
 
 
 VARIANTS = {c.name: c for c in matrix.accepting(with_ep, 2)}
@@ -219,12 +210,8 @@ def test_ep2_matches_one_process_resumes_and_moves_to_ep1(shared, group):
 @pytest.mark.parametrize("group", sorted(WIDE))
 def test_dp2_x_ep2_matches_one_process(request, tmp_path, group, tier):
     chosen = [one for c in WIDE[group] for one in wide_cases(c, tier)]
-    if tier == "quick":
-        tmp, run = request.getfixturevalue("shared")[__name__]
-        results = parity_results(tmp, run, key=key("ep-4", group))
-    else:
-        results = run_parity(tmp_path, chosen, nproc=WIDE[group][0].nproc, timeout=500,
-                             env=WIDE[group][0].env)
+    results = tier_results(request, tmp_path, __name__, key("ep-4", group), chosen, WIDE[group][0],
+                           tier)
     print(f"ep 2 on 4 ranks ({group}): max |loss - one process| per case: "
           f"{check(results, chosen)}")
 

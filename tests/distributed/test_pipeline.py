@@ -21,11 +21,18 @@ import json
 
 import matrix
 import pytest
-from harness import ROOT, case, check_parity, parity_jobs, parity_results, run_parity, torchrun
+from harness import (
+    ROOT,
+    accepted,
+    case,
+    check_parity,
+    parity_jobs,
+    parity_results,
+    run_parity,
+    tier_results,
+    torchrun,
+)
 from shared import job, read
-
-from parallel.spec.io import SpecError, load_spec
-
 
 pytestmark = pytest.mark.distributed
 BUDGET_S = 55  # seconds in make test (tests/conftest.py): torch's V schedules' launch of its own
@@ -83,16 +90,6 @@ def cases(c, tier="quick"):
             c, pipeline={"schedule": "interleaved_1f1b"}, grad_accum_steps=2, grad_clip=0.5),
             model=FOUR))
     return [{**one, "name": f"{c.name}-{one['name']}"} for one in out if accepted(one)]
-
-
-def accepted(one) -> bool:
-    """The case's specs validate: a backend refuses what it does not run (unit-tested there)."""
-    try:
-        for spec in (one["spec"], one.get("resume_spec") or one["spec"]):
-            load_spec(spec)
-    except SpecError:
-        return False
-    return True
 
 
 def wide_cases(c, tier="full"):
@@ -188,12 +185,8 @@ def check(results, chosen):
 @pytest.mark.parametrize("group", sorted(GROUPS))
 def test_pp2_matches_one_process_resumes_and_moves_to_pp1(request, tmp_path, group, tier):
     chosen = [one for c in GROUPS[group] for one in cases(c, tier)]
-    if tier == "quick":
-        tmp, run = request.getfixturevalue("shared")[__name__]
-        results = parity_results(tmp, run, key=key("pp-2", group))
-    else:
-        results = run_parity(tmp_path, chosen, nproc=GROUPS[group][0].nproc, timeout=500,
-                             env=GROUPS[group][0].env)
+    results = tier_results(request, tmp_path, __name__, key("pp-2", group), chosen,
+                           GROUPS[group][0], tier)
     print(f"pp 2 ({group}): max |loss - one process| per case: {check(results, chosen)}")
 
 
