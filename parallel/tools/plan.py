@@ -17,7 +17,6 @@ bench` measures the real order. Each backend's layout and dtypes: backends/<name
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from parallel.tools.comm import (  # noqa: F401 (plan's communication, re-exported)
