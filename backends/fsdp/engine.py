@@ -185,7 +185,7 @@ class FSDP2Engine(_TorchFSDP):
         units = at_unit_places(model, units)
         if self.expert_parallel is not None:  # the experts' units first: the blocks' leave them
             ep = self.expert_parallel
-            apply_expert_fsdp(ep.units(), ep.shard_mesh, kwargs, ep.divide_by, self.device.type)
+            apply_expert_fsdp(ep.units(model), ep.shard_mesh, kwargs, ep.divide_by, self.device.type)
         if self.spec.compile.scope == "blocks":
             self._apply_compile(model, units)
         apply_fsdp2(model, units, mesh, kwargs, self.spec.fsdp.reshard_output)

@@ -42,15 +42,14 @@ def _ep_rules(spec: Spec) -> None:
         raise SpecError([("topology.ep", f"{ep} with fsdp.version: 1: each expert is sharded over "
                           "its own ranks, which FSDP1's one process group per unit cannot do; "
                           "use fsdp.version: 2")])
-    others = {"topology.tp": t.tp > 1, "topology.pp": t.pp > 1,
-              "compile.enabled": spec.compile.enabled,
+    others = {"compile.enabled": spec.compile.enabled,
               "fsdp.cpu_ram_efficient_loading": spec.fsdp.cpu_ram_efficient_loading}
     bad = [name for name, on in others.items() if on]
     if bad:
         raise SpecError([(name, f"with topology.ep {ep}: not built with expert parallelism yet "
-                          "(each rank holds other experts: tp's split of them, pp's stages, "
-                          "compiled dispatch and rank 0's weights for every rank are not done); "
-                          f"unset it, or use topology.ep: 1 (docs/moe.md)") for name in bad])
+                          "(each rank holds other experts: a compiled dispatch and rank 0's "
+                          "weights for every rank are not done); unset it, or use topology.ep: 1 "
+                          "(docs/moe.md)") for name in bad])
 
 
 def _fsdp2_dims(spec: Spec) -> None:

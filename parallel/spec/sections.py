@@ -90,7 +90,9 @@ class Topology(Section):
               "sharded over the ranks holding the same ones. The router, top-k, shared experts "
               "and balancing loss are the model's own, no token dropped: a step is one "
               "process's. FSDP2 runs it for Hugging Face Mixtral, Qwen2-MoE, Qwen3-MoE and "
-              "DeepSeek-V3 blocks; FSDP1, DeepSpeed and XLA refuse N > 1 naming why "
+              "DeepSeek-V3 blocks, with tp, cp, pp and hybrid sharding (each tp and pipeline "
+              "rank's data-parallel ranks make its ep groups); FSDP1, DeepSpeed and XLA refuse "
+              "N > 1 naming why "
               "(docs/moe.md)."),
     ] = 1
     tp_plan: Annotated[

@@ -24,10 +24,15 @@ def expert_blocks(model) -> list:
     return moe_blocks(model)
 
 
-def moe_facts(model, ep: int) -> dict | None:
+def moe_facts(model, ep: int, held=None) -> dict | None:
     """The model's mixture-of-experts blocks (meta-device model, Hugging Face's layout: an
-    `experts` ModuleList): how many, their experts, top-k, one expert's parameters; None if none."""
-    blocks = expert_blocks(model)
+    `experts` ModuleList): how many, their experts, top-k, one expert's parameters; None if none.
+    `held`: the parameter names a pipeline rank holds (its stages' blocks only, their parameters
+    the total), None: all."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    mine = (lambda m: True) if held is None else (
+        lambda m: any(names.get(id(p)) in held for p in m.parameters()))
+    blocks = [(name, b) for name, b in expert_blocks(model) if mine(b)]
     if not blocks:
         return None
     _, block = blocks[0]
@@ -37,7 +42,8 @@ def moe_facts(model, ep: int) -> dict | None:
     shapes = [tuple(p.shape) for p in block.experts[0].parameters()]
     expert = sum(math.prod(shape) for shape in shapes)
     n = len(block.experts)
-    total = float(sum(math.prod(p.shape) for p in model.parameters()))
+    total = float(sum(math.prod(p.shape) for name, p in model.named_parameters()
+                      if held is None or name in held))
     experts = float(sum(len(b.experts) for _, b in blocks) * expert)
     return {"blocks": len(blocks), "experts": n, "top_k": int(top_k), "expert_params": expert,
             "expert_shapes": shapes,

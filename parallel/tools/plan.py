@@ -217,5 +217,7 @@ def predict(spec, shapes, cfg: dict | None, seq: int, optimizer: str = "adamw",
         from parallel.tools.stages import pipeline_of
 
         est.activations = pipeline_of(spec, cfg, seq).get("activations")
-    est.gathered, est.buffers = transient(spec, psi, unit or psi, (cfg or {}).get("hidden_size"))
+    moe = (cfg or {}).get("_moe") if spec.topology.ep > 1 else None
+    held = moe["gathered"] if moe else psi  # ep: a rank gathers its own experts only
+    est.gathered, est.buffers = transient(spec, held, unit or held, (cfg or {}).get("hidden_size"))
     return est

@@ -13,8 +13,10 @@ its weights alone and evaluates, then resumes in fresh processes:
   expert under accumulation and clipping; Qwen3-MoE with 64 experts top-8 and its balancing loss
   (experts unused in a step); the checkpoint moved to ep 1 on FSDP2 (exact) and on ZeRO-3 (a flat
   optimizer: within docs/moe.md's bound) and theirs back to ep 2.
-- make test, dp 2 x ep 2 on 4 ranks: the 64-expert model with accumulation and clipping.
-- make test-full, 4 ranks: hybrid sharding (replicas of ep-split experts), ep 2 x cp 2.
+- make test, 4 ranks: dp 2 x ep 2 with the 64-expert model, accumulation and clipping; pp 2 x ep 2
+  and tp 2 x ep 2 with the trackers' loads (`wide_cases`).
+- make test-full, 4 ranks: pp 2 x ep 2 moved to ep 1, with Qwen2-MoE, accumulation and clipping;
+  hybrid sharding (replicas of ep-split experts), ep 2 x cp 2.
 
 What a step pays (parallel/tools/bench/counting.py), against the loop torchtitan's EP is written as
 by hand (benchmarks/native_ep.py, the descriptor's native loop at ep > 1): the same collectives op
@@ -43,12 +45,20 @@ AUX = {"output_router_logits": True, "router_aux_loss_coef": 0.1}
 # off, so that one process on the global batch is the reference
 MIXTRAL, QWEN2, QWEN3 = {"toy": "mixtral", **AUX}, {"toy": "qwen2_moe"}, {"toy": "qwen3_moe", **AUX}
 QWEN3_LM = {"toy": "qwen3_moe"}
+# pipeline stages take no balancing loss (docs/pipeline.md): 4 layers, a block per stage and ep group
+MIXTRAL_LM, MIXTRAL_LM_4 = {"toy": "mixtral"}, {"toy": "mixtral", "num_hidden_layers": 4}
+# Mixtral's own tp plan splits its experts in styles polyshard does not take (docs/tp.md): under ep
+# the attention is split over tp, each tp rank's experts are its ep group's
+ATTENTION_TP = {f"model.layers.*.self_attn.{p}_proj": "colwise" for p in "qkv"} | {
+    "model.layers.*.self_attn.o_proj": "rowwise"}
 
 
-def with_ep(c, ep=2, cp=1, shard_group_size=None, **extra):
+def with_ep(c, ep=2, cp=1, shard_group_size=None, pp=1, tp=1, tp_plan=None, **extra):
     """A variant's spec (as matrix laid it out on this host) with expert parallelism."""
     spec = {**c.spec, **extra}
     spec["topology"] = {**c.spec["topology"], "ep": ep, **({"cp": cp} if cp > 1 else {}),
+                        **({"pp": pp} if pp > 1 else {}), **({"tp": tp} if tp > 1 else {}),
+                        **({"tp_plan": tp_plan} if tp_plan else {}),
                         **({"shard_group_size": shard_group_size} if shard_group_size else {})}
     return spec
 
@@ -86,13 +96,26 @@ def cases(c):
 
 
 def wide_cases(c, tier="quick"):
+    """4 ranks. make test: dp 2 x ep 2; pp 2 x ep 2 (each pipeline rank's ep group splits its
+    stage's blocks) and tp 2 x ep 2 (each tp rank's ep group), with their trackers' loads. make
+    test-full: pp 2 x ep 2's checkpoint moved to pp 2 at ep 1, pp 2 x ep 2 with Qwen2-MoE's shared
+    expert, accumulation and clipping, hybrid sharding, ep 2 x cp 2."""
     accum = with_ep(c, grad_accum_steps=2, grad_clip=0.5)
-    chosen = [("dp2-ep2-64x8-accum-clip", accum, QWEN3_LM)]
+    pp_ep, tracked = with_ep(c, pp=2), {"tracked": 2, "pretrained": True}
+    chosen = [("dp2-ep2-64x8-accum-clip", accum, QWEN3_LM, {}),
+              ("pp2-ep2-mixtral-tracked", pp_ep, MIXTRAL_LM_4, tracked),
+              ("tp2-ep2-mixtral-tracked", with_ep(c, tp=2, tp_plan=ATTENTION_TP), MIXTRAL_LM,
+               tracked)]
     if tier == "full":
-        chosen += [("hybrid-ep2-mixtral", with_ep(c, shard="hybrid", shard_group_size=2), MIXTRAL),
-                   ("ep2-cp2-mixtral", with_ep(c, cp=2), MIXTRAL)]
-    return [{**case(name, spec, model), "name": f"{c.name}-{name}"}
-            for name, spec, model in chosen if accepted({"spec": spec})]
+        chosen += [("pp2-ep2-to-pp2-ep1", pp_ep, MIXTRAL_LM_4,
+                    {"resume_spec": with_ep(c, ep=1, pp=2)}),
+                   ("pp2-ep2-qwen2-accum-clip", with_ep(c, pp=2, grad_accum_steps=2, grad_clip=0.5),
+                    QWEN2, {}),
+                   ("hybrid-ep2-mixtral", with_ep(c, shard="hybrid", shard_group_size=2), MIXTRAL,
+                    {}),
+                   ("ep2-cp2-mixtral", with_ep(c, cp=2), MIXTRAL, {})]
+    return [{**case(name, spec, model, **extra), "name": f"{c.name}-{name}"}
+            for name, spec, model, extra in chosen if accepted({"spec": spec})]
 
 
 def fsdp2():
@@ -185,8 +208,10 @@ def check_loads(name, tracked, one):
 
     from parallel.toy import SIZES
 
-    toy = _json.loads(SIZES.read_text())[one["model"]["toy"]]
-    per_step = one["spec"]["micro_batch_size"] * one["spec"]["topology"]["procs_per_node"] * 16
+    toy = {**_json.loads(SIZES.read_text())[one["model"]["toy"]], **one["model"]}
+    topology = one["spec"]["topology"]  # a step's rows: micro-batch x data-parallel ranks
+    per_step = one["spec"]["micro_batch_size"] * topology["procs_per_node"] // \
+        (topology.get("pp", 1) * topology.get("tp", 1)) * 16
     for line in tracked:
         tokens = sum(v for k, v in line.items() if k.startswith("moe/tokens/expert_"))
         assert tokens == per_step * toy["num_experts_per_tok"] * toy["num_hidden_layers"] * \

@@ -220,7 +220,7 @@ def test_every_dimension_has_its_slot_in_the_layout():
     assert ParallelDims(1, 4, pp=2).world_size == 8
 
 
-def test_ep_borrows_from_dp_shard_x_cp_and_fsdp2_names_what_it_does_not_combine_with():
+def test_ep_borrows_from_dp_shard_x_cp_composes_with_tp_and_pp_and_names_what_it_does_not():
     from parallel.spec.errors import SpecError
 
     spec = load_spec({"topology": {"procs_per_node": 8, "ep": 4, "cp": 2}})
@@ -232,10 +232,12 @@ def test_ep_borrows_from_dp_shard_x_cp_and_fsdp2_names_what_it_does_not_combine_
     with pytest.raises(SpecError) as err:
         load_spec({"fsdp": {"version": 1}, "topology": {"procs_per_node": 4, "ep": 2}})
     assert "use fsdp.version: 2" in dict(err.value.problems)["topology.ep"]
-    for field, extra in (("topology.tp", {"topology": {"procs_per_node": 4, "ep": 2, "tp": 2}}),
-                         ("topology.pp", {"topology": {"procs_per_node": 4, "ep": 2, "pp": 2},
-                                         "micro_batch_size": 2}),
-                         ("compile.enabled", {"compile": {"enabled": True}}),
+    # each tp rank's and each pipeline rank's data-parallel ranks make its ep groups
+    for dim in ("tp", "pp"):
+        dims = load_spec({"topology": {"procs_per_node": 8, "ep": 2, dim: 2},
+                          "micro_batch_size": 2}).dims
+        assert (dims.dp_shard, dims.ep, dims.dp_mod_ep, getattr(dims, dim)) == (4, 2, 2, 2), dim
+    for field, extra in (("compile.enabled", {"compile": {"enabled": True}}),
                          ("fsdp.cpu_ram_efficient_loading",
                           {"fsdp": {"cpu_ram_efficient_loading": True}})):
         with pytest.raises(SpecError) as err:

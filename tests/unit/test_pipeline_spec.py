@@ -119,6 +119,8 @@ def families():
         "qwen2_moe": lambda: tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(
             **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
             shared_expert_intermediate_size=16)),
+        "qwen3_moe": lambda: tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(
+            **common, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, head_dim=8)),
         "gpt2": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(
             vocab_size=64, n_embd=32, n_layer=4, n_head=4, n_positions=64,
             attn_implementation="eager", tie_word_embeddings=False)),
@@ -166,6 +168,11 @@ def test_what_a_pipeline_cannot_run_exactly_is_refused_at_prepare():
     with pytest.raises(SpecError) as err:
         check_pipelined(torch.nn.Linear(2, 2), [], Objective(None, 1), False, None)
     assert "has no stage split" in dict(err.value.problems)["pipeline.split_points"]
+    # a mixture-of-experts model sharded over data-parallel ranks under a multi-stage schedule
+    # (measured: a collective mismatch, docs/moe.md)
+    with pytest.raises(SpecError) as err:
+        check_pipelined(untied, [], counted, False, None, experts_shared="interleaved_1f1b")
+    assert "use 1f1b or gpipe" in dict(err.value.problems)["pipeline.schedule"]
 
 
 def test_a_model_of_your_own_splits_where_split_points_say_and_chains_to_the_whole():

@@ -130,8 +130,10 @@ class Engine(EngineSetup):
         got = dict(zip(riders, packed[1:].split([t.numel() for t in riders.values()])))
         if "preempt" in got:
             self.preemption.record(self.step + 1, got["preempt"][0])
-        if "loads" in got:  # summed over ranks, for the trackers (read at the log)
-            loads = got["loads"].view(len(self.expert_parallel.blocks), -1) * self.world_size
+        if "loads" in got:  # summed over ranks, for the trackers (read at the log); the tp ranks
+            # of a group dispatch the same tokens (a block's input is whole on each)
+            loads = got["loads"].view(len(self.expert_parallel.blocks), -1) * (
+                self.world_size // self.dims.tp)
             self._step_metrics = self.expert_parallel.load_metrics(loads)
         if "use" not in got:
             return packed[0], float(packed[0]) if read else None

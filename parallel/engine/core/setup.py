@@ -175,8 +175,13 @@ class EngineSetup(EngineCalls):
         `runner`: what runs the stages' schedule (torch's, or a backend's own Pipeline)."""
         from parallel.engine.model.pipeline.apply import apply_pipeline, check_pipelined
 
+        from parallel.engine.model.pipeline.schedule import MULTI
+
+        schedule = self.spec.pipeline.schedule
         check_pipelined(model, self.params.tied, self.objective, self.loss_fn is not None,
-                        self.router, self.spec.pipeline.split_points, self.say)
+                        self.router, self.spec.pipeline.split_points, self.say,
+                        schedule if self.experts and self.dims.dp_cp > 1 and schedule in MULTI
+                        else None)
         view, self.pipeline = apply_pipeline(model, self.spec, self.dims.pp_rank(self.rank),
                                              self.device_mesh["pp"].get_group(), self.device,
                                              self.forward_kwargs, runner)

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel.dist import union_names
+from parallel.engine.model.moe.experts import a_step_forward
 from parallel.kits.names import clean_name
 
 
@@ -117,7 +118,7 @@ def _routed_forward(block, dispatch: Dispatch):
         b, s, h = hidden_states.shape
         x = hidden_states.view(-1, h)
         logits, weights, selected = _route(self, x)
-        out = dispatch(x, selected, weights, self.training).to(x.dtype)
+        out = dispatch(x, selected, weights, a_step_forward(self)).to(x.dtype)
         if getattr(self, "shared_expert", None) is not None:  # Qwen2-MoE
             out = out + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out.view(b, s, h), logits
@@ -148,7 +149,8 @@ def apply_expert_parallel(blocks: list[tuple[str, nn.Module]], ep: int, rank: in
         out.append(dispatch)
         if hasattr(block, "moe"):  # DeepSeek-V3: its own router and shared experts around moe()
             block.moe = types.MethodType(
-                lambda self, x, idx, w, d=dispatch: d(x, idx, w, self.training).type(x.dtype), block)
+                lambda self, x, idx, w, d=dispatch: d(x, idx, w, a_step_forward(self)).type(x.dtype),
+                block)
         else:
             block.forward = _routed_forward(block, dispatch)
     return out
@@ -190,9 +192,12 @@ class ExpertParallel:
         them (fully_shard's DTensor parameters are new objects)."""
         return frozenset(id(p) for held in self.held for p in held.parameters())
 
-    def units(self) -> list[nn.Module]:
-        """Each held expert, the unit the backend shards over `shard_mesh`."""
-        return [expert for held in self.held for expert in held.values()]
+    def units(self, within: nn.Module | None = None) -> list[nn.Module]:
+        """Each held expert (in `within` only, where given: one of a rank's pipeline stages), the
+        unit the backend shards over `shard_mesh`."""
+        inside = None if within is None else {id(m) for m in within.modules()}
+        return [expert for held in self.held for expert in held.values()
+                if inside is None or id(expert) in inside]
 
     def take_tokens(self, device) -> torch.Tensor:
         """Rows this rank routed to each expert (blocks x experts, float) since the last take,

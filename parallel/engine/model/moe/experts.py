@@ -35,6 +35,13 @@ from torch import nn
 from parallel.kits.names import clean_name
 
 
+def a_step_forward(module: nn.Module) -> bool:
+    """Whether `module` runs in a training step's own forward: not evaluation or generation, not a
+    pipeline stage's shape inference (torch runs it on zeros, without grad, at a schedule's first
+    step) and not activation checkpointing's recomputation (inside the backward)."""
+    return module.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+
+
 def moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """Blocks that route tokens to some of their `experts` (a ModuleList), by clean name."""
     return [(clean_name(name), m) for name, m in model.named_modules()
@@ -116,7 +123,7 @@ class Experts:
                 # a step's use only: an evaluation between steps marked its experts used, and the
                 # next step then kept their zero gradients and updated them (measured: 5e-5 off
                 # one process at the step after); no rows: ep's dispatch runs every held expert
-                if module.training and args[0].shape[0]:
+                if args[0].shape[0] and a_step_forward(module):
                     self.used[first + index] = True
                 cursor["pending"] = self._run_empty(block, cursor, index) if touch else None
                 return None

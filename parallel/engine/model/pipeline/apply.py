@@ -17,10 +17,12 @@ from parallel.spec.errors import SpecError
 
 def check_pipelined(model: nn.Module, tied: list[list[str]], objective: Objective,
                     has_loss_fn: bool, router, split_points: list[str] | None = None,
-                    say=print) -> None:
+                    say=print, experts_shared: str | None = None) -> None:
     """What topology.pp cannot run exactly, refused at prepare naming the fix. A model of your own
     (split at `split_points`) trains its last stage's logits on `labels` with the causal-LM loss,
-    counted over the step as a Hugging Face causal LM's is (said at prepare)."""
+    counted over the step as a Hugging Face causal LM's is (said at prepare). `experts_shared`: the
+    multi-stage schedule a mixture-of-experts model would run with its blocks sharded over data
+    parallel ranks, if so."""
     if has_loss_fn:
         raise SpecError([("topology.pp", "with a loss_fn: the last stage computes the loss from "
                           "the logits with the model's own loss function; pass a Hugging Face "
@@ -44,6 +46,12 @@ def check_pipelined(model: nn.Module, tied: list[list[str]], objective: Objectiv
         raise SpecError([("topology.pp", "a mixture-of-experts router's balancing loss is one "
                           "function of every layer's router logits, which stages hold apart; use "
                           "topology.pp: 1, or build the model with output_router_logits=False")])
+    if experts_shared is not None:
+        raise SpecError([("pipeline.schedule", f"{experts_shared!r} with a mixture-of-experts model "
+                          "sharded over data-parallel ranks: torch 2.9's multi-stage schedules "
+                          "reduce a block's experts before some of their gradients exist on some "
+                          "ranks (measured on Mixtral at pp 2 x dp 2, at ep 1 and 2: a collective "
+                          "mismatch); use 1f1b or gpipe (docs/moe.md)")])
 
 
 def merged_view(parts: list[nn.Module], family: st.Family) -> nn.Module:
