@@ -18,6 +18,11 @@ def record(name: str, figures: dict) -> None:
     (STORE / f"{name}.json").write_text(json.dumps(figures, indent=1, default=str))
 
 
+def records(prefix: str, store: Path = STORE) -> list[dict]:
+    """What this run recorded under names starting with `prefix`, oldest first."""
+    return [json.loads(f.read_text()) for f in sorted(store.glob(f"{prefix}-*.json"))]
+
+
 def report_path(root: Path) -> Path:
     """runs/reliability.md (untracked); the tracked docs/reliability.md only on request:
     POLYSHARD_UPDATE_DOCS=1 make test."""

@@ -155,20 +155,22 @@ class FSDP2Engine(_TorchFSDP):
         # the tensor-parallel plan is checked against the whole model, each stage takes its part
         plan = resolve_plan(model, self.dims.tp, self.spec.topology.tp_plan, self.say) \
             if self.dims.tp > 1 else None
+        # rank 0's weights before ep drops the experts other ranks hold (pp refuses lazy loading)
+        full = full_state_of(model) if lazy and self.is_main else None
         if self.dims.pp > 1:  # this rank's pipeline stages, each sharded as a model of its own
             model = self._apply_pipeline(model)
         if self.dims.ep > 1:  # this rank's experts (each sharded as a unit of its own below)
             self._apply_expert_parallel(model)
-        units = [self._shard_fsdp2(part, lazy, plan)
+        units = [self._shard_fsdp2(part, lazy, plan, full)
                  for part in (self.pipeline.parts if self.pipeline is not None else [model])]
         self.units = [u for each in units for u in each]
         return model, self._optimizer_over(optimizer, model)
 
-    def _shard_fsdp2(self, model: nn.Module, lazy: bool, plan) -> list[tuple[str, nn.Module]]:
-        """One model (or pipeline stage) split, checkpointed, compiled and sharded; its units."""
+    def _shard_fsdp2(self, model: nn.Module, lazy: bool, plan, full) -> list[tuple[str, nn.Module]]:
+        """One model (or pipeline stage) split, checkpointed, compiled and sharded; its units.
+        `full`: rank 0's whole weights (cpu_ram_efficient_loading), None elsewhere."""
         kwargs = fsdp2_kwargs(self.plan["kwargs"], self.device.type)
         mesh = shard_mesh(self.device_mesh, hybrid=len(self.plan["mesh"]) == 2, cp=self.dims.cp)
-        full = full_state_of(model) if lazy and self.is_main else None
         units = plan_wrap(model, self.spec.wrap) if self.pipeline is not None else self.units
         # torchtitan's order: the tensor-parallel split first (fully_shard then shards its shards
         # again over the data-parallel dims), activation checkpointing, compile, fully_shard, each on
@@ -192,7 +194,7 @@ class FSDP2Engine(_TorchFSDP):
         if self.spec.compile.scope == "model":
             self._apply_compile(model, [])
         if lazy:
-            fill_from_rank0(model, full, self.device)
+            fill_from_rank0(model, full, self.device, partial=self.dims.ep > 1)
         if self.spec.fsdp.forward_prefetch:
             apply_forward_prefetch(model, units)
         return units

@@ -205,15 +205,26 @@ def full_state_of(model: nn.Module) -> tuple[dict, list]:
             [b.detach().clone() for b in model.buffers()])
 
 
-def fill_from_rank0(model: nn.Module, full: tuple[dict, list] | None, device: torch.device) -> None:
+def fill_from_rank0(model: nn.Module, full: tuple[dict, list] | None, device: torch.device,
+                    partial: bool = False) -> None:
     """After sharding a model the ranks but 0 built on the meta device: rank 0's `full` weights
-    (full_state_of; None on the other ranks) broadcast into every rank's shards."""
+    (full_state_of; None on the other ranks) broadcast into every rank's shards. `partial`: each
+    rank keeps part of them (topology.ep: its own experts; torch's strict load refuses the rest on
+    rank 0), so that every name a rank holds is among rank 0's is checked here instead."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     full_sd, buffers = full if full is not None else ({}, None)
     model.to_empty(device=device)
+    if partial:
+        names = [sorted(full_sd) if full is not None else None]
+        dist.broadcast_object_list(names, src=0)
+        missing = sorted(set(model.state_dict()) - set(names[0]))
+        if missing:
+            raise ValueError(f"fsdp.cpu_ram_efficient_loading: rank {dist.get_rank()} holds "
+                             f"{missing[:3]}, which rank 0's model has not; the factory must "
+                             "build the same model on every rank")
     set_model_state_dict(model, full_sd, options=StateDictOptions(
-        full_state_dict=True, broadcast_from_rank0=True))
+        full_state_dict=True, broadcast_from_rank0=True, strict=not partial))
     for i, b in enumerate(model.buffers()):
         if buffers is not None:
             b.copy_(buffers[i])

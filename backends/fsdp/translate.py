@@ -33,23 +33,15 @@ def _check_loss_scale(spec: Spec) -> None:
 
 
 def _ep_rules(spec: Spec) -> None:
-    """topology.ep: FSDP2's experts split (parallel/engine/model/moe/expert_parallel.py), with
-    what it does not combine with yet named."""
-    t, ep = spec.topology, spec.topology.ep
+    """topology.ep: FSDP2's experts split (parallel/engine/model/moe/expert_parallel.py); FSDP1
+    cannot shard one expert over its own ranks."""
+    ep = spec.topology.ep
     if ep == 1:
         return
     if spec.fsdp.version == 1:
         raise SpecError([("topology.ep", f"{ep} with fsdp.version: 1: each expert is sharded over "
                           "its own ranks, which FSDP1's one process group per unit cannot do; "
                           "use fsdp.version: 2")])
-    others = {"compile.enabled": spec.compile.enabled,
-              "fsdp.cpu_ram_efficient_loading": spec.fsdp.cpu_ram_efficient_loading}
-    bad = [name for name, on in others.items() if on]
-    if bad:
-        raise SpecError([(name, f"with topology.ep {ep}: not built with expert parallelism yet "
-                          "(each rank holds other experts: a compiled dispatch and rank 0's "
-                          "weights for every rank are not done); unset it, or use topology.ep: 1 "
-                          "(docs/moe.md)") for name in bad])
 
 
 def _fsdp2_dims(spec: Spec) -> None:

@@ -11,12 +11,13 @@ its weights alone and evaluates, then resumes in fresh processes:
 - make test, ep 2 on 2 ranks: Mixtral top-2 with its balancing loss (global, 0.1), save_pretrained
   read back by transformers, greedy generate equal to a plain model's; Qwen2-MoE with its shared
   expert under accumulation and clipping; Qwen3-MoE with 64 experts top-8 and its balancing loss
-  (experts unused in a step); the checkpoint moved to ep 1 on FSDP2 (exact) and on ZeRO-3 (a flat
-  optimizer: within docs/moe.md's bound) and theirs back to ep 2.
+  (experts unused in a step), and again with fsdp.cpu_ram_efficient_loading (rank 0 builds the
+  weights; each rank takes its experts); the checkpoint moved to ep 1 on FSDP2 (exact) and on
+  ZeRO-3 (a flat optimizer: within docs/moe.md's bound) and theirs back to ep 2.
 - make test, 4 ranks: dp 2 x ep 2 with the 64-expert model, accumulation and clipping; pp 2 x ep 2
   and tp 2 x ep 2 with the trackers' loads (`wide_cases`).
 - make test-full, 4 ranks: pp 2 x ep 2 moved to ep 1, with Qwen2-MoE, accumulation and clipping;
-  hybrid sharding (replicas of ep-split experts), ep 2 x cp 2.
+  hybrid sharding (replicas of ep-split experts), ep 2 x cp 2, torch.compile (dp 2 x ep 2).
 
 What a step pays (parallel/tools/bench/counting.py), against the loop torchtitan's EP is written as
 by hand (benchmarks/native_ep.py, the descriptor's native loop at ep > 1): the same collectives op
@@ -86,7 +87,11 @@ def cases(c):
                 tracked=2),
            case("qwen2moe-shared-accum-clip", with_ep(c, grad_accum_steps=2, grad_clip=0.5),
                 QWEN2),
-           case("qwen3moe-64x8-aux", with_ep(c), QWEN3)]
+           case("qwen3moe-64x8-aux", with_ep(c), QWEN3),
+           # rank 0 builds the weights, the others on the meta device: each takes its experts
+           case("qwen3moe-rank0-loading", with_ep(c, fsdp={**c.spec.get("fsdp", {}),
+                                                         "cpu_ram_efficient_loading": True}),
+                QWEN3_LM, factory=True)]
     for name in ("fsdp2", "zero3"):
         other = ep1(c, name)
         if other is not None:
@@ -99,7 +104,7 @@ def wide_cases(c, tier="quick"):
     """4 ranks. make test: dp 2 x ep 2; pp 2 x ep 2 (each pipeline rank's ep group splits its
     stage's blocks) and tp 2 x ep 2 (each tp rank's ep group), with their trackers' loads. make
     test-full: pp 2 x ep 2's checkpoint moved to pp 2 at ep 1, pp 2 x ep 2 with Qwen2-MoE's shared
-    expert, accumulation and clipping, hybrid sharding, ep 2 x cp 2."""
+    expert, accumulation and clipping, hybrid sharding, ep 2 x cp 2, torch.compile."""
     accum = with_ep(c, grad_accum_steps=2, grad_clip=0.5)
     pp_ep, tracked = with_ep(c, pp=2), {"tracked": 2, "pretrained": True}
     chosen = [("dp2-ep2-64x8-accum-clip", accum, QWEN3_LM, {}),
@@ -113,7 +118,8 @@ def wide_cases(c, tier="quick"):
                     QWEN2, {}),
                    ("hybrid-ep2-mixtral", with_ep(c, shard="hybrid", shard_group_size=2), MIXTRAL,
                     {}),
-                   ("ep2-cp2-mixtral", with_ep(c, cp=2), MIXTRAL, {})]
+                   ("ep2-cp2-mixtral", with_ep(c, cp=2), MIXTRAL, {}),
+                   ("dp2-ep2-compiled", with_ep(c, compile={"enabled": True}), MIXTRAL_LM, {})]
     return [{**case(name, spec, model, **extra), "name": f"{c.name}-{name}"}
             for name, spec, model, extra in chosen if accepted({"spec": spec})]
 

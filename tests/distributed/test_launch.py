@@ -148,3 +148,27 @@ def test_one_host_listens_on_loopback_only(tmp_path):
     seen = [ip for rank in (0, 1) for ip in json.loads((tmp_path / f"addr.{rank}").read_text())]
     assert seen and set(seen) == {"127.0.0.1"}, seen
 
+
+
+def test_a_launch_whose_rank_aborted_runs_once_more_and_is_recorded(tmp_path, monkeypatch):
+    """harness.torchrun: a rank dying with libstdc++'s abort runs the launch once more and records
+    it (the run's summary lists it: tests/conftest.py); a second abort fails."""
+    import harness
+    import reliability
+
+    monkeypatch.setattr(reliability, "STORE", tmp_path / "store")
+    script = tmp_path / "aborts_once.py"
+    script.write_text(
+        "import os, sys\n"
+        f"marker = {str(tmp_path / 'ran')!r}\n"
+        "first = not os.path.exists(marker)\n"
+        "open(marker, 'a').write('x')\n"
+        f"if first or os.path.exists({str(tmp_path / 'always')!r}):\n"
+        f"    print({harness.ABORT!r}, file=sys.stderr, flush=True)\n"
+        "    os.abort()\n")
+    harness.torchrun(1, [str(script)], timeout=60)
+    (record,) = reliability.records(harness.RELAUNCHED, tmp_path / "store")
+    assert record["ranks"] == 1 and "aborts_once.py" in record["command"], record
+    (tmp_path / "always").write_text("")
+    with pytest.raises(AssertionError, match="exit -6"):
+        harness.torchrun(1, [str(script)], timeout=60)
