@@ -174,7 +174,6 @@ class EngineSetup(EngineCalls):
         stages of `model` (`model_parts`); returns one module over them under the model's names.
         `runner`: what runs the stages' schedule (torch's, or a backend's own Pipeline)."""
         from parallel.engine.model.pipeline.apply import apply_pipeline, check_pipelined
-
         from parallel.engine.model.pipeline.schedule import MULTI
 
         schedule = self.spec.pipeline.schedule

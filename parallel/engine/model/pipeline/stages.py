@@ -8,8 +8,9 @@ the final norm and head on the last only (elsewhere an identity). Every stage ru
 causal / padding mask are made on each stage exactly as the whole model makes them (torchtitan's model
 does the same by hand; here nothing of the model is rewritten).
 
-The families this knows (`FAMILIES`): Llama, Qwen2, Mistral, Mixtral, Qwen2-MoE, Qwen3-MoE (a `model.layers`
-decoder with `embed_tokens`, `norm` and `lm_head`) and GPT-2 (`transformer.h`, `wte`/`wpe`, `ln_f`).
+The families this knows (`FAMILIES`): Llama, Qwen2, Mistral, Mixtral, Qwen2-MoE, Qwen3-MoE (a
+`model.layers` decoder with `embed_tokens`, `norm` and `lm_head`) and GPT-2 (`transformer.h`,
+`wte`/`wpe`, `ln_f`).
 
 A model of your own splits where `pipeline.split_points` names its layers (`layers.4`: items of one
 ModuleList or ModuleDict), torchtitan's contract for its own models: what is registered before the
