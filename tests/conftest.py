@@ -109,7 +109,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         flag = "  OVER BUDGET" if budget is not None and seconds > budget else ""
         terminalreporter.write_line(f"{seconds:8.1f}  ({budget or 0:6.0f})  {path}{flag}")
     terminalreporter.write_line(f"{sum(times.values()):8.1f}  total")
-    relaunched = reliability.records("relaunched")  # tests/distributed/harness.py's second runs
+    relaunched = reliability.records(reliability.RELAUNCHED)  # harness.py's second runs
     if relaunched:
         terminalreporter.section("launches run again after a rank aborted (harness.ABORT)")
         for record in relaunched:

@@ -7,6 +7,9 @@ import shutil
 from pathlib import Path
 
 STORE = Path(os.environ.get("POLYSHARD_RELIABILITY_DIR", "/tmp/polyshard-reliability"))
+# the name prefix of each launch tests/distributed/harness.py ran again after a rank aborted (the
+# run's summary lists them: tests/conftest.py)
+RELAUNCHED = "relaunched"
 
 
 def reset() -> None:

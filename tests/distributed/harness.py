@@ -31,10 +31,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # A rank of a gloo job on this 2-core box occasionally dies in C++ with this, at start-up or at
 # exit, whatever the job (measured: DeepSpeed's start-up in test_checkpoint_memory.py at 97e0db9,
 # torch's own pipeline schedules in pipeline_v_worker.py in CI at a6f7fbf; each passed on its next
-# run). Such a launch is run once more, saying so (in the run's summary: tests/conftest.py reads
-# RELAUNCHED's records); a second abort, or any other failure, fails.
+# run). Such a launch is run once more, saying so (recorded: reliability.RELAUNCHED, which the
+# run's summary lists); a second abort, or any other failure, fails.
 ABORT = "terminate called without an active exception"
-RELAUNCHED = "relaunched"  # reliability.record's name prefix for each such launch
 
 
 def torchrun(nproc: int, args: list[str], timeout: float = 240, env: dict | None = None):
@@ -50,7 +49,7 @@ def torchrun(nproc: int, args: list[str], timeout: float = 240, env: dict | None
 
         print(f"harness: a rank aborted ('{ABORT}'); launching once more: {' '.join(args)[:200]}",
               file=sys.stderr)
-        reliability.record(f"{RELAUNCHED}-{time.time_ns()}", {
+        reliability.record(f"{reliability.RELAUNCHED}-{time.time_ns()}", {
             "command": " ".join(map(str, args))[:300], "ranks": nproc,
             "first_run": str(err).splitlines()[0]})
         return _launch(nproc, args, timeout, env)

@@ -167,7 +167,7 @@ def test_a_launch_whose_rank_aborted_runs_once_more_and_is_recorded(tmp_path, mo
         f"    print({harness.ABORT!r}, file=sys.stderr, flush=True)\n"
         "    os.abort()\n")
     harness.torchrun(1, [str(script)], timeout=60)
-    (record,) = reliability.records(harness.RELAUNCHED, tmp_path / "store")
+    (record,) = reliability.records(reliability.RELAUNCHED, tmp_path / "store")
     assert record["ranks"] == 1 and "aborts_once.py" in record["command"], record
     (tmp_path / "always").write_text("")
     with pytest.raises(AssertionError, match="exit -6"):
