@@ -42,6 +42,48 @@ def clip_(params, max_norm: float) -> None:
         torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total)
 
 
+def muon_and_adamw(net, lr: float, group) -> list:
+    """Muon on the hidden matrices, AdamW on the rest, as distributed Muon implementations write
+    it over FSDP2's row shards: each matrix's update gathered at an owner rank (round-robin),
+    orthogonalized there with torch's Newton-Schulz, the result scattered back; two collectives
+    per matrix (the PyTorch distributed-Muon design's gather_fn / redistribute_fn)."""
+    import torch.distributed as dist
+    from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+
+    hidden = [p for n, p in net.named_parameters()
+              if p.ndim == 2 and "embed" not in n and "lm_head" not in n]
+    rest = [p for p in net.parameters() if all(p is not h for h in hidden)]
+    muon = torch.optim.Muon(hidden, lr=lr)
+    group = group or dist.group.WORLD
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+
+    @torch.no_grad()
+    def muon_step():
+        g = muon.param_groups[0]
+        for i, p in enumerate(hidden):
+            local, grad = p.to_local(), p.grad.to_local()
+            buf = muon.state[p].setdefault("momentum_buffer", torch.zeros_like(grad))
+            buf.lerp_(grad, 1 - g["momentum"])
+            update = grad.lerp(buf, g["momentum"]).bfloat16()
+            rows = -(-p.shape[0] // world)  # FSDP2's row chunks, the last padded to gather
+            padded = torch.zeros(rows, p.shape[1], dtype=torch.bfloat16)
+            padded[:update.shape[0]] = update
+            owner = dist.get_global_rank(group, i % world)
+            parts = [torch.empty_like(padded) for _ in range(world)] if rank == i % world else None
+            dist.gather(padded, parts, dst=owner, group=group)
+            if parts is not None:
+                whole = _zeropower_via_newtonschulz(torch.cat(parts)[:p.shape[0]],
+                                                    g["ns_coefficients"], g["ns_steps"], g["eps"])
+                parts = list(torch.cat([whole, torch.zeros(rows * world - p.shape[0], p.shape[1],
+                                                           dtype=whole.dtype)]).chunk(world))
+            dist.scatter(padded, parts, src=owner, group=group)
+            local.mul_(1 - g["lr"] * g["weight_decay"])
+            local.add_(padded[:local.shape[0]], alpha=-_adjust_lr(g["lr"], None, p.shape))
+
+    muon.step = lambda closure=None: muon_step()
+    return [muon, torch.optim.AdamW(rest, lr=lr, weight_decay=0.1)]
+
+
 def build(a, rank: int, world: int):
     if a.stage not in (2, 3):
         raise SystemExit("native_fsdp2 runs FULL_SHARD (stage 3) and SHARD_GRAD_OP (stage 2) only")
@@ -67,15 +109,17 @@ def build(a, rank: int, world: int):
             module.set_gradient_divide_factor(1.0)
             if not torch.cuda.is_available():  # gloo has no PREMUL_SUM: factor 1 is a plain SUM
                 module.set_force_sum_reduction_for_comms(True)
-    opt = torch.optim.AdamW(net.parameters(), lr=a.lr, weight_decay=0.1)
+    opts = muon_and_adamw(net, a.lr, dp_group) if a.muon else \
+        [torch.optim.AdamW(net.parameters(), lr=a.lr, weight_decay=0.1)]
 
     def step(ids):
         loss = token_share(net(input_ids=ids, labels=ids).loss, ids, dp_group)
         loss.backward()
         if a.clip:
             (clip_ if a.tp > 1 else torch.nn.utils.clip_grad_norm_)(net.parameters(), a.clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         return loss
 
     return step

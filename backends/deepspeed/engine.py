@@ -71,8 +71,10 @@ class DeepSpeedEngine(Engine):
                 model, self.dims.tp, self.spec.topology.tp_plan, self.say))
         self._record_params(model)
         self._checkpoint_and_compile(model)
-        self.ds, ds_optimizer = apply_zero(
-            model, self._optimizer_over(self._optimizer_factory(optimizer), model), self.config)
+        client = self._optimizer_over(self._optimizer_factory(optimizer), model)
+        self.ds, ds_optimizer = apply_zero(model, client, self.config)
+        if is_zero(ds_optimizer):
+            self._adopt_zero_muon(ds_optimizer, client)
         if not self.ds.zero_optimization() and self.spec.precision == "fp32" and self.spec.grad_clip:
             keep_clipped_norm(self.ds)
         self.split = checked_split(self.ds, expected) if expected is not None else None
@@ -154,6 +156,34 @@ class DeepSpeedEngine(Engine):
         announce_builds(["cpu_adam"], self.say)
         cls, kwargs = optimizer
         return lambda params: DeepSpeedCPUAdam(params, adamw_mode=cls is torch.optim.AdamW, **kwargs)
+
+    def _matrix_layout(self, model, p, name: str, shape: tuple):
+        """Whole while the client optimizer is built; ZeRO's flat partitions are read after
+        deepspeed.initialize (`_adopt_zero_muon`)."""
+        from parallel.engine.model.optim.muon import MuonRefused
+
+        if self.dims.tp > 1:
+            raise MuonRefused(f"optimizer: torch.optim.Muon over {name} at topology.tp "
+                              f"{self.dims.tp} on DeepSpeed: AutoTP splits the matrices into plain "
+                              "tensors whose split Muon's layouts do not read; not built. Use "
+                              "backend: fsdp (FSDP2 reads TP's DTensors) (docs/optimizers.md)")
+        if self.spec.offload != "none":
+            raise MuonRefused(f"optimizer: torch.optim.Muon over {name} with offload: "
+                              f"{self.spec.offload}: the offloaded partitions are stepped on the "
+                              "CPU, away from the process group that gathers each matrix; set "
+                              "offload: none (DeepSpeed's own Muon refuses offload too)")
+        return None
+
+    def _adopt_zero_muon(self, zero, client) -> None:
+        """Every torch.optim.Muon member over ZeRO's flat partitions (backends/deepspeed/muon.py)."""
+        from backends.deepspeed.muon import zero_layouts
+        from parallel.engine.model.optim.muon import MuonStep, replace_step
+        from parallel.engine.model.optim.several import members
+
+        for member in members(client):
+            if isinstance(member, torch.optim.Muon):
+                ids = {id(g) for g in member.param_groups}
+                replace_step(member, MuonStep(member, zero_layouts(zero, ids, client.param_groups)))
 
     def _scheduled_optimizer(self):
         # ZeRO's wrapper is no torch Optimizer (LambdaLR rejects it); it reads the lr from the

@@ -31,6 +31,7 @@ from parallel.engine.core.engine import Engine
 from parallel.engine.core.step import OptimizerArg, clip_grad_norm, require_fp32
 from parallel.engine.model.tp_plan import held_part, resolve_plan
 from parallel.engine.model.wrap import apply_ac, at_unit_places, plan_wrap
+from parallel.engine.model.optim.several import members
 from parallel.spec.errors import SpecError
 from parallel.spec.model import Spec
 from parallel.kits.measurable import ModuleStateTensors
@@ -240,7 +241,22 @@ class FSDP1Engine(_TorchFSDP):
         # (use_orig_params), or the whole wrapped model (scope model).
         self._apply_compile(model, self.units)
         # use_orig_params: false leaves one flat parameter per unit, which holds several originals
-        return model, self._optimizer_over(optimizer, model, flat_members(model))
+        built = self._optimizer_over(optimizer, model, flat_members(model))
+        kinds = {type(m).__name__ for m in members(built)}
+        if self.spec.state_dict == "full" and len(kinds) > 1:
+            raise SpecError([("state_dict", f"full with several optimizers ({sorted(kinds)}) on "
+                              "FSDP1: torch 2.9's FSDP1 gathers a unit's optimizer state name by "
+                              "name over all its parameters and fails where they carry different "
+                              "state (measured: 'Manually calculated _sharded_numel_padded is "
+                              "incorrect'); use state_dict: sharded (the default) or FSDP2")])
+        return model, built
+
+    def _matrix_layout(self, model, p, name: str, shape: tuple):
+        from backends.fsdp.muon import flat_layouts, layout_of
+
+        if not hasattr(self, "_flat_layouts"):  # every unit's, once (the optimizer's build)
+            self._flat_layouts = flat_layouts(model)
+        return layout_of(self._flat_layouts, p, name, shape)
 
     # Sharded checkpoints: each rank writes and reads its flat shards' ranges in place
     # (flat_state.py), not through torch's get_state_dict / set_state_dict (measured there).

@@ -53,6 +53,24 @@ class XlaFsdpEngine(_Xla):
         sharded = [(p, [n for n, _ in members]) for p, members in v1_layout(model)]
         return model, self._optimizer_over(optimizer, model, sharded)
 
+    def _xla_matrix_layout(self, model, p, name: str, shape: tuple):
+        """Each parameter sharded on its own (flatten_parameters: false): a run of its flattened,
+        padded elements per rank. Over several devices the pieces would need an all-to-all with
+        split sizes, which torch_xla 2.9's process group refuses (its alltoall_base asserts)."""
+        from parallel.engine.model.optim.layouts import flat_run
+        from parallel.engine.model.optim.muon import Layout, MuonRefused
+
+        if self.world_size > 1:
+            raise MuonRefused(f"optimizer: torch.optim.Muon over {name} on XLA FSDP v1 over "
+                              f"{self.world_size} devices: gathering each matrix needs an "
+                              "all-to-all with split sizes, which torch_xla 2.9 refuses; not "
+                              "built. Use xla.fsdp_version: 2 (docs/optimizers.md)")
+        cut = p.numel()
+        pieces = [flat_run(0, shape[0] * shape[1], r * cut, (r + 1) * cut)
+                  for r in range(self.world_size)]
+        return Layout(tuple(shape), None, pieces, self.rank,
+                      slice(0, pieces[self.rank].numel))
+
     @contextmanager
     def _unwrapped(self):
         raise RuntimeError(

@@ -139,7 +139,11 @@ def _bench(args) -> int:
     spec = _spec(args)
     split = lambda text: [x.strip() for x in text.split(",") if x.strip()] if text else None  # noqa: E731
     options = {"model": args.model, "steps": args.steps, "warmup": args.warmup, "seq": args.seq[0],
-               **({"data": args.data} if args.data else {})}
+               **({"data": args.data} if args.data else {}),
+               **({"optimizer": args.optimizer} if args.optimizer != "adamw" else {})}
+    if args.optimizer != "adamw" and args.vs_native:
+        raise SpecError([("--optimizer", f"{args.optimizer} with --vs-native: the hand-written "
+                          "loops in benchmarks/ train AdamW; drop one of the two")])
     if args.data and args.vs_native:
         raise SpecError([("--data", f"{args.data!r} with --vs-native: the hand-written loops in "
                           "benchmarks/ train on the shared random ids only; drop one of the two")])

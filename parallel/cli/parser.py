@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world", type=COUNT, required=True)
     p.add_argument("--budget", type=bounded(float, 1e-6, 1 << 30), help="GiB per device")
     p.add_argument("--seq", type=SEQ, default=2048)
+    p.add_argument("--optimizer", choices=["adamw", "sgd", "muon"], default="adamw",
+                   help="optimizer state and its collectives: muon is Muon on the hidden matrices "
+                   "and AdamW on the rest (parallel/engine/model/optim/recipes.py)")
     p.add_argument("--json", action="store_true", help="every number as JSON on stdout")
     p.add_argument("--per-node", type=bounded(int, 1, 1 << 10), default=8,
                    help="devices per node: which collectives "
@@ -114,7 +117,8 @@ def _add_parity(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="toy:tiny", help="toy:tiny, toy:demo or a Hugging Face "
                    "config.json (random weights from the spec's seed)")
     p.add_argument("--seq", type=SEQ, default=32, help="tokens per sample")
-    p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    p.add_argument("--optimizer", choices=["adamw", "sgd", "muon"], default="adamw",
+                   help="muon: Muon on the hidden matrices, AdamW on the rest (docs/optimizers.md)")
     p.add_argument("--lr", type=bounded(float, 0.0, 1e6), default=1e-2)
     p.add_argument("--tol", type=bounded(float, 0.0, 1e6),
                    help="loss tolerance (default 1e-5 fp32, 5e-2 bf16/fp16)")
@@ -130,6 +134,8 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=STEPS, default=5, help="measured steps (after --warmup)")
     p.add_argument("--warmup", type=bounded(int, 0, 1 << 24), default=2)
     p.add_argument("--model", default="toy:demo")
+    p.add_argument("--optimizer", choices=["adamw", "sgd", "muon"], default="adamw",
+                   help="muon: Muon on the hidden matrices, AdamW on the rest (docs/optimizers.md)")
     p.add_argument("--seq", type=seq_list, default=[64], help="tokens per sample; a comma-separated "
                    "list sweeps them (each a bench of its own) and, with --budget, reports the "
                    "longest that ran within it, with and without the spec's topology.cp")

@@ -102,11 +102,11 @@ def run_plan(spec, args) -> int:
     budget = args.budget * GiB if args.budget else None
     links = Links(args.intra_gbps, args.inter_gbps, args.pcie_gbps)
     margin = Margin(args.context_gib, args.fragmentation)
-    rows, best = plan(spec, shapes, cfg, args.world, args.seq, budget_bytes=budget, unit=unit,
-                      links=links, margin=margin, per_node=args.per_node)
+    rows, best = plan(spec, shapes, cfg, args.world, args.seq, args.optimizer, budget_bytes=budget,
+                      unit=unit, links=links, margin=margin, per_node=args.per_node)
     psi = float(sum(math.prod(s) for s in shapes))
     # the longest row this spec, as written, fits in the budget (activations grow with it)
-    longest = longest_seq(spec, shapes, cfg, budget, unit=unit, margin=margin) \
+    longest = longest_seq(spec, shapes, cfg, budget, args.optimizer, unit=unit, margin=margin) \
         if budget and cfg else None
     if args.json:
         print(as_json(spec, args, rows, best, psi, unit, links, margin, longest, cfg))

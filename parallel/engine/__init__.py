@@ -8,7 +8,8 @@
 - model/: what is done to the model before and while it trains: parameters by name (params.py), shard
   units and activation checkpointing (wrap.py), the tensor-parallel plan (tp_plan.py), compile
   (compile.py), mixture-of-experts bookkeeping (experts.py) and their router's loss (router.py), a
-  tiled loss (tiled_loss.py), context parallelism (context_parallel.py).
+  tiled loss (tiled_loss.py), context parallelism (context_parallel.py), the optimizers (optim/:
+  several in one job, torch.optim.Muon on sharded matrices).
 - watch/: parts that watch the run and say what went wrong: hangs (hang.py, stall.py), preemption
   (preempt.py), non-finite losses (nonfinite.py), did compile run (compile.py).
 - observe/: what people look at: trackers (tracking.py, trackers.py), the progress bar

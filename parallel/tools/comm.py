@@ -152,3 +152,12 @@ def comm_volume(spec, psi: float = 0, output_share: float = 0.0, root_share: flo
     from parallel.registry import get
 
     return get(spec.backend).plan.comm(spec, psi, output_share, root_share=root_share)
+
+
+def muon_exchange_bytes(spec, hidden: float) -> float:
+    """Bytes a rank sends per step for torch.optim.Muon on sharded matrices (optim/muon.py): its
+    pieces of the `hidden` Muon parameters to their owners, and as owner the others' pieces of its
+    matrices back, bf16 both ways; (n - 1) / n of each leaves the rank. Ranks that hold whole
+    matrices (shard none) send nothing."""
+    n = spec.dims.dp_shard * spec.dims.cp * spec.dims.tp if spec.shard != "none" else 1
+    return 2 * 2 * hidden / n * (n - 1) / n

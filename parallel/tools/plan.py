@@ -24,6 +24,7 @@ from parallel.tools.comm import (  # noqa: F401 (plan's communication, re-export
     comm_seconds,
     comm_volume,
     cp_comm_bytes,
+    muon_exchange_bytes,
     offload_seconds,
     planned_collectives,
     tp_comm_bytes,
@@ -83,15 +84,16 @@ def zero_paper(psi: float, n: int, k: int = 12) -> dict[str, float]:
 
 
 
-def model_states(spec, shapes, n: int | None = None, optimizer: str = "adamw",
+def model_states(spec, shapes, n: int | None = None, optimizer: str | float = "adamw",
                  host: bool = False) -> tuple[float, float, float]:
     """(params, grads, optimizer) bytes per rank on the device, for `spec` over shard groups of n
     (default: the spec's), from its backend's plan model; offload moves what it says off the device
-    (`host`: those bytes instead, what the host holds for this rank)."""
+    (`host`: those bytes instead, what the host holds for this rank). `optimizer`: its name, or
+    its state bytes per parameter (optimizer_bytes)."""
     from parallel.registry import get
 
     low = 4 if spec.precision == "fp32" else 2
-    opt = ADAM if optimizer == "adamw" else SGD
+    opt = optimizer_bytes(shapes, optimizer) if isinstance(optimizer, str) else optimizer
     # ranks one copy of the model is sharded over: with cp, dp_shard x cp (shard_group_size)
     n = n or spec.dims.dp_shard * spec.dims.cp
     states = get(spec.backend).plan.model_states(spec, shapes, n, low, opt)
@@ -99,12 +101,30 @@ def model_states(spec, shapes, n: int | None = None, optimizer: str = "adamw",
     return tuple(x if m == host else 0.0 for x, m in zip(states, moved))
 
 
+def optimizer_bytes(shapes, optimizer: str, vocab: int | None = None) -> float:
+    """Optimizer state bytes per parameter of `shapes`: AdamW's two fp32 moments, SGD's momentum;
+    "muon" (recipes.muon_with_adamw): Muon's one momentum on the hidden matrices, AdamW's moments
+    on the rest."""
+    if optimizer != "muon":
+        return ADAM if optimizer == "adamw" else SGD
+    total = float(numel(shapes)) or 1.0
+    hidden = muon_numel(shapes, vocab)
+    return (SGD * hidden + ADAM * (total - hidden)) / total
+
+
+def muon_numel(shapes, vocab: int | None) -> float:
+    """Parameters the Muon recipe gives Muon: recipes.hidden_matrices' rule on shapes alone, the
+    2-D ones but the embeddings and the head (a dimension of `vocab`)."""
+    return float(numel([s for s in shapes if len(s) == 2 and vocab not in s]))
+
+
 def states_of(spec, shapes, cfg: dict | None, optimizer: str = "adamw",
               host: bool = False) -> tuple[float, float, float]:
     """model_states over each group of the rank's parameters and the ranks it is sharded over
     (topology.ep's experts apart: tools/experts.py)."""
-    parts = [model_states(spec, group, n, optimizer, host) for group, n in
-             shard_groups(spec, shapes, cfg)]
+    vocab = (cfg or {}).get("vocab_size")
+    parts = [model_states(spec, group, n, optimizer_bytes(group, optimizer, vocab), host)
+             for group, n in shard_groups(spec, shapes, cfg)]
     return tuple(sum(values) for values in zip(*parts))
 
 
@@ -173,6 +193,11 @@ def plan(spec, shapes, cfg: dict | None, world: int, seq: int, optimizer: str = 
         est.comm_s += extra_gather_bytes(moe, s) / (links.inter * 1e9)  # over dp_shard / ep
         tp = s.topology.tp  # a ring all-reduce moves 2 (tp - 1) / tp of the bytes, inside a host
         est.comm_s += 2 * (tp - 1) / tp * tp_comm_bytes(cfg, s, seq) / (links.intra * 1e9)
+        if optimizer == "muon":  # each matrix to its owner and back, over its shard group
+            group = s.dims.dp_shard * s.dims.cp * s.dims.tp
+            hidden = muon_numel(shapes, (cfg or {}).get("vocab_size"))
+            est.comm_s += muon_exchange_bytes(s, hidden) / (
+                (links.intra if group <= s.topology.procs_per_node else links.inter) * 1e9)
         cp = s.topology.cp  # an all-to-all moves (cp - 1) / cp of its input; cp sits inside hosts
         inside = tp * cp <= s.topology.procs_per_node  # when tp x cp fits one
         est.comm_s += (cp - 1) / cp * cp_comm_bytes(cfg, s, seq) / (

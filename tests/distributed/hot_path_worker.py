@@ -12,16 +12,17 @@ from parity_worker import global_batches
 
 from parallel import create_engine, load_spec
 from parallel.tools.bench.counting import StepCounter
+from parallel.tools.parity.cell import optimizer_arg, prepare_kwargs
 from parallel.toy import build_llama, llama_config
 
 WARMUP, COUNTED = 2, 3
 
 
-def counts(spec_dict: dict, rows: int, model: str = "tiny") -> dict:
+def counts(spec_dict: dict, rows: int, model: str = "tiny", optimizer: str = "adamw") -> dict:
     engine = create_engine(load_spec(spec_dict))
     torch.manual_seed(0)
     model = build_llama(llama_config(model))
-    engine.prepare(model, (torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.1}))
+    engine.prepare(model, optimizer_arg(optimizer, 1e-3), **prepare_kwargs(optimizer))
     batches = global_batches(2 * (WARMUP + COUNTED), 1, rows)
     mine = engine.samples_per_step
     out = {}
@@ -47,8 +48,9 @@ def main():
     p.add_argument("--rows", type=int, required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--model", default="tiny", help="a toy model (parallel/toy.py): tiny, mixtral, ...")
+    p.add_argument("--optimizer", default="adamw", help="adamw, or muon (Muon + AdamW)")
     args = p.parse_args()
-    results = {name: counts(spec, args.rows, args.model)
+    results = {name: counts(spec, args.rows, args.model, args.optimizer)
                for name, spec in json.load(open(args.cases)).items()}
     dist = torch.distributed
     if not dist.is_initialized() or dist.get_rank() == 0:

@@ -18,16 +18,45 @@ import torch
 
 from parallel import create_engine, load_spec
 from parallel.checkpoint.state.portable import read_model
+from parallel.engine.model.optim.recipes import hidden_matrices
 from parallel.tools.parity.cell import one_process
 from parallel.toy import OwnDecoder, build_llama, llama_config
 
 SEQ, ROWS = 16, 2  # per rank and micro-batch: ROWS samples of SEQ tokens
 
 
+SGD, ADAMW = {"lr": 0.5, "momentum": 0.9}, {"lr": 1e-2, "weight_decay": 0.1}
+# several optimizers in one job: the hidden matrices' (recipes.hidden_matrices), AdamW the rest
+SEVERAL = {"muon": (torch.optim.Muon, {"lr": 2e-2}), "two": (torch.optim.SGD, SGD)}
+
+
 def optimizer_arg(name):
+    if name in SEVERAL:
+        hidden, kwargs = SEVERAL[name]
+        return lambda groups: [hidden([g for g in groups if g["use_muon"]], **kwargs),
+                               torch.optim.AdamW([g for g in groups if not g["use_muon"]],
+                                                 **ADAMW)]
     if name == "sgd":
-        return (torch.optim.SGD, {"lr": 0.5, "momentum": 0.9})
-    return (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
+        return (torch.optim.SGD, SGD)
+    return (torch.optim.AdamW, ADAMW)
+
+
+def prepare_kwargs(name) -> dict:
+    """What prepare takes beside the optimizer: the several optimizers' groups."""
+    return {"param_groups": hidden_matrices()} if name in SEVERAL else {}
+
+
+def plain_optimizer(name):
+    """The reference's: plain torch optimizers over the model's own parameters, the same split."""
+    if name not in SEVERAL:
+        return optimizer_arg(name)
+
+    def build(model):
+        named = list(model.named_parameters())
+        groups = hidden_matrices()(named)
+        return optimizer_arg(name)([{**g, "params": [dict(named)[n] for n in g["params"]]}
+                                    for g in groups])
+    return build
 
 
 def global_batches(steps, world, rows, seed=1234):
@@ -53,7 +82,8 @@ def reference(spec, case, batches, known: dict):
                       [digest(b) for b in batches]])
     if key not in known:
         torch.manual_seed(spec.seed)
-        record = one_process(tiny(case), optimizer_arg(case["optimizer"]), batches, spec.grad_clip)
+        record = one_process(tiny(case), plain_optimizer(case["optimizer"]), batches,
+                             spec.grad_clip)
         known[key] = [r["loss"] for r in record], [r["grad_norm"] for r in record]
     return known[key]
 
@@ -114,7 +144,8 @@ def run_case(case, phase, ckpt_root, known: dict):
         def factory():  # different weights: only a working load() can reproduce the losses
             torch.manual_seed(spec.seed + 99)
             return tiny(case)
-    engine.prepare(factory if case.get("factory") else factory(), optimizer_arg(case["optimizer"]))
+    engine.prepare(factory if case.get("factory") else factory(), optimizer_arg(case["optimizer"]),
+                   **prepare_kwargs(case["optimizer"]))
     if case.get("default_scaling"):  # topology.pp: the schedule's default (each micro-batch's mean)
         engine.pipeline.scale_grads = True
     ckpt = f"{ckpt_root}/{case['name']}"

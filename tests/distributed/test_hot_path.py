@@ -88,7 +88,27 @@ def shared_jobs(tmp):
                                             tmp / f"engine-{group[0].name}.json"],
                         group[0].nproc, group[0].env))
         jobs.append(native_job(tmp, group))
-    return jobs
+    return jobs + muon_jobs(tmp)
+
+
+# torch.optim.Muon + AdamW on FSDP2 (docs/optimizers.md), against the native loop that gathers each
+# matrix at an owner rank and scatters it back (native_fsdp2.py --muon)
+MUON = next(c for c in DATA_PARALLEL if c.name == "fsdp2")
+
+
+def muon_jobs(tmp) -> list:
+    (tmp / "cases-muon.json").write_text(json.dumps({"muon": MUON.spec}))
+    script, flags = get(MUON.backend).bench.native(load_spec(MUON.spec))
+    (tmp / "native-muon-cases.json").write_text(json.dumps({"muon": [
+        script, "--model=toy:tiny", "--steps=3", "--warmup=2", "--seq=16",
+        f"--global-rows={ROWS}", "--clip=1.0", "--count", *flags, "--muon",
+        f"--out={tmp / 'native-muon-loop.json'}"]}))
+    return [job("hot_path_worker", ["--cases", tmp / "cases-muon.json", "--rows", ROWS,
+                                    "--optimizer", "muon", "--out", tmp / "engine-muon.json"],
+                MUON.nproc, MUON.env),
+            job(str(NATIVE_DIR / "cases.py"), ["--cases", tmp / "native-muon-cases.json",
+                                               "--out", tmp / "native-muon.json"],
+                MUON.nproc, MUON.env)]
 
 
 def native_job(tmp, group):
@@ -214,3 +234,25 @@ def test_cp_pays_ulysses_exchanges_and_nothing_more(counted):
         assert split(engine[name]["noread"]) == (expected, reads - 1, graphs), name
     record("hot-path-cp", {"ulysses loop": ULYSSES.name, "native": theirs,
                            **{name: engine[name]["read"] for name in [ULYSSES.name, *COMPOSED]}})
+
+
+@needs_both
+@pytest.mark.timeout(1200)
+def test_muon_pays_fewer_collectives_than_a_native_owner_loop(shared, counted):
+    """Muon + AdamW on FSDP2 at 2 ranks: the AdamW loop's collectives and host reads plus two
+    all-to-alls a step (one process group), where the native loop gathers and scatters each of the
+    hidden matrices (2 x 14 on the tiny Llama); no store call."""
+    tmp, run = shared[__name__]
+    ours = read(tmp / "engine-muon.json", run, "hot_path_worker")["muon"]
+    steps = read(tmp / "native-muon.json", run, str(NATIVE_DIR / "cases.py"))["muon"]["counts"]
+    assert all(s == steps[0] for s in steps), steps
+    theirs = dict(sorted(steps[0].items()))
+    adamw = split(counted[1][MUON.name])[0]  # the native AdamW loop of the same job
+    coll, reads, _ = split(ours["read"])
+    assert coll == {**adamw, ALL_TO_ALL: adamw.get(ALL_TO_ALL, 0) + 2}, (coll, adamw)
+    native_coll, native_reads, _ = split(theirs)
+    assert native_coll.get("collective:gather_", 0) == native_coll.get("collective:scatter_", 0) \
+        == 14, theirs
+    assert sum(coll.values()) < sum(native_coll.values()) and reads <= native_reads, (ours, theirs)
+    assert not any(k.startswith("store") for k in [*ours["read"], *theirs]), (ours, theirs)
+    record("hot-path-muon", {"polyshard": ours["read"], "native owner loop": theirs})

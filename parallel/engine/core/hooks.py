@@ -120,6 +120,24 @@ class BackendHooks(ABC):
         """The torch optimizer whose param_groups' lr a scheduler sets."""
         return self.optimizer
 
+    def _matrix_layout(self, model, p, name: str, shape: tuple):
+        """Where this rank's elements of the 2-D parameter `p` of the sharded `model` (`name`,
+        built as `shape`) sit, for
+        torch.optim.Muon (parallel/engine/model/optim/muon.py): a DTensor's by its placements, None where
+        `p` is the whole matrix here; anything else is refused. Backends that shard otherwise
+        (FSDP1's flat views) give their own, or refuse naming why."""
+        from parallel.engine.model.optim.layouts import dtensor_layout
+        from parallel.engine.model.optim.muon import MuonRefused
+
+        if hasattr(p, "device_mesh"):
+            return dtensor_layout(p)
+        if tuple(p.shape) == tuple(shape):
+            return None
+        raise MuonRefused(f"optimizer: torch.optim.Muon over {name}: {self.name} holds it as a "
+                          f"{tuple(p.shape)} tensor, not the {tuple(shape)} matrix, and Muon "
+                          "orthogonalizes whole matrices; docs/optimizers.md lists the backends "
+                          "that give them")
+
     def _trained_params(self):
         """(trained tensor, [its original name]) of every parameter the optimizer steps."""
         return per_parameter(self.model)

@@ -34,6 +34,8 @@ from parallel.engine.model.moe.router import RouterLoss
 from parallel.engine.model.params import ParamGroupsHook, ParamPlan, per_parameter
 from parallel.engine.model.tiled_loss import TiledLoss, apply_tiled_loss
 from parallel.engine.observe.flops import model_flops
+from parallel.engine.model.optim.muon import adopt_muon
+from parallel.engine.model.optim.several import as_one, build_scheduler
 from parallel.engine.observe.tracking import Tracker
 from parallel.engine.state.checkpointing import Checkpointer
 from parallel.engine.state.user_state import UserState
@@ -155,7 +157,8 @@ class EngineSetup(EngineCalls):
         self._param_groups_hook = param_groups
         self._check_global_batch()
         self.model, self.optimizer = self._prepare(model, optimizer)
-        self.scheduler = scheduler(self._scheduled_optimizer()) if scheduler else None
+        self.scheduler = build_scheduler(scheduler, self._scheduled_optimizer()) if scheduler \
+            else None
         if self.spec.on_nonfinite == "raise_deferred":
             self.nonfinite = self._nonfinite_watch()
         self.preemption.install(self._agreed_flag())
@@ -254,9 +257,15 @@ class EngineSetup(EngineCalls):
                         sharded=None) -> torch.optim.Optimizer:
         """After sharding: the optimizer over `model`'s (sharded) parameters, groups mapped by name,
         holding every trainable parameter exactly once (else OptimizerMismatch). `sharded`: each
-        trained tensor with the original names it holds, where that is not one per parameter."""
-        return self.params.optimizer(lambda groups: build_optimizer(optimizer, groups),
-                                     sharded or per_parameter(model))
+        trained tensor with the original names it holds, where that is not one per parameter.
+        A factory may return several optimizers (a list): they become one (optim/several.py).
+        Each torch.optim.Muon among them orthogonalizes whole matrices (optim/muon.py)."""
+        sharded = sharded or per_parameter(model)
+        built = as_one(self.params.optimizer(lambda groups: build_optimizer(optimizer, groups),
+                                             sharded))
+        shapes = {n: tuple(s.shape) for n, s in self.params.as_built}
+        adopt_muon(built, sharded, shapes, functools.partial(self._matrix_layout, model))
+        return built
 
     @property
     def samples_per_step(self) -> int:

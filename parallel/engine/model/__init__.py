@@ -4,4 +4,5 @@ against the model), compile.py (torch.compile applied the same way everywhere), 
 causal LM's loss a tile of tokens at a time), context_parallel.py (topology.cp: each row's tokens split
 over ranks, attention through an all-to-all), moe/ (mixture-of-experts blocks: unused experts, the
 router's balancing loss, topology.ep's token dispatch), pipeline/ (topology.pp: stages and their
-schedule)."""
+schedule), optim/ (the optimizers over the model's parameters: several in one job, torch.optim.Muon
+on sharded matrices)."""

@@ -22,6 +22,7 @@ polyshard knows every parameter's original name, so it maps by name:
 from __future__ import annotations
 
 import weakref
+from types import SimpleNamespace
 from collections.abc import Callable
 from typing import Any
 
@@ -108,18 +109,21 @@ class ParamPlan:
         entry = self._originals.get(id(p))
         return entry[1] if entry is not None and entry[0]() is p else None
 
-    def optimizer(self, build: Callable[[Any], torch.optim.Optimizer],
-                  sharded: Sharded) -> torch.optim.Optimizer:
+    def optimizer(self, build: Callable[[Any], Any], sharded: Sharded):
         """Build over the stand-ins of the hook's groups (by name) or of every trainable parameter,
-        then switch() whatever the optimizer holds onto the sharded tensors."""
+        then switch() whatever the optimizer (or each of a list of them) holds onto the sharded
+        tensors."""
         if self.groups is None:
             over = [s for n, s in self.as_built if n in self.trainable]
         else:
             over = [{**hyper, "params": [self._stand_in(n) for n in names]}
                     for names, hyper in self.groups]
-        optimizer = build(over)
-        self.switch(optimizer, sharded)
-        return optimizer
+        built = build(over)
+        # several optimizers (a list): checked and switched as one, every member's groups in order
+        whole = SimpleNamespace(param_groups=[g for m in built for g in m.param_groups]) \
+            if isinstance(built, (list, tuple)) else built
+        self.switch(whole, sharded)
+        return built
 
     def switch(self, optimizer: torch.optim.Optimizer, sharded: Sharded) -> None:
         """Each optimizer group's entries as original names (a sharded tensor stands for the names

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from parallel.engine.observe.flops import flops_per_token, model_flops
 from parallel.launch.torchrun import current_spec
-from parallel.tools.parity.cell import global_batches, optimizer_arg
+from parallel.tools.parity.cell import global_batches, optimizer_arg, prepare_kwargs
 from parallel.kits.measurable import measurable
 from parallel.tools.bench.measure import CommCounter, held_bytes, peak_rss_bytes, step_peak_bytes
 from parallel.registry import create_engine
@@ -77,7 +77,7 @@ def main() -> None:
     model = build_model(args.model)
     params_total = sum(p.numel() for p in model.parameters())
     flops = flops_per_token(*model_flops(model), args.seq)  # counted as the tracker's train/mfu
-    engine.prepare(model, optimizer_arg(args.optimizer, args.lr))
+    engine.prepare(model, optimizer_arg(args.optimizer, args.lr), **prepare_kwargs(args.optimizer))
     batches = batch_source(args, model, spec.seed, spec.precision)
     native = None
     if args.native:

@@ -16,6 +16,7 @@ import torch
 from parallel.launch.torchrun import current_spec
 from parallel.registry import create_engine
 from parallel.kits.measurable import measurable
+from parallel.engine.model.optim.recipes import hidden_matrices, muon_with_adamw
 from parallel.toy import build_model
 
 
@@ -25,25 +26,53 @@ def global_batches(steps: int, rows: int, seq: int, vocab: int, seed: int) -> li
 
 
 def optimizer_arg(name: str, lr: float):
+    """What `prepare` takes: adamw, sgd, or muon (Muon on the hidden matrices and AdamW on the
+    rest, both at `lr`: recipes.muon_with_adamw, with prepare_kwargs' groups)."""
+    if name == "muon":
+        return muon_with_adamw({"lr": lr}, {"lr": lr, "weight_decay": 0.1})
     if name == "sgd":
         return torch.optim.SGD, {"lr": lr, "momentum": 0.9}
     return torch.optim.AdamW, {"lr": lr, "weight_decay": 0.1}
 
 
+def prepare_kwargs(name: str) -> dict:
+    """What `prepare` takes beside the optimizer: muon's groups (recipes.hidden_matrices)."""
+    return {"param_groups": hidden_matrices()} if name == "muon" else {}
+
+
+def plain_optimizer(name: str, lr: float):
+    """one_process' optimizer: optimizer_arg's, built over the model's own parameters (muon:
+    plain torch.optim.Muon and AdamW over the same groups)."""
+    if name != "muon":
+        return optimizer_arg(name, lr)
+
+    def build(model):
+        named = dict(model.named_parameters())
+        return optimizer_arg(name, lr)([{**g, "params": [named[n] for n in g["params"]]}
+                                        for g in hidden_matrices()(list(named.items()))])
+    return build
+
+
 def one_process(model, optimizer, batches, grad_clip: float | None,
                 checksums: bool = False) -> list[dict]:
     """The reference every backend must reproduce: one process, plain PyTorch, the whole global
-    batch; per step the loss, the gradient norm and (checksums) the weights' checksum."""
-    cls, kwargs = optimizer
-    opt = cls(model.parameters(), **kwargs)
+    batch; per step the loss, the gradient norm and (checksums) the weights' checksum.
+    `optimizer`: (class, kwargs) over every parameter, or a callable giving the model's optimizers
+    (several in one job), stepped in order."""
+    if callable(optimizer):
+        opts = optimizer(model)
+    else:
+        cls, kwargs = optimizer
+        opts = [cls(model.parameters(), **kwargs)]
     record = []
     for batch in batches:  # token ids (their own labels) or the model's keyword arguments
         loss = model(**(batch if isinstance(batch, dict) else {"input_ids": batch,
                                                                "labels": batch})).loss
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
-        opt.step()
-        opt.zero_grad()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
         record.append({"loss": loss.item(), "grad_norm": norm.item(),
                        **({"checksum": checksum(dict(model.state_dict()))} if checksums else {})})
     return record
@@ -59,7 +88,7 @@ def main() -> None:
     p.add_argument("--model", default="toy:tiny")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--seq", type=int, default=32)
-    p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw")
+    p.add_argument("--optimizer", choices=["adamw", "sgd", "muon"], default="adamw")
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--global-rows", type=int, required=True)
     p.add_argument("--out", required=True)
@@ -69,7 +98,7 @@ def main() -> None:
     engine = create_engine(spec)
     torch.manual_seed(spec.seed)  # the same initial weights as the reference, on every backend
     model = build_model(args.model)
-    engine.prepare(model, optimizer_arg(args.optimizer, args.lr))
+    engine.prepare(model, optimizer_arg(args.optimizer, args.lr), **prepare_kwargs(args.optimizer))
     rows = engine.samples_per_step
     if rows * engine.dp_size != args.global_rows:  # tensor-parallel ranks share their slice
         raise SystemExit(f"{spec.backend}: {rows} rows x {engine.dp_size} data-parallel ranks per "
