@@ -113,9 +113,13 @@ def optimizer_bytes(shapes, optimizer: str, vocab: int | None = None) -> float:
 
 
 def muon_numel(shapes, vocab: int | None) -> float:
-    """Parameters the Muon recipe gives Muon: recipes.hidden_matrices' rule on shapes alone, the
-    2-D ones but the embeddings and the head (a dimension of `vocab`)."""
-    return float(numel([s for s in shapes if len(s) == 2 and vocab not in s]))
+    """Parameters the Muon recipe gives Muon: recipes.hidden_matrices' rule on shapes alone (in
+    the model's order), the 2-D ones but the token embedding and the head: the first and the last
+    matrix with a dimension of `vocab` (a hidden matrix may have one too: the demo's 256)."""
+    matrices = [i for i, s in enumerate(shapes) if len(s) == 2]
+    ends = [i for i in matrices if vocab in shapes[i]]
+    skip = {ends[0], ends[-1]} if ends else set()
+    return float(numel([shapes[i] for i in matrices if i not in skip]))
 
 
 def states_of(spec, shapes, cfg: dict | None, optimizer: str = "adamw",

@@ -336,7 +336,22 @@ def _python_hint(block: str, value) -> str:
         cls = "SGD" if kind == "sgd" else "AdamW" if decoupled else "Adam"
         torch_params = {k: v for k, v in params.items() if k not in DEEPSPEED_ONLY}
         return f"optimizer=(torch.optim.{cls}, {torch_params})"
+    if block == "optimizer" and kind == "muon":  # DeepSpeed's MuonWithAuxAdam: muon_lr / adam_lr
+        return _muon_hint(params)
     return f"{block} {kind} with {params}"
+
+
+def _muon_hint(params: dict) -> str:
+    """DeepSpeed's Muon block as polyshard's recipe: torch.optim.Muon on the hidden matrices (its
+    update is not DeepSpeed's own: docs/optimizers.md), AdamW on the rest, each half's settings."""
+    shared = {k: params[k] for k in ("lr", "weight_decay") if k in params}
+    muon = {**shared, **{k: params[k] for k in ("momentum",) if k in params}}
+    adamw = {**shared, **{k: params[k] for k in ("betas", "eps") if k in params}}
+    muon.update({"lr": params["muon_lr"]} if "muon_lr" in params else {})
+    adamw.update({"lr": params["adam_lr"]} if "adam_lr" in params else {})
+    return (f"optimizer=muon_with_adamw(muon={muon}, adamw={adamw}) with "
+            "param_groups=hidden_matrices() (parallel.engine.model.optim.recipes; torch.optim.Muon, "
+            "whose update differs from DeepSpeed's own Muon: docs/optimizers.md)")
 
 
 DEEPSPEED_ONLY = {"torch_adam", "adam_w_mode"}  # DeepSpeed's switches, no torch arguments

@@ -96,6 +96,15 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer, only: set[int] | None
     (an unused expert)."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     fresh = {id(p) for p in params if not optimizer.state.get(p) and (only is None or id(p) in only)}
+    # torch.optim.Muon on sharded matrices steps together with its peers (parallel/engine/model/
+    # optim/muon.py), and ranks may lack state for different parameters: its one momentum is made
+    # here and it is not stepped; the other members of several optimizers are
+    members = getattr(optimizer, "members", [optimizer])
+    for member in members:
+        if isinstance(member, torch.optim.Muon):
+            for p in (p for g in member.param_groups for p in g["params"] if id(p) in fresh):
+                optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+                fresh.discard(id(p))
     if not fresh:
         return
     lrs = [g["lr"] for g in optimizer.param_groups]
@@ -104,7 +113,9 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer, only: set[int] | None
         group["lr"] = 0.0
     for p in params:
         p.grad = torch.zeros_like(p) if id(p) in fresh else None
-    optimizer.step()
+    for member in members:
+        if not isinstance(member, torch.optim.Muon):
+            member.step()
     for group, lr in zip(optimizer.param_groups, lrs):
         group["lr"] = lr
     for p, g in zip(params, grads):

@@ -122,10 +122,9 @@ class BackendHooks(ABC):
 
     def _matrix_layout(self, model, p, name: str, shape: tuple):
         """Where this rank's elements of the 2-D parameter `p` of the sharded `model` (`name`,
-        built as `shape`) sit, for
-        torch.optim.Muon (parallel/engine/model/optim/muon.py): a DTensor's by its placements, None where
-        `p` is the whole matrix here; anything else is refused. Backends that shard otherwise
-        (FSDP1's flat views) give their own, or refuse naming why."""
+        built as `shape`) sit, for torch.optim.Muon (parallel/engine/model/optim/muon.py): a
+        DTensor's by its placements, None where `p` is the whole matrix here; anything else is
+        refused. Backends that shard otherwise (FSDP1's flat views) give their own, or refuse."""
         from parallel.engine.model.optim.layouts import dtensor_layout
         from parallel.engine.model.optim.muon import MuonRefused
 

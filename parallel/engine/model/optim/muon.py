@@ -111,10 +111,15 @@ class MuonStep:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        pending: dict[int, tuple[object, list]] = {}
+        # every process group this call's tensors have pieces in, work or none: every rank of a
+        # group then makes its two exchanges, whichever matrices had a gradient here
+        pending: dict[int, tuple[object, Layout, torch.device, list]] = {}
         for group in self.muon.param_groups:
             for p in group["params"]:
                 mine = self.layouts.get(id(p))
+                for layout in mine or ():
+                    pending.setdefault(id(layout.group), (layout.group, layout, _local(p).device,
+                                                          []))
                 if p.grad is None and not (mine and not any(m.held for m in mine)):
                     continue  # torch skips a parameter without a gradient (every holder agrees)
                 update = self._update(p, group)
@@ -125,10 +130,11 @@ class MuonStep:
                     continue
                 for layout in mine:
                     piece = _run(update, layout.local) if layout.held else None
-                    pending.setdefault(id(layout.group), (layout.group, []))[1].append(
-                        (p, group, layout, piece))
-        for process_group, work in pending.values():
-            for (p, group, layout, _), result in zip(work, _orthogonalize(process_group, work)):
+                    pending[id(layout.group)][3].append((p, group, layout, piece))
+        for process_group, any_layout, device, work in pending.values():
+            results = _orthogonalize(process_group, len(any_layout.pieces), any_layout.me, device,
+                                     work)
+            for (p, group, layout, _), result in zip(work, results):
                 if result is not None:
                     self._apply(_run(_local(p), layout.local), group, result, layout.shape)
         return loss
@@ -152,11 +158,11 @@ class MuonStep:
         local.add_(result.view_as(local), alpha=-_adjust_lr(lr, group["adjust_lr_fn"], shape))
 
 
-def _orthogonalize(process_group, work: list) -> list[torch.Tensor | None]:
-    """Gather each matrix at its owner, orthogonalize it there, send each rank its pieces back.
-    `work`: (tensor, hyper-parameters, Layout, this rank's piece of the update or None)."""
-    size, me = len(work[0][2].pieces), work[0][2].me
-    device = _local(work[0][0]).device
+def _orthogonalize(process_group, size: int, me: int, device,
+                   work: list) -> list[torch.Tensor | None]:
+    """Gather each matrix at its owner, orthogonalize it there, send each rank its pieces back
+    (`size` ranks, this one `me`). `work`: (tensor, hyper-parameters, Layout, this rank's piece of
+    the update or None), maybe empty: the exchanges are made anyway."""
     sends: list[list[torch.Tensor]] = [[] for _ in range(size)]
     for _, _, layout, piece in work:
         if piece is not None:

@@ -157,3 +157,37 @@ def test_dtensor_pieces_follow_torchs_split_including_strided_rows():
     strided = _piece((36, 12), FakeMesh(2, 2), [_StridedShard(0, split_factor=2), Shard(0)],
                      [1, 1])
     assert strided.flat == slice(27 * 12, 36 * 12)
+
+
+def test_plan_counts_muons_state_and_exchange():
+    from parallel.spec.io import load_spec
+    from parallel.tools.comm import muon_exchange_bytes
+    from parallel.tools.plan import muon_numel, optimizer_bytes
+
+    # embedding, q, up, a norm, the head: the vocabulary's 256 in the first and last matrix only
+    shapes = [(256, 32), (32, 256), (64, 32), (32,), (256, 32)]
+    hidden = 32 * 256 + 64 * 32
+    assert muon_numel(shapes, 256) == hidden
+    total = sum(a * (b if b else 1) for a, b in [(256, 32), (32, 256), (64, 32), (32, 0),
+                                                 (256, 32)])
+    assert optimizer_bytes(shapes, "muon", 256) == (4 * hidden + 8 * (total - hidden)) / total
+    assert optimizer_bytes(shapes, "adamw") == 8 and optimizer_bytes(shapes, "sgd") == 4
+    four = load_spec({"backend": "fsdp", "topology": {"procs_per_node": 4}})
+    assert muon_exchange_bytes(four, 1000) == 4 * 1000 / 4 * 3 / 4  # bf16 there and back
+    none = load_spec({"backend": "fsdp", "shard": "none", "topology": {"procs_per_node": 4}})
+    assert muon_exchange_bytes(none, 1000) == 0
+
+
+def test_a_deepspeed_muon_block_is_refused_naming_polyshards_recipe():
+    import backends.deepspeed.files.interop as ds_interop
+    from parallel.spec.errors import SpecError
+    from parallel.spec.io import load_spec
+
+    cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Muon", "params": {
+        "lr": 1e-3, "momentum": 0.95, "weight_decay": 0.1, "muon_lr": 2e-2, "adam_lr": 3e-4}}}
+    with pytest.raises(SpecError) as err:
+        ds_interop.from_deepspeed(cfg, validate=load_spec)
+    text = str(err.value)
+    assert "optimizer" in text and "muon_with_adamw(muon={'lr': 0.02, 'weight_decay': 0.1, " \
+        "'momentum': 0.95}, adamw={'lr': 0.0003, 'weight_decay': 0.1})" in text, text
+    assert "hidden_matrices()" in text and "differs from DeepSpeed's own Muon" in text
