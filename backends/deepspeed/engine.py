@@ -184,6 +184,10 @@ class DeepSpeedEngine(Engine):
             if isinstance(member, torch.optim.Muon):
                 ids = {id(g) for g in member.param_groups}
                 replace_step(member, MuonStep(member, zero_layouts(zero, ids, client.param_groups)))
+                self.say("torch.optim.Muon over ZeRO's flat partitions: polyshard gathers each "
+                         "matrix at an owner rank, not DeepSpeed's MuonWithAuxAdam, whose update "
+                         "differs (norm + 1e-7 where torch clamps at eps; its 'gram' kernel) "
+                         "(docs/optimizers.md)")
 
     def _scheduled_optimizer(self):
         # ZeRO's wrapper is no torch Optimizer (LambdaLR rejects it); it reads the lr from the
