@@ -182,7 +182,9 @@ def _orthogonalize(process_group, size: int, me: int, device,
         for r, piece in enumerate(layout.pieces):
             if piece.numel:
                 back[r].append(piece.take(whole))
-    from_owner = [sum(m.held for _, _, m, _ in work if m.owner == r) for r in range(size)]
+    from_owner = [0] * size  # one pass over the work, not one per rank (thousands of them)
+    for _, _, layout, _ in work:
+        from_owner[layout.owner] += layout.held
     returned = _exchange(back, from_owner, process_group, device)
     out, cursor = [], [0] * size
     for _, _, layout, _ in work:
