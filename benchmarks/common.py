@@ -42,6 +42,9 @@ def args(argv=None):
     p.add_argument("--flatten", action="store_true", help="XLA FSDP v1: flatten_parameters")
     p.add_argument("--muon", action="store_true", help="FSDP2: torch.optim.Muon on the hidden "
                    "matrices (each gathered at an owner rank and scattered back), AdamW on the rest")
+    p.add_argument("--fp8", action="store_true", help="FSDP2: float8 training as torchtitan's docs "
+                   "write it (torchao's tensorwise Float8Linear but the head, float8 all-gather, "
+                   "the scales precomputed after each optimizer step)")
     p.add_argument("--count", action="store_true", help="count collectives, host reads and store "
                    "calls of every step after the warm-up (not timed)")
     p.add_argument("--startup", action="store_true", help="stop after the first step and write the "

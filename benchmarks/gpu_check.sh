@@ -11,9 +11,9 @@
 # (c) bench: bf16 1B Llama, seq 2048, FSDP2 and ZeRO-3 against the native loops (ms/step, tokens/s,
 # MFU, x native); (c2) plan: the same cells measured alone, peak memory against `polyshard plan`'s;
 # (d) nccl: (c) at 2 GPUs over NCCL when 2 are lent; (e) save: async save's blocking and the steps'
-# cost with the write in flight (124M Llama, seq 512); (f) fp8 against (c)'s bf16 once the spec
-# accepts `precision: fp8`; (g) largest: FSDP2 + compile + activation checkpointing on a 3B Llama
-# (torchtitan's recipe), for the MFU goal. A step gets its own limit and never more than the
+# cost with the write in flight (124M Llama, seq 512); (f) fp8 against (c)'s bf16 (torchao's
+# tensorwise Float8Linear, float8 all-gather: docs/precision.md); (g) largest: FSDP2 + compile +
+# activation checkpointing on a 3B Llama (torchtitan's recipe), for the MFU goal. A step gets its own limit and never more than the
 # budget has left; one with too little left is recorded as skipped, saying so.
 # OUT: --out DIR, else $OUT (the device tool's folder that comes back), else runs/gpu_check.
 set -uo pipefail
@@ -39,7 +39,7 @@ if [ "$mode" = prepare ]; then  # the GPU machine has no network: its own torch,
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
         --platform manylinux2014_x86_64 -d .whl pydantic_core==2.41.5 pydantic==2.12.4 \
         annotated_types==0.8.0 typing_inspection==0.4.5 hjson==3.1.0 transformers==4.57.1 \
-        accelerate==1.11.0 tokenizers==0.22.2 huggingface_hub==0.36.2 || exit 1
+        accelerate==1.11.0 tokenizers==0.22.2 huggingface_hub==0.36.2 torchao==0.14.1 || exit 1
     # DeepSpeed ships as a source distribution; its installed package is pure Python and builds
     # its ops on the GPU machine
     mkdir -p .gpu/site && (cd .venv/lib/python3.11/site-packages && tar cf - --exclude=__pycache__ \
@@ -117,11 +117,12 @@ fi
 step save 100 "async save: blocking and steps with the write in flight ($save_model, seq $save_seq)" -- \
     "${bench[@]}" --out "$out/save" --model "$save_model" --seq "$save_seq" --world 1 --backends fsdp2 --steps "$steps" \
     --warmup "$warmup" --save
-if "$PY" -m parallel.cli validate "$spec" --set precision=fp8 > /dev/null 2>&1; then
-    step fp8 90 "fp8 against (c)'s bf16" -- "${bench[@]}" --out "$out/fp8" --model "$model" --seq "$seq" --world 1 \
-        --backends fsdp2 --steps "$steps" --warmup "$warmup" --set precision=fp8
+if "$PY" -c 'import torchao' > /dev/null 2>&1; then  # torchtitan's float8: tensorwise, float8 all-gather
+    step fp8 90 "fp8 (tensorwise, float8 all-gather) against (c)'s bf16" -- "${bench[@]}" --out "$out/fp8" \
+        --model "$model" --seq "$seq" --world 1 --backends fsdp2 --steps "$steps" --warmup "$warmup" \
+        --set precision=fp8 --set float8.all_gather=true
 else
-    skip fp8 "fp8 against bf16" "the spec does not accept precision: fp8 yet (#69)"
+    skip fp8 "fp8 against bf16" "torchao is not installed (polyshard[fp8])"
 fi
 step largest 150 "FSDP2 + compile + activation checkpointing, $big: the MFU goal" -- \
     "${bench[@]}" --out "$out/largest" --model "$big" --seq "$seq" --world 1 --backends fsdp2 --steps "$steps" \

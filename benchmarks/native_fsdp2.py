@@ -84,10 +84,24 @@ def muon_and_adamw(net, lr: float, group) -> list:
     return [muon, torch.optim.AdamW(rest, lr=lr, weight_decay=0.1)]
 
 
+def convert_float8(net):
+    """torchtitan's float8 converter, as its float8 docs write it: Float8Linear for every linear but
+    the output layer, with FSDP2's float8 all-gather; emulated where there is no float8 matmul."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    fast = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=not fast)
+    convert_to_float8_training(net, config=config, module_filter_fn=lambda m, fqn: fqn != "lm_head")
+
+
 def build(a, rank: int, world: int):
     if a.stage not in (2, 3):
         raise SystemExit("native_fsdp2 runs FULL_SHARD (stage 3) and SHARD_GRAD_OP (stage 2) only")
     net = model(a.model, a.seed)
+    if a.fp8:
+        if a.tp > 1:
+            raise SystemExit("native_fsdp2 --fp8 runs data parallel only")
+        convert_float8(net)
     dp_mesh, dp_group = None, None
     if a.tp > 1:
         from torch.distributed.device_mesh import init_device_mesh
@@ -120,6 +134,10 @@ def build(a, rank: int, world: int):
         for opt in opts:
             opt.step()
             opt.zero_grad(set_to_none=True)
+        if a.fp8:  # torchtitan: one all-reduce of every weight's amax for the next gathers
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            precompute_float8_dynamic_scale_for_fsdp(net)
         return loss
 
     return step

@@ -75,7 +75,7 @@ class DeepSpeedEngine(Engine):
         self.ds, ds_optimizer = apply_zero(model, client, self.config)
         if is_zero(ds_optimizer):
             self._adopt_zero_muon(ds_optimizer, client)
-        if not self.ds.zero_optimization() and self.spec.precision == "fp32" and self.spec.grad_clip:
+        if not self.ds.zero_optimization() and self.spec.compute == "fp32" and self.spec.grad_clip:
             keep_clipped_norm(self.ds)
         self.split = checked_split(self.ds, expected) if expected is not None else None
         if self.spec.compile.enabled and self.spec.compile.scope == "model":
@@ -223,7 +223,7 @@ class DeepSpeedEngine(Engine):
 
     def _optimizer_step(self):
         norm = None
-        plain = not self.ds.zero_optimization() and self.spec.precision == "fp32"
+        plain = not self.ds.zero_optimization() and self.spec.compute == "fp32"
         if self.pipeline is not None:  # every stage's gradients, clipped (pipe_config.py)
             norm = clip_grad_norm(self.model.parameters(), self.spec.grad_clip,
                                   self.pipeline.layout.group)

@@ -15,7 +15,7 @@ def native_loop(spec):
     """benchmarks/'s hand-written loop for `spec`: native_fsdp{1,2}.py (with torchtitan's apply_tp
     at tp > 1), native_pipeline.py at pp > 1 (torchtitan's pipelining), native_ep.py at ep > 1
     (torchtitan's expert parallelism); none with cp (torchtitan's context parallelism is ring
-    attention on CUDA SDPA)."""
+    attention on CUDA SDPA); with precision: fp8, native_fsdp2.py --fp8 (torchtitan's float8)."""
     t = spec.topology
     if t.cp > 1 or (t.pp > 1 and t.tp > 1):
         return None
@@ -25,6 +25,10 @@ def native_loop(spec):
         p = spec.pipeline
         return "native_pipeline.py", [f"--pp={t.pp}", f"--schedule={p.schedule}",
                                       f"--microbatches={p.microbatches or spec.micro_batch_size}"]
+    if spec.precision == "fp8":  # torchtitan's float8 loop: FSDP2, data parallel, all-gather
+        if spec.fsdp.version != 2 or t.tp > 1 or not spec.float8.all_gather:
+            return None
+        return "native_fsdp2.py", [f"--stage={NATIVE_STAGE.get(spec.shard, 0)}", "--fp8"]
     return f"native_fsdp{spec.fsdp.version}.py", [
         f"--stage={NATIVE_STAGE.get(spec.shard, 0)}", *([f"--tp={t.tp}"] if t.tp > 1 else [])]
 

@@ -60,8 +60,10 @@ class _TorchFSDP(ModuleStateTensors, Engine):
             self.scaler = ShardedGradScaler(self.device.type, init_scale=2.0**ls.initial_scale_power,
                                             growth_interval=ls.growth_interval)
 
-    def _materialise(self, model) -> tuple[nn.Module, bool]:
-        """Build the model; with cpu_ram_efficient_loading only rank 0 holds real weights."""
+    def _materialise(self, model, sync: bool = False) -> tuple[nn.Module, bool]:
+        """Build the model; with cpu_ram_efficient_loading only rank 0 holds real weights. `sync`:
+        every rank takes rank 0's, before _record_params (precision: fp8's float8 all-gather
+        weights, tensor subclasses, can no longer be moved to the device once recorded)."""
         lazy = self.spec.fsdp.cpu_ram_efficient_loading
         if isinstance(model, nn.Module):
             if lazy:
@@ -74,6 +76,8 @@ class _TorchFSDP(ModuleStateTensors, Engine):
         else:
             model = model()
         require_fp32(model)
+        if sync and not lazy:  # the whole model, before any split
+            sync_from_rank0(model, self.device)
         self._record_params(model)  # names and groups as built, before sharding replaces them
         self.units = plan_wrap(model, self.spec.wrap)
         return model, lazy
@@ -150,9 +154,7 @@ class _TorchFSDP(ModuleStateTensors, Engine):
 
 class FSDP2Engine(_TorchFSDP):
     def _prepare(self, model, optimizer: OptimizerArg):
-        model, lazy = self._materialise(model)
-        if not lazy and self.spec.fsdp.sync_module_states:  # the whole model, before any split
-            sync_from_rank0(model, self.device)
+        model, lazy = self._materialise(model, sync=self.spec.fsdp.sync_module_states)
         # the tensor-parallel plan is checked against the whole model, each stage takes its part
         plan = resolve_plan(model, self.dims.tp, self.spec.topology.tp_plan, self.say) \
             if self.dims.tp > 1 else None
@@ -199,6 +201,17 @@ class FSDP2Engine(_TorchFSDP):
         if self.spec.fsdp.forward_prefetch:
             apply_forward_prefetch(model, units)
         return units
+
+    def _optimizer_step(self):
+        out = super()._optimizer_step()
+        if self.float8 is not None:  # float8.all_gather: the next gather's scales, whole weights
+            self.float8.refresh(self.model_parts)
+        return out
+
+    def _load_model_optim(self, path: Path, manifest: dict, weights_only: bool = False) -> None:
+        super()._load_model_optim(path, manifest, weights_only)
+        if self.float8 is not None:  # the scales of the weights before the load are stale
+            self.float8.refresh(self.model_parts)
 
     def _no_sync(self):
         return _RequiresGradSync(self.model)
@@ -291,7 +304,7 @@ class FSDP1Engine(_TorchFSDP):
             yield self.model.module
 
     def _unwrapped_autocast(self):
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.spec.precision)
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.spec.compute)
         if dtype is None:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=dtype)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from fnmatch import fnmatch
 from itertools import chain
 
 import torch
@@ -54,8 +55,16 @@ def apply_tp(model: nn.Module, tp_mesh, plan: dict[str, str]) -> None:
     # rank. Every rank holds the same weights already (one seed, or sync_module_states' broadcast),
     # as fully_shard assumes too; and with cpu_ram_efficient_loading the ranks but 0 hold meta
     # tensors that cannot join a scatter (measured: the default scatter hung ranks 0-1 of 4).
-    parallelize_module(model, tp_mesh, {path: parallel_style(s) for path, s in plan.items()},
-                       src_data_rank=None)
+    # precision: fp8 (tensorwise): torchao's float8 styles for converted layers (float8.py); a
+    # plan's path may be a pattern (layers.*.q_proj), matched as parallelize_module matches it
+    from parallel.engine.model.float8 import float8_style, is_float8
+
+    def converted(path: str) -> bool:
+        return any(is_float8(m) for n, m in model.named_modules() if fnmatch(n, path))
+
+    styles = {path: float8_style(s) if converted(path) else parallel_style(s)
+              for path, s in plan.items()}
+    parallelize_module(model, tp_mesh, styles, src_data_rank=None)
 
 
 def fsdp2_kwargs(plain: dict, device_type: str) -> dict:

@@ -44,6 +44,19 @@ def _ep_rules(spec: Spec) -> None:
                           "use fsdp.version: 2")])
 
 
+def _float8_rules(spec: Spec) -> None:
+    """float8.all_gather is FSDP2's tensor-subclass hook over sharded parameters."""
+    if not spec.float8.all_gather or spec.precision != "fp8":
+        return
+    if spec.fsdp.version == 1:
+        raise SpecError([("float8.all_gather", "true with fsdp.version: 1: FSDP1 gathers flat "
+                          "parameters, which torchao's float8 all-gather does not hook; use "
+                          "fsdp.version: 2 or float8.all_gather: false")])
+    if spec.shard == "none":
+        raise SpecError([("float8.all_gather", "true with shard: none: nothing is gathered; use "
+                          "float8.all_gather: false")])
+
+
 def _fsdp2_dims(spec: Spec) -> None:
     """tp, cp, pp and ep are FSDP2's: fully_shard's mesh spans them, FSDP1's flat parameters do
     not."""
@@ -78,7 +91,8 @@ def _fsdp2_dims(spec: Spec) -> None:
 def translate(spec: Spec) -> dict:
     """The FSDP keyword arguments this spec means, as plain values, with `fsdp.native` merged last."""
     _check_loss_scale(spec)
-    low = spec.precision if spec.precision in LOW else None
+    _float8_rules(spec)
+    low = spec.compute if spec.compute in LOW else None
     reduce = spec.grad_reduce_dtype
     mixed = {"param_dtype": low, "reduce_dtype": reduce} if low or reduce != "fp32" else None
     _fsdp2_dims(spec)

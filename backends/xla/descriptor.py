@@ -28,7 +28,10 @@ DESCRIPTOR = BackendDescriptor(
         "offload": {"optimizer": Unsupported("XLA FSDP has no CPU offload", "offload: none"),
                     "params": Unsupported("XLA FSDP has no CPU offload", "offload: none")},
         "precision": {"fp16": Unsupported("TPUs compute in bf16; XLA FSDP has no fp16 loss "
-                                          "scaling", "precision: bf16")},
+                                          "scaling", "precision: bf16"),
+                      "fp8": Unsupported("torchao's Float8Linear runs on torch's eager and compiled "
+                                         "paths, not as an XLA graph, and TPUs up to v5 have no "
+                                         "float8 matmul", "precision: bf16, or backend: fsdp")},
         "sequence.offload_activations": {True: Unsupported(
             "an XLA graph keeps its saved activations on the device (torch's save_on_cpu would "
             "move them out of the graph at every step)", "activation_checkpointing: true")},

@@ -164,7 +164,7 @@ def _bench(args) -> int:
     results = bench(spec, _names(args.backends), split(args.shard),
                     [int(w) for w in split(args.world) or []], options, Path(args.out),
                     say=lambda line: console.print(line, highlight=False), vs_native=args.vs_native,
-                    profile=args.profile, save=args.save)
+                    profile=args.profile, save=args.save, precisions=split(args.precision))
     render(results, Path(args.out), wide=args.wide)
     if args.startup:
         from parallel.tools.bench.startup import measure_startup

@@ -131,6 +131,8 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
                    "deepspeed, zero0-zero3, xla_fsdp, xla1, xla2 (default: every backend)")
     p.add_argument("--shard", help="comma-separated shard levels (default: the spec's)")
     p.add_argument("--world", help="comma-separated world sizes (default: the spec's)")
+    p.add_argument("--precision", help="comma-separated precisions, e.g. bf16,fp8 (default: the "
+                   "spec's; fp8 reads the spec's float8 section, docs/precision.md)")
     p.add_argument("--steps", type=STEPS, default=5, help="measured steps (after --warmup)")
     p.add_argument("--warmup", type=bounded(int, 0, 1 << 24), default=2)
     p.add_argument("--model", default="toy:demo")

@@ -22,7 +22,7 @@ def suggestions(spec, rows) -> list[str]:
                    "grad_accum_steps to keep the batch)")
     if not any(r.offload == "params" for r in rows):
         out.append("a backend that offloads parameters")
-    if spec.precision == "fp32":
+    if spec.compute == "fp32":
         out.append("precision: bf16 (halves activations)")
     return out
 

@@ -29,7 +29,17 @@ def accelerate_wrap(spec: Spec) -> dict:
     return wrap
 
 
+def no_float8(spec: Spec, tool: str) -> None:
+    """precision: fp8 is not exported: accelerate's and the Trainer's float8 switches pick their
+    own recipe and filter (accelerate's AORecipeKwargs), so the file would not mean this spec."""
+    if spec.precision == "fp8":
+        raise SpecError([("precision", f"fp8 has no {tool} counterpart polyshard can write with the "
+                          "same recipe and layers kept in high precision; export with precision: "
+                          "bf16 and add the tool's float8 settings by hand")])
+
+
 def common_accelerate(spec: Spec) -> dict:
+    no_float8(spec, "accelerate")
     nodes = spec.topology.nodes
     common = {"compute_environment": "LOCAL_MACHINE", "debug": False, "machine_rank": 0,
               "main_training_function": "main", "mixed_precision": MIXED[spec.precision],
@@ -65,6 +75,7 @@ def trainer_document(arguments: dict, environment: dict[str, str] | None = None)
 
 
 def trainer_args(spec: Spec) -> dict:
+    no_float8(spec, "Hugging Face Trainer")
     return {"per_device_train_batch_size": spec.micro_batch_size,
             "gradient_accumulation_steps": spec.grad_accum_steps,
             "max_grad_norm": spec.grad_clip or 0.0, "seed": spec.seed,

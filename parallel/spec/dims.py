@@ -146,3 +146,19 @@ def world_problems(world: int, product: int, topology) -> list[tuple[str, str]]:
         if len(named) > 1 else f"{product}"
     return [(" x ".join(f"topology.{n}" for n in named), f"{what} does not divide the world size "
              f"{world}; pick degrees whose product divides it, or change the world size")]
+
+
+def batch_problems(spec) -> list[tuple[str, str]]:
+    """global_batch_size against micro_batch_size x grad_accum_steps x the data-parallel size
+    (under SPMD the devices are known at run time: the engine checks then)."""
+    devices = spec.descriptor(spec.backend).launch.process_devices(spec)
+    if spec.global_batch_size is None or devices is None:
+        return []
+    dp = spec.dims.dp_size  # tensor-parallel ranks share a batch
+    per_step = spec.micro_batch_size * spec.grad_accum_steps * dp * devices
+    if per_step == spec.global_batch_size:
+        return []
+    return [("global_batch_size", f"{spec.global_batch_size} != micro_batch_size "
+             f"{spec.micro_batch_size} x grad_accum_steps {spec.grad_accum_steps} x "
+             f"{dp} data-parallel rank(s) = {per_step}; change one of them (e.g. "
+             "--set topology.procs_per_node=N) so the product is the global batch")]

@@ -19,10 +19,11 @@ from typing import Annotated, Any, ClassVar, Literal, Protocol
 from pydantic import Field, field_validator, model_validator
 
 from parallel.spec.compiling import Compile
-from parallel.spec.dims import HYBRID, ParallelDims, world_problems
+from parallel.spec.dims import HYBRID, ParallelDims, batch_problems, world_problems
 from parallel.spec.errors import SpecError, rule_error
 from parallel.spec.pipeline import Pipeline, pipeline_problems
-from parallel.spec.sections import MAX_BATCH, Checkpointing, LossScale, MoE, Section, Topology, Wrap
+from parallel.spec.precision import Float8, LossScale, precision_problems
+from parallel.spec.sections import MAX_BATCH, Checkpointing, MoE, Section, Topology, Wrap
 from parallel.spec.sequence import Sequence
 from parallel.spec.tracking import Tracking
 
@@ -65,13 +66,14 @@ class Spec(Section):
               "step. params: parameters and gradients too (implies optimizer)."),
     ] = "none"
     precision: Annotated[
-        Literal["fp32", "bf16", "fp16"],
-        Field(
-            description="Compute dtype. bf16/fp16 are mixed precision: forward and backward run in "
-            "the low dtype, while master parameters, gradient reduction and optimizer state stay "
-            "fp32. fp16 adds dynamic loss scaling (see loss_scale)."
-        ),
+        Literal["fp32", "bf16", "fp16", "fp8"],
+        Field(description="Compute dtype. bf16/fp16 are mixed precision: forward and backward run "
+              "in the low dtype, while master parameters, gradient reduction and optimizer state "
+              "stay fp32. fp16 adds dynamic loss scaling (see loss_scale). fp8: the linear layers' "
+              "matmuls in float8 (torchao), the rest in float8.base (bf16 by default)."),
     ] = "fp32"
+    float8: Annotated[Float8, Field(description="precision: fp8's recipe, the layers it leaves "
+                                    "in high precision, float8 all-gather.")] = Float8()
     reduce_dtype: Annotated[
         Literal["fp32", "compute", "bf16", "fp16"],
         Field(description="Dtype gradients are reduced in across ranks. fp32 (default): exact sums "
@@ -198,9 +200,14 @@ class Spec(Section):
         return (dims.dp_shard if self.shard in HYBRID else dims.dp_size) * dims.cp
 
     @property
+    def compute(self) -> str:
+        """fp32, bf16 or fp16: the dtype outside float8's matmuls (float8.base with fp8)."""
+        return self.float8.base if self.precision == "fp8" else self.precision
+
+    @property
     def grad_reduce_dtype(self) -> str:
         """fp32, bf16 or fp16: what `reduce_dtype` means with this `precision`."""
-        return self.precision if self.reduce_dtype == "compute" else self.reduce_dtype
+        return self.compute if self.reduce_dtype == "compute" else self.reduce_dtype
 
     @property
     def checkpoint_activations(self) -> bool:
@@ -236,10 +243,7 @@ class Spec(Section):
             problems.append(("topology.shard_group_size", f"{self.dims.dp_shard} does not divide "
                              f"the data-parallel size {dp} (world size / (tp x cp x pp)); pick a "
                              "divisor of it"))
-        if self.loss_scale != LossScale() and self.precision != "fp16":
-            problems.append(("loss_scale", f"loss scaling applies to precision: fp16 only, not "
-                             f"{self.precision!r}; remove loss_scale or use precision: fp16"))
-        problems += self._batch_rules() + pipeline_problems(self)
+        problems += precision_problems(self) + batch_problems(self) + pipeline_problems(self)
         if self.sequence.loss_tile is not None and self.topology.tp > 1:
             problems.append(("sequence.loss_tile", f"{self.sequence.loss_tile} with topology.tp "
                              f"{self.topology.tp}: a tensor-parallel lm_head splits the vocabulary, "
@@ -253,20 +257,6 @@ class Spec(Section):
         if problems:
             raise rule_error(*problems)
         return self
-
-    def _batch_rules(self) -> list[tuple[str, str]]:
-        # None: known at run time (SPMD)
-        devices = self.descriptor(self.backend).launch.process_devices(self)
-        if self.global_batch_size is None or devices is None:
-            return []
-        dp = self.dims.dp_size  # tensor-parallel ranks share a batch
-        per_step = self.micro_batch_size * self.grad_accum_steps * dp * devices
-        if per_step == self.global_batch_size:
-            return []
-        return [("global_batch_size", f"{self.global_batch_size} != micro_batch_size "
-                 f"{self.micro_batch_size} x grad_accum_steps {self.grad_accum_steps} x "
-                 f"{dp} data-parallel rank(s) = {per_step}; change one of them (e.g. "
-                 "--set topology.procs_per_node=N) so the product is the global batch")]
 
     @model_validator(mode="after")
     def _backend_rules(self) -> Spec:

@@ -1,4 +1,5 @@
-"""Sub-sections of the spec every backend reads: topology, checkpoint retention, wrapping, loss scaling.
+"""Sub-sections of the spec every backend reads: topology, checkpoint retention, wrapping, MoE. Precision's
+(loss scaling, float8) are precision.py's.
 Each backend's own section lives in its package (backends/<name>/options.py) and is added to the spec
 by the registry from the backend's descriptor.
 
@@ -247,21 +248,6 @@ class Wrap(Section):
             raise rule_error(("wrap.min_num_params", f"is only read with policy 'size', not "
                               f"{self.policy!r}; set `policy: size` or remove it"))
         return self
-
-
-class LossScale(Section):
-    """Dynamic loss scaling for `precision: fp16` (FSDP's ShardedGradScaler, DeepSpeed's fp16 block)."""
-
-    initial_scale_power: Annotated[
-        int, Field(ge=0, le=32, description="Start at 2**initial_scale_power.")
-    ] = 16
-    growth_interval: Annotated[
-        int, Field(ge=1, description="Steps without overflow before the scale doubles.")
-    ] = 1000
-    hysteresis: Annotated[
-        int, Field(ge=1, description="Overflows tolerated before the scale halves (DeepSpeed).")
-    ] = 2
-    min_scale: Annotated[float, Field(gt=0, description="The scale never drops below this.")] = 1.0
 
 
 class MoE(Section):

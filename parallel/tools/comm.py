@@ -20,13 +20,13 @@ class Links:
 
 
 def comm_seconds(spec, psi: float, links: Links, output_share: float = 0.0,
-                 root_share: float = 0.0) -> float:
+                 root_share: float = 0.0, float8: float = 0.0) -> float:
     """The step's collectives (planned_collectives) as ring collectives: each rank moves (n-1)/n of
     an all-gather's or reduce-scatter's bytes and twice that of an all-reduce's, over the slowest
     link the group spans; a hybrid's replica all-reduce across nodes."""
     n, per_node = spec.shard_group_size, spec.topology.procs_per_node
     link = (links.intra if n <= per_node else links.inter) * 1e9
-    planned = planned_collectives(spec, psi, output_share, root_share)
+    planned = planned_collectives(spec, psi, output_share, root_share, float8=float8)
     seconds = 0.0
     if n > 1:
         seconds += (planned.get("all_gather", 0.0) + planned.get("reduce_scatter", 0.0)
@@ -39,15 +39,17 @@ def comm_seconds(spec, psi: float, links: Links, output_share: float = 0.0,
 
 
 def planned_collectives(spec, psi: float, output_share: float = 0.0, root_share: float = 0.0,
-                        last_root: float = 0.0) -> dict[str, float]:
+                        last_root: float = 0.0, float8: float = 0.0) -> dict[str, float]:
     """Bytes one rank's data-parallel collectives carry per step, as `polyshard dryrun` counts them
     (all-gather: its output; reduce-scatter: its input; all-reduce: its tensor): the gradients are
     reduced once in the reduce dtype (unsharded: all-reduced, `all_reduce_group`; sharded:
     reduce-scattered, and each shard all-reduced across hybrid replicas, `all_reduce_replicas`),
     and whatever else the backend's volume (comm_volume) moves is parameters gathered in the
     compute dtype. Before #42 every byte was sized in the reduce dtype: FULL_SHARD in bf16 with fp32
-    reduction came out 50% high (Llama-3-8B, 1024 ranks, tp 8: 17.4 GB against 11.6 counted)."""
-    low = 4 if spec.precision == "fp32" else 2
+    reduction came out 50% high (Llama-3-8B, 1024 ranks, tp 8: 17.4 GB against 11.6 counted).
+    `float8`: the parameters float8.all_gather gathers in 1 byte (float8_gathered), each time
+    their blocks are gathered."""
+    low = 4 if spec.compute == "fp32" else 2
     red = 4 if spec.grad_reduce_dtype == "fp32" else 2
     n = spec.shard_group_size
     if n <= 1:
@@ -66,9 +68,27 @@ def planned_collectives(spec, psi: float, output_share: float = 0.0, root_share:
         # backward follows each forward at once
         m = spec.pipeline.microbatches or spec.micro_batch_size
         out["all_gather"] = spec.grad_accum_steps * ((m + 1) * (psi - last_root) + last_root) * low
+    if float8:  # the blocks' converted weights, gathered as often as the blocks are
+        passes = max(0.0, comm_volume(spec, 1.0) - 1.0)
+        if spec.topology.pp > 1 and spec.shard == "full":
+            passes = spec.grad_accum_steps * ((spec.pipeline.microbatches or
+                                               spec.micro_batch_size) + 1)
+        out["all_gather"] -= passes * float8 * (low - 1)
     if spec.dims.dp_size // n > 1:
         out["all_reduce_replicas"] = psi / n * red
     return out
+
+
+def float8_gathered(spec, shapes, cfg: dict | None) -> float:
+    """Parameters of `shapes` that precision: fp8 gathers in float8 (float8.all_gather): the
+    default filter's rule (engine/model/float8.py) on shapes alone: matrices without the
+    vocabulary (embedding, head) or the expert count (routers), both sides multiples of 16."""
+    if spec.precision != "fp8" or not spec.float8.all_gather:
+        return 0.0
+    cfg = cfg or {}
+    skip = {cfg.get(k) for k in ("vocab_size", "num_local_experts", "num_experts")} - {None}
+    return float(sum(a * b for a, b in (s for s in shapes if len(s) == 2)
+                     if not {a, b} & skip and a % 16 == 0 and b % 16 == 0))
 
 
 def offload_seconds(spec, psi: float, links: Links) -> float:
@@ -76,7 +96,7 @@ def offload_seconds(spec, psi: float, links: Links) -> float:
     offload, the parameters up again for forward and backward."""
     if spec.offload == "none":
         return 0.0
-    low, part = (4 if spec.precision == "fp32" else 2), psi / spec.shard_group_size
+    low, part = (4 if spec.compute == "fp32" else 2), psi / spec.shard_group_size
     copies = (4 + low) * part + (2 * low * part if spec.offload == "params" else 0.0)
     return copies / (links.pcie * 1e9)
 
@@ -96,7 +116,7 @@ def tp_comm_bytes(cfg: dict | None, spec, seq: int, rowwise: int = 2, colwise: i
     tp = spec.topology.tp
     if tp == 1 or not cfg:
         return 0.0
-    low = 4 if spec.precision == "fp32" else 2
+    low = 4 if spec.compute == "fp32" else 2
     s, b, h = -(-seq // spec.topology.cp), spec.micro_batch_size, cfg["hidden_size"]
     # activation checkpointing's recomputation stops at the last saved tensor backward needs, so
     # the block's last rowwise all-reduce is not run again (measured: 9 -> 8 per layer, not 10)
@@ -133,7 +153,7 @@ def cp_comm_bytes(cfg: dict | None, spec, seq: int) -> float:
     # kv_repeat reads a transformers config's attributes
     repeat, _ = kv_repeat(SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv_heads),
                           tp, cp)
-    low = 4 if spec.precision == "fp32" else 2
+    low = 4 if spec.compute == "fp32" else 2
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     tokens = spec.micro_batch_size * -(-seq // cp)
     q = tokens * heads // tp * head_dim * low

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from parallel.tools.comm import float8_gathered
+
 SEED_STD = 0.02  # weights drawn like transformers' initializer_range: finite activations
 
 
@@ -139,7 +141,7 @@ def by_type(planned: dict[str, float], tp_bytes: float) -> dict[str, float]:
 
 
 def predicted_collectives(spec, cfg: dict, seq: int, psi: float, shares: tuple,
-                          pp_rank: int) -> dict[str, float]:
+                          pp_rank: int, float8: float = 0.0) -> dict[str, float]:
     """plan's bytes per collective type for this rank (`psi`: its parameters; `shares`:
     kept_shares'): the data-parallel ones, TP's, and with topology.pp the sends between stages and
     the last stage's logits gathered over tp; with topology.cp Ulysses' exchanges."""
@@ -152,7 +154,8 @@ def predicted_collectives(spec, cfg: dict, seq: int, psi: float, shares: tuple,
     psi = moe["gathered"] if moe else psi  # ep: the rank gathers its own experts only
     last = spec.topology.pp > 1 and held_layers(spec, cfg["num_hidden_layers"], pp_rank)[2]
     predicted = by_type(planned_collectives(spec, psi, output, root, output * whole if last
-                                            else 0.0), tp_comm_bytes(cfg, spec, seq, pp_rank=pp_rank))
+                                            else 0.0, float8),
+                        tp_comm_bytes(cfg, spec, seq, pp_rank=pp_rank))
     if spec.topology.pp > 1:  # activations and their gradients between stages
         predicted["send"] = p2p_bytes(spec, cfg, seq, pp_rank)
         predicted["all_gather"] = predicted.get("all_gather", 0.0) + \
@@ -258,7 +261,7 @@ def run(spec, source: str, world: int, rank: int, seq: int, optimizer: str = "ad
     for part in engine.model_parts:  # a rank's stages: each its own copy of what is not shared
         materialise(part, engine.device)
     if engine.pipeline is not None:  # stages' inputs: what the previous stage would have said
-        engine.pipeline.given_inputs = activation_of(model.config, spec.precision)
+        engine.pipeline.given_inputs = activation_of(model.config, spec.compute)
     params = list(engine.model.parameters())
     grads: dict = {}
     engine.on_gradients.append(lambda e: grads.setdefault("bytes", held_bytes(p.grad for p in params)))
@@ -278,8 +281,8 @@ def run(spec, source: str, world: int, rank: int, seq: int, optimizer: str = "ad
     measured = {"params": held_bytes(params), "grads": grads.get("bytes"),
                 "optimizer": held_bytes(state), "peak": peak["peak"] if peak else None}
     planned = {"params": est.params, "grads": est.grads, "optimizer": est.optimizer, "peak": est.total}
-    snap = counter.snapshot()
-    predicted = predicted_collectives(spec, cfg, seq, float(numel(shapes)), shares, pp_rank)
+    snap, f8 = counter.snapshot(), float8_gathered(spec, shapes, cfg)
+    predicted = predicted_collectives(spec, cfg, seq, float(numel(shapes)), shares, pp_rank, f8)
     collectives = {k: {"calls": snap["calls"].get(k, 0), "bytes": snap["bytes"].get(k, 0),
                        "planned": predicted.get(k)}
                    for k in sorted({*snap["calls"], *predicted})}

@@ -75,7 +75,7 @@ def extra_gather_bytes(facts: dict | None, spec) -> float:
     the recomputation gathers it again and backward once more (measured by `dryrun`)."""
     if facts is None or spec.topology.ep <= 1 or not spec.checkpoint_activations:
         return 0.0
-    low = 4 if spec.precision == "fp32" else 2
+    low = 4 if spec.compute == "fp32" else 2
     return (facts["gathered"] - facts["dense"]) * low * spec.grad_accum_steps
 
 
@@ -84,7 +84,7 @@ def all_to_all_bytes(facts: dict, spec, seq: int) -> float:
     `dryrun` counts them; 0 at ep 1."""
     if facts is None or spec.topology.ep <= 1:
         return 0.0
-    low = 4 if spec.precision == "fp32" else 2
+    low = 4 if spec.compute == "fp32" else 2
     tokens = spec.micro_batch_size * seq // spec.topology.cp
     rows = tokens * facts["top_k"] * facts["hidden"] * low
     counts = facts["experts"] * 8

@@ -24,6 +24,7 @@ from parallel.tools.comm import (  # noqa: F401 (plan's communication, re-export
     comm_seconds,
     comm_volume,
     cp_comm_bytes,
+    float8_gathered,
     muon_exchange_bytes,
     offload_seconds,
     planned_collectives,
@@ -92,7 +93,7 @@ def model_states(spec, shapes, n: int | None = None, optimizer: str | float = "a
     its state bytes per parameter (optimizer_bytes)."""
     from parallel.registry import get
 
-    low = 4 if spec.precision == "fp32" else 2
+    low = 4 if spec.compute == "fp32" else 2
     opt = optimizer_bytes(shapes, optimizer) if isinstance(optimizer, str) else optimizer
     # ranks one copy of the model is sharded over: with cp, dp_shard x cp (shard_group_size)
     n = n or spec.dims.dp_shard * spec.dims.cp
@@ -137,7 +138,7 @@ def transient(spec, psi: float, unit: float, hidden: int | None = None) -> tuple
     where it has none)."""
     from parallel.registry import get
 
-    low = 4 if spec.precision == "fp32" else 2
+    low = 4 if spec.compute == "fp32" else 2
     rule = get(spec.backend).plan.transient
     if rule is None:
         return (0.0 if spec.shard == "none" else 2 * unit * low), unit * 4
@@ -190,7 +191,8 @@ def plan(spec, shapes, cfg: dict | None, world: int, seq: int, optimizer: str = 
             s.topology.procs_per_node
         moe = (cfg or {}).get("_moe") if s.topology.ep > 1 else None
         gathered = moe["gathered"] if moe else psi  # ep: each rank gathers its own experts
-        est.comm_s, est.offload_s = comm_seconds(s, gathered, links), offload_seconds(s, psi, links)
+        est.comm_s = comm_seconds(s, gathered, links, float8=float8_gathered(s, shapes, cfg))
+        est.offload_s = offload_seconds(s, psi, links)
         ep = s.topology.ep  # an all-to-all moves (ep - 1) / ep of its input; ep sits inside hosts
         est.comm_s += (ep - 1) / ep * all_to_all_bytes(moe, s, seq) / (
             (links.intra if ep <= s.topology.procs_per_node else links.inter) * 1e9)
@@ -238,7 +240,7 @@ def predict(spec, shapes, cfg: dict | None, seq: int, optimizer: str = "adamw",
     psi = float(numel(shapes))
     est = Estimate(spec.backend, spec.shard, spec.offload,
                    *states_of(spec, shapes, cfg, optimizer),
-                   activations(cfg, spec.micro_batch_size, seq, spec.precision,
+                   activations(cfg, spec.micro_batch_size, seq, spec.compute,
                                spec.checkpoint_activations, spec.topology.tp,
                                spec.sequence.loss_tile, spec.sequence.offload_activations,
                                spec.topology.cp))

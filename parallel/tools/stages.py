@@ -56,7 +56,7 @@ def p2p_bytes(spec, cfg: dict, seq: int, pp_rank: int) -> float:
     p, pp = spec.pipeline, spec.topology.pp
     micro = p.microbatches or spec.micro_batch_size
     n = pp * p.stages_per_rank
-    low = 4 if spec.precision == "fp32" else 2
+    low = 4 if spec.compute == "fp32" else 2
     one = spec.micro_batch_size // micro * -(-seq // spec.topology.cp) * cfg["hidden_size"] * low
     sends = sum((s != n - 1) + (s != 0) for s in stage_ids(p.schedule, pp_rank, pp,
                                                             p.stages_per_rank))
@@ -69,7 +69,7 @@ def tp_logits_bytes(spec, cfg: dict, seq: int, holds_last: bool) -> float:
     head's all-reduces, comm.tp_comm_bytes)."""
     if spec.topology.tp == 1 or not holds_last:
         return 0.0
-    low = 4 if spec.precision == "fp32" else 2
+    low = 4 if spec.compute == "fp32" else 2
     tokens = spec.micro_batch_size * -(-seq // spec.topology.cp)
     return spec.grad_accum_steps * tokens * cfg["vocab_size"] * low
 
@@ -109,7 +109,7 @@ def pipeline_of(spec, cfg: dict | None, seq: int, psi: float | None = None) -> d
         return None
     p = spec.pipeline
     rows = spec.micro_batch_size // (p.microbatches or spec.micro_batch_size)
-    whole = activations(cfg, rows, seq, spec.precision, spec.checkpoint_activations,
+    whole = activations(cfg, rows, seq, spec.compute, spec.checkpoint_activations,
                         spec.topology.tp, spec.sequence.loss_tile,
                         spec.sequence.offload_activations, spec.topology.cp)
     return pipeline_facts(spec, cfg, seq, psi, whole)

@@ -18,6 +18,7 @@ import torch
 
 from parallel import create_engine, load_spec
 from parallel.checkpoint.state.portable import read_model
+from parallel.engine.model.float8 import apply_float8
 from parallel.engine.model.optim.recipes import hidden_matrices
 from parallel.tools.parity.cell import one_process
 from parallel.toy import OwnDecoder, build_llama, llama_config
@@ -78,14 +79,32 @@ def reference(spec, case, batches, known: dict):
     """What one process computes on the global batch: the numbers every backend must reproduce.
     Computed once per job for each (seed, model, optimizer, clip, batches): the cases of a job that
     differ only in how the backend runs them share it (`known`; a quarter of FSDP's 33 cases' time)."""
-    key = json.dumps([spec.seed, case.get("model", {}), case["optimizer"], spec.grad_clip,
+    fp8 = spec.float8.model_dump(exclude={"all_gather", "base"}) if spec.precision == "fp8" else None
+    key = json.dumps([spec.seed, case.get("model", {}), case["optimizer"], spec.grad_clip, fp8,
                       [digest(b) for b in batches]])
     if key not in known:
         torch.manual_seed(spec.seed)
-        record = one_process(tiny(case), plain_optimizer(case["optimizer"]), batches,
-                             spec.grad_clip)
+        model = tiny(case)
+        if fp8 is not None:  # the same torchao conversion, in fp32 (float8.base: bf16 cases
+            # state their tolerance against it, as precision: bf16's do against fp32)
+            apply_float8(model, spec.float8.model_copy(update={"all_gather": False}),
+                         torch.device("cpu"), lambda _: None)
+        record = one_process(model, plain_optimizer(case["optimizer"]), batches, spec.grad_clip)
         known[key] = [r["loss"] for r in record], [r["grad_norm"] for r in record]
     return known[key]
+
+
+def shard_scales(parts):
+    """float8.all_gather's scales from each rank's shard of a weight alone, where torchao computes
+    them over the whole weight (a deliberately wrong engine, for the test that must tell)."""
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.float8_utils import tensor_to_scale
+
+    for part in parts:
+        for m in part.modules():
+            if isinstance(m, Float8Linear):
+                local = m.weight._local_tensor
+                local._precomputed_scale = tensor_to_scale(local._tensor, torch.float8_e4m3fn)
 
 
 def digest(batch) -> str:
@@ -146,6 +165,9 @@ def run_case(case, phase, ckpt_root, known: dict):
             return tiny(case)
     engine.prepare(factory if case.get("factory") else factory(), optimizer_arg(case["optimizer"]),
                    **prepare_kwargs(case["optimizer"]))
+    if case.get("shard_amax"):  # the bug test_float8 must catch: each shard's own weight scale
+        engine.float8.refresh = lambda parts: shard_scales(parts)
+        shard_scales(engine.model_parts)
     if case.get("default_scaling"):  # topology.pp: the schedule's default (each micro-batch's mean)
         engine.pipeline.scale_grads = True
     ckpt = f"{ckpt_root}/{case['name']}"

@@ -123,8 +123,10 @@ def _dryrun(spec: dict, world: int, tmp_path) -> dict:
 
 
 LAYOUTS = [(v, shard, precision) for v in (2, 1) for shard in ("full", "grad_op", "none", "hybrid")
-           for precision in ("fp32", "bf16")]
-QUICK = {(2, "full", "bf16"), (1, "hybrid", "fp32")}  # make test; every layout in test-full
+           for precision in ("fp32", "bf16")] + [(2, shard, "fp8") for shard in ("full", "grad_op",
+                                                                             "hybrid")]
+QUICK = {(2, "full", "bf16"), (1, "hybrid", "fp32"), (2, "full", "fp8")}  # make test; all: test-full
+FLOAT8 = {"float8": {"all_gather": True}}  # precision: fp8's layouts gather in float8
 
 
 @pytest.mark.timeout(300)
@@ -134,7 +136,7 @@ def test_plan_predicts_each_collective_the_dry_run_counts(tmp_path, version, sha
     """Every layout dryrun builds (torch FSDP: the backend whose descriptor dry-runs): plan's bytes
     per collective type within 10% of those counted at 8 ranks (hybrid: 2 groups of 4)."""
     spec = {"backend": "fsdp", "fsdp": {"version": version}, "shard": shard,
-            "precision": precision, "micro_batch_size": 2,
+            "precision": precision, "micro_batch_size": 2, **(FLOAT8 if precision == "fp8" else {}),
             "topology": {"procs_per_node": 4, **({"shard_group_size": 4} if shard == "hybrid"
                                                  else {})}}
     collectives = _dryrun(spec, 8, tmp_path)
@@ -144,6 +146,22 @@ def test_plan_predicts_each_collective_the_dry_run_counts(tmp_path, version, sha
         if row["bytes"] > 1024:  # the loss and target count: scalars plan leaves out
             assert row.get("planned") and abs(row["planned"] - row["bytes"]) <= 0.10 * row["bytes"], (
                 kind, row, collectives)
+
+
+@pytest.mark.timeout(300)
+def test_the_float8_all_gather_moves_half_of_bf16s_bytes(tmp_path):
+    """float8.all_gather: the tiny Llama's 14 converted weights (18,432 parameters; the head and
+    embedding stay bf16) gathered in 1 byte where bf16 takes 2, in forward and again in backward
+    (FULL_SHARD): 36,864 bytes fewer, counted; plus one all-reduce of every weight's amax per step
+    (torchao's precompute, after the optimizer step)."""
+    spec = {"backend": "fsdp", "micro_batch_size": 2, "topology": {"procs_per_node": 4}}
+    bf16 = _dryrun({**spec, "precision": "bf16"}, 8, tmp_path)
+    fp8 = _dryrun({**spec, "precision": "fp8", **FLOAT8}, 8, tmp_path)
+    converted = 2 * (32 * 32 * 2 + 16 * 32 * 2 + 64 * 32 * 3)
+    assert bf16["all_gather"]["bytes"] - fp8["all_gather"]["bytes"] == 2 * converted, (bf16, fp8)
+    assert abs(fp8["all_gather"]["bytes"] - fp8["all_gather"]["planned"]) < 1
+    assert fp8["all_gather"]["calls"] == bf16["all_gather"]["calls"]
+    assert fp8["all_reduce"]["calls"] == bf16["all_reduce"]["calls"] + 1
 
 
 def _dryrun_pp(spec: str, model: str, world: int, rank: int, seq: int) -> dict:

@@ -24,7 +24,7 @@ def test_gpu_check_runs_every_step_on_cpu(tmp_path):
     assert record["env"]["packages"]["torch"] and record["env"]["devices"] == []
     # on a CPU test_gpu.py is collected and skipped with its reason, which the log keeps
     assert "needs CUDA and NCCL" in (tmp_path / "tests.log").read_text()
-    for name in ("bench", "plan", "nccl", "save", "largest"):
+    for name in ("bench", "plan", "nccl", "save", "fp8", "largest"):
         assert steps[name]["rc"] == 0 and not steps[name].get("skip"), steps[name]
         cells = steps[name]["cells"]
         assert cells and all("median_s" in c and c["flops_per_token"] > 0 for c in cells.values())

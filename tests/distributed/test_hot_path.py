@@ -88,7 +88,7 @@ def shared_jobs(tmp):
                                             tmp / f"engine-{group[0].name}.json"],
                         group[0].nproc, group[0].env))
         jobs.append(native_job(tmp, group))
-    return jobs + muon_jobs(tmp)
+    return jobs + muon_jobs(tmp) + fp8_jobs(tmp)
 
 
 # torch.optim.Muon + AdamW on FSDP2 (docs/optimizers.md), against the native loop that gathers each
@@ -108,6 +108,25 @@ def muon_jobs(tmp) -> list:
                 MUON.nproc, MUON.env),
             job(str(NATIVE_DIR / "cases.py"), ["--cases", tmp / "native-muon-cases.json",
                                                "--out", tmp / "native-muon.json"],
+                MUON.nproc, MUON.env)]
+
+
+# precision: fp8 on FSDP2 with the float8 all-gather (docs/precision.md), against the native loop
+# written as torchtitan's float8 docs write it (native_fsdp2.py --fp8)
+FP8 = {**MUON.spec, "precision": "fp8", "float8": {"base": "fp32", "all_gather": True}}
+
+
+def fp8_jobs(tmp) -> list:
+    (tmp / "cases-fp8.json").write_text(json.dumps({"fp8": FP8}))
+    script, flags = get(MUON.backend).bench.native(load_spec(FP8))
+    (tmp / "native-fp8-cases.json").write_text(json.dumps({"fp8": [
+        script, "--model=toy:tiny", "--steps=3", "--warmup=2", "--seq=16",
+        f"--global-rows={ROWS}", "--clip=1.0", "--count", *flags,
+        f"--out={tmp / 'native-fp8-loop.json'}"]}))
+    return [job("hot_path_worker", ["--cases", tmp / "cases-fp8.json", "--rows", ROWS, "--out",
+                                    tmp / "engine-fp8.json"], MUON.nproc, MUON.env),
+            job(str(NATIVE_DIR / "cases.py"), ["--cases", tmp / "native-fp8-cases.json",
+                                               "--out", tmp / "native-fp8.json"],
                 MUON.nproc, MUON.env)]
 
 
@@ -256,3 +275,21 @@ def test_muon_pays_fewer_collectives_than_a_native_owner_loop(shared, counted):
     assert sum(coll.values()) < sum(native_coll.values()) and reads <= native_reads, (ours, theirs)
     assert not any(k.startswith("store") for k in [*ours["read"], *theirs]), (ours, theirs)
     record("hot-path-muon", {"polyshard": ours["read"], "native owner loop": theirs})
+
+
+@needs_both
+@pytest.mark.timeout(1200)
+def test_fp8_pays_what_torchtitans_float8_loop_pays(shared, counted):
+    """precision: fp8 with the float8 all-gather on FSDP2 at 2 ranks: the native float8 loop's
+    collectives op for op (its gathers, reductions and the one all-reduce of the weights' amaxes
+    after each optimizer step, one more than the AdamW loop's), its host reads, no store call."""
+    tmp, run = shared[__name__]
+    ours = read(tmp / "engine-fp8.json", run, "hot_path_worker")["fp8"]
+    steps = read(tmp / "native-fp8.json", run, str(NATIVE_DIR / "cases.py"))["fp8"]["counts"]
+    assert all(s == steps[0] for s in steps), steps
+    theirs = split(dict(sorted(steps[0].items())))
+    adamw = split(counted[1][MUON.name])[0]
+    assert split(ours["read"]) == theirs and split(ours["noread"])[1] == theirs[1] - 1, (ours, theirs)
+    assert sum(theirs[0].values()) == sum(adamw.values()) + 1, (theirs, adamw)
+    assert not any(k.startswith("store") for k in [*ours["read"], *steps[0]]), (ours, steps[0])
+    record("hot-path-fp8", {"polyshard": ours["read"], "native float8 loop": steps[0]})

@@ -1,11 +1,12 @@
-"""`import parallel` and `polyshard validate` work without deepspeed or torch_xla."""
+"""`import parallel` and `polyshard validate` work without deepspeed, torch_xla or torchao."""
 
 import subprocess
 import sys
 
 from parallel.registry import descriptors
 
-BLOCK = "import sys; sys.modules['deepspeed'] = None; sys.modules['torch_xla'] = None; "
+BLOCK = ("import sys; sys.modules['deepspeed'] = None; sys.modules['torch_xla'] = None; "
+         "sys.modules['torchao'] = None; ")
 
 
 def test_every_descriptor_is_complete():
@@ -44,9 +45,9 @@ def test_import_parallel_without_optional_backends():
     assert out.stdout.strip() == "deepspeed"
     lazy = subprocess.run([sys.executable, "-c", "import sys, parallel.cli.main, parallel.registry, "
                            "parallel.launch.torchrun; print('deepspeed' in sys.modules, "
-                           "'torch_xla' in sys.modules)"],
+                           "'torch_xla' in sys.modules, 'torchao' in sys.modules)"],
                           capture_output=True, text=True, timeout=120)
-    assert lazy.stdout.split() == ["False", "False"], lazy.stderr  # imported only on demand
+    assert lazy.stdout.split() == ["False"] * 3, lazy.stderr  # imported only on demand
 
 
 def test_validate_cli_without_optional_backends(tmp_path):
@@ -55,3 +56,10 @@ def test_validate_cli_without_optional_backends(tmp_path):
     out = run(f"from parallel.cli.main import main; raise SystemExit(main(['validate', '{cfg}']))")
     assert out.returncode == 0, out.stderr
     assert "backend: xla_fsdp" in out.stdout
+
+
+def test_validate_an_fp8_spec_without_torchao(tmp_path):
+    cfg = tmp_path / "s.yaml"
+    cfg.write_text("backend: fsdp\nprecision: fp8\nfloat8: {recipe: rowwise}\n")
+    out = run(f"from parallel.cli.main import main; raise SystemExit(main(['validate', '{cfg}']))")
+    assert out.returncode == 0, out.stderr

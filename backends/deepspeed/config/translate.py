@@ -19,6 +19,10 @@ STAGES = {"none": 0, "optimizer": 1, "grad_op": 2, "full": 3, "hybrid": 3}
 
 def translate(spec: Spec) -> dict:
     """The DeepSpeed config this spec means, with `deepspeed.native` merged last."""
+    if spec.precision == "fp8" and spec.float8.all_gather:
+        raise SpecError([("float8.all_gather", "true on deepspeed: ZeRO gathers its bf16 or fp32 "
+                          "partitions, torchao's float8 all-gather is FSDP2's tensor-subclass hook; "
+                          "use float8.all_gather: false (the matmuls still run in float8)")])
     config, origins = _config(spec)
     apply_pipeline_config(spec, config, origins, STAGES[spec.shard])  # topology.pp (pipe_config.py)
     _tensor_parallel(spec, config, origins)
@@ -179,9 +183,9 @@ def _config(spec: Spec) -> tuple[dict, dict]:
         "zero_optimization": zero,
         # with on_nonfinite: skip, ZeRO must drop a non-finite bf16 step itself (it checks fp32
         # gradients' norm anyway, but bf16's overflow check is off by default)
-        "bf16": {"enabled": spec.precision == "bf16",
+        "bf16": {"enabled": spec.compute == "bf16",
                  **({"check_grad_overflow": True} if spec.on_nonfinite == "skip"
-                    and spec.precision == "bf16" else {})},
+                    and spec.compute == "bf16" else {})},
         "fp16": {"enabled": spec.precision == "fp16", "loss_scale": 0,
                  "initial_scale_power": ls.initial_scale_power, "loss_scale_window":
                  ls.growth_interval, "hysteresis": ls.hysteresis, "min_loss_scale": ls.min_scale},

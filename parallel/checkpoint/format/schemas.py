@@ -126,7 +126,7 @@ class ManifestSpec(TypedDict, total=False):
     """The spec a manifest records: what readers of the manifest use of it (the rest is kept)."""
 
     __pydantic_config__ = ConfigDict(extra="allow")  # type: ignore[misc]
-    precision: Literal["fp32", "bf16", "fp16"]
+    precision: Literal["fp32", "bf16", "fp16", "fp8"]
     grad_clip: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None
 
 

@@ -53,7 +53,7 @@ class EngineCalls(BackendHooks):
             raise ValueError("engine.dataloader(pack_to=...): call it after engine.prepare(): how "
                              "attention is confined to each document depends on the model's "
                              "attention implementation")
-        mode = packing.mask_mode(self.attention, self.spec.precision, self.samples_per_step,
+        mode = packing.mask_mode(self.attention, self.spec.compute, self.samples_per_step,
                                  pack_to, self.device)
         vocab = packing.vocab_of(self.model)  # every document's ids checked against it
         return packing.Packer(pack_to, pad_token_id, self.say, vocab), packing.collate(mode)

@@ -31,6 +31,7 @@ from parallel.engine.model.context_parallel import ContextParallel, apply_contex
 from parallel.engine.model.moe.expert_parallel import ExpertParallel
 from parallel.engine.model.moe.experts import Experts, moe_blocks
 from parallel.engine.model.moe.router import RouterLoss
+from parallel.engine.model.float8 import Float8, apply_float8, batch_split
 from parallel.engine.model.params import ParamGroupsHook, ParamPlan, per_parameter
 from parallel.engine.model.tiled_loss import TiledLoss, apply_tiled_loss
 from parallel.engine.observe.flops import model_flops
@@ -76,6 +77,7 @@ class EngineSetup(EngineCalls):
         self.context: ContextParallel | None = None  # topology.cp's split and attention, likewise
         self.pipeline: Pipeline | None = None  # topology.pp's stages and schedule (_apply_pipeline)
         self.expert_parallel: ExpertParallel | None = None  # topology.ep (_apply_expert_parallel)
+        self.float8: Float8 | None = None  # precision: fp8's converted layers (_record_params)
         self.notices: list[str] = []  # what this run does differently from one process, said once
         self.loaders = Loaders()  # training loaders by name (checkpointed), eval loaders apart
         self.user_state = UserState()  # the user's objects saved with each checkpoint
@@ -221,6 +223,9 @@ class EngineSetup(EngineCalls):
     def _record_params(self, model: nn.Module) -> ParamPlan:
         """Before sharding: parameter names, tied weights, the param_groups hook's groups, and what
         the model's loss averages over."""
+        if self.spec.precision == "fp8":  # first: every later step sees the converted layers
+            self.float8 = apply_float8(model, self.spec.float8, self.device, self.say,
+                                       batch_split(self.dims, self.spec.grad_accum_steps))
         # gradients are averaged over every rank holding other tokens: data parallel x cp
         self.objective = Objective.for_model(model, self._count_fn, self.loss_fn is not None,
                                              self.spec.loss_weighting, self.dims.dp_cp)

@@ -5,4 +5,4 @@ causal LM's loss a tile of tokens at a time), context_parallel.py (topology.cp: 
 over ranks, attention through an all-to-all), moe/ (mixture-of-experts blocks: unused experts, the
 router's balancing loss, topology.ep's token dispatch), pipeline/ (topology.pp: stages and their
 schedule), optim/ (the optimizers over the model's parameters: several in one job, torch.optim.Muon
-on sharded matrices)."""
+on sharded matrices), float8.py (precision: fp8: linears converted to torchao's Float8Linear)."""

@@ -58,7 +58,7 @@ def save(engine, write, out: Path, max_shard_bytes: int | None, durable: bool, s
     else:
         tied = cfg.get("tie_word_embeddings") and "lm_head.weight" in stored
         names = {k: k for k in stored if not (tied and k == "lm_head.weight")}
-        dtype, single = weight_dtype(engine.spec.precision), None
+        dtype, single = weight_dtype(engine.spec.compute), None
     files = write_gathered(capture, names, dtype, out, max_shard_bytes, engine.rank,
                            engine.world_size, device, durable, single, group)
     if engine.is_main and peft is not None:

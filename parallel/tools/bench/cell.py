@@ -78,7 +78,7 @@ def main() -> None:
     params_total = sum(p.numel() for p in model.parameters())
     flops = flops_per_token(*model_flops(model), args.seq)  # counted as the tracker's train/mfu
     engine.prepare(model, optimizer_arg(args.optimizer, args.lr), **prepare_kwargs(args.optimizer))
-    batches = batch_source(args, model, spec.seed, spec.precision)
+    batches = batch_source(args, model, spec.seed, spec.compute)
     native = None
     if args.native:
         script, *flags = args.native.split()

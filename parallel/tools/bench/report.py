@@ -25,8 +25,8 @@ MiB = 2 ** 20
 
 @dataclass
 class Cell:
-    """One combination to run: a backend or variant name (fsdp, zero2, xla1, ...), the shard level
-    when --shard is an axis for it, and the world size asked for."""
+    """One combination to run: a backend or variant (fsdp, zero2, ...), shard and precision where
+    --shard and --precision are axes for it, and the world size asked for."""
 
     name: str
     shard: str | None
@@ -34,33 +34,37 @@ class Cell:
     data: dict | None  # the validated spec, or None when it does not validate
     why: str = ""
     devices: int | None = None  # SPMD: the devices its one process drives (the world asked for)
+    precision: str | None = None  # when --precision is an axis (bf16,fp8)
 
     def label(self, devices: int) -> str:
         """Labelled with the devices it ran on (XLA v1 on a CPU host runs one, whatever was asked)."""
-        return "/".join([self.name, *([self.shard] if self.shard else []), f"w{devices}"])
+        return "/".join([self.name, *[a for a in (self.shard, self.precision) if a], f"w{devices}"])
 
 
-def cells(spec, names, shards, worlds) -> list[Cell]:
+def cells(spec, names, shards, worlds, precisions=()) -> list[Cell]:
     out = []
     for name in names:
         axis = [None] if "shard" in fixed_by(name) else (shards or [spec.shard])
-        for shard in axis:
-            for world in worlds or [spec.world_size]:
-                try:
-                    data, devices = _cell_spec(spec, name, shard, world)
-                    out.append(Cell(name, shard, world, data, devices=devices))
-                except SpecError as err:
-                    out.append(Cell(name, shard, world, None,
-                                    "; ".join(f"{p}: {m}" for p, m in err.problems)))
+        for shard, world, precision in ((s, w, p) for s in axis for w in worlds or [spec.world_size]
+                                        for p in precisions or [None]):
+            try:
+                data, devices = _cell_spec(spec, name, shard, world, precision)
+                out.append(Cell(name, shard, world, data, devices=devices, precision=precision))
+            except SpecError as err:
+                out.append(Cell(name, shard, world, None, "; ".join(
+                    f"{p}: {m}" for p, m in err.problems), precision=precision))
     return out
 
 
-def _cell_spec(spec, name: str, shard: str | None, world: int) -> tuple[dict, int | None]:
-    """The cell's spec at `world` ranks: one process per device, or, for a backend whose one process
-    drives every device of a host (SPMD: its descriptor's process_devices is None), one process
-    over `world` devices, so it runs at the world size of the other cells."""
-    changes = {"topology": {"procs_per_node": world}, **({"shard": shard} if shard else {})}
+def _cell_spec(spec, name: str, shard: str | None, world: int,
+               precision: str | None = None) -> tuple[dict, int | None]:
+    """The cell's spec at `world` ranks: one process per device, or, where one process drives a
+    host's devices (SPMD: process_devices None), one process over `world` devices."""
+    changes = {"topology": {"procs_per_node": world}, **({"shard": shard} if shard else {}),
+               **({"precision": precision} if precision else {})}
     data = cell_data(spec, name, **changes)
+    if precision not in (None, "fp8"):  # a bf16 cell beside fp8 ones: the float8 section is fp8's
+        data.pop("float8", None)
     try:
         return load_spec(data).model_dump(mode="json"), None
     except SpecError:
@@ -77,22 +81,19 @@ def summarize(result: dict, warmup_free: list[float], precision: str) -> dict:
     ranks = result["ranks"]
     comm = {k: max(r["comm"]["bytes"].get(k, 0) for r in ranks)  # one counted step
             for k in ("all_gather", "reduce_scatter", "reduce", "all_reduce", "broadcast")}
-    row = {"median_s": median, "p90_s": p90, "tokens_per_s": result["tokens_per_step"] / median,
-           "target_tokens_per_s": result.get("target_tokens_per_step", 0) / median,
-           "loss_first": result["losses"][0], "loss_last": result["losses"][-1],
-           "params_bytes": max(r["params_bytes"] for r in ranks),
-           "grads_bytes": max(r["grads_bytes"] for r in ranks),
-           "optimizer_bytes": max(r["optimizer_bytes"] for r in ranks),
-           "rss_peak_bytes": max(r["rss_peak_bytes"] for r in ranks),
-           "comm_bytes_per_step": comm, "mfu": mfu(result, median, precision)}
-    return row
+    return {"median_s": median, "p90_s": p90, "tokens_per_s": result["tokens_per_step"] / median,
+            "target_tokens_per_s": result.get("target_tokens_per_step", 0) / median,
+            "loss_first": result["losses"][0], "loss_last": result["losses"][-1],
+            "params_bytes": max(r["params_bytes"] for r in ranks),
+            "grads_bytes": max(r["grads_bytes"] for r in ranks),
+            "optimizer_bytes": max(r["optimizer_bytes"] for r in ranks),
+            "rss_peak_bytes": max(r["rss_peak_bytes"] for r in ranks),
+            "comm_bytes_per_step": comm, "mfu": mfu(result, median, precision)}
 
 
 def mfu(result: dict, step_s: float, precision: str) -> float | None:
-    """Model FLOPs per token as the tracker's train/mfu and torchtitan count them (PaLM: 6 x
-    non-embedding parameters + 12 x layers x hidden x sequence; parallel/engine/observe/flops.py)
-    over the device's dense peak in the compute dtype (torch's default fp32 matmuls: no TF32);
-    None off GPUs."""
+    """Model FLOPs per token as train/mfu and torchtitan count them (engine/observe/flops.py) over
+    the device's dense peak in the compute dtype (fp8: bf16's, as torchtitan); None off GPUs."""
     from parallel.engine.observe.flops import peak_flops
 
     peak = peak_flops(result.get("device_name", "cpu"), precision)
@@ -105,22 +106,21 @@ def mfu(result: dict, step_s: float, precision: str) -> float | None:
 NATIVE_DIR = Path(__file__).resolve().parents[3] / "benchmarks"
 
 
-def native_arg(cell_spec) -> list[str]:
-    """--native for the bench cell: the backend's hand-written loop for this spec, and its flags."""
+def native_arg(cell_spec) -> list[str]:  # the backend's hand-written loop for this spec, flags
     native = get(cell_spec.backend).bench.native(cell_spec)
     return [] if native is None else [f"--native={' '.join([native[0], *native[1]])}"]
 
 
 def bench(spec, names, shards, worlds, options: dict, out_dir: Path, timeout: float = 600,
           say=lambda line: None, vs_native: bool = False, profile: int = 0,
-          save: bool = False) -> dict:
+          save: bool = False, precisions=()) -> dict:
     """Run every cell in a fresh launch (and its native loop with `vs_native`); `say` gets one line
     as each cell starts and ends. Cells that launch identically on this host run once."""
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = spec.micro_batch_size * spec.grad_accum_steps * spec.dims.dp_size
     args = [f"--{k}={v}" for k, v in options.items()] + [f"--global-rows={rows}"]
     results, launched = {}, {}
-    todo = cells(spec, names, shards, worlds)
+    todo = cells(spec, names, shards, worlds, precisions)
     facts = _facts(options["model"], spec.wrap, spec.topology.tp, spec.topology.tp_plan)
     for i, c in enumerate(todo, 1):
         asked = c.label(c.world)
@@ -151,6 +151,7 @@ def bench(spec, names, shards, worlds, options: dict, out_dir: Path, timeout: fl
         r = results[label] = raw if "error" in raw else {**raw, **summarize(
             raw, raw["step_times"], cell_spec.precision)}
         r.update(name=c.name, backend=cell_spec.backend, shard=cell_spec.shard, asked_world=c.world,
+                 precision=cell_spec.precision,
                  comm_counted=get(cell_spec.backend).bench.comm_counted,
                  **peaks(r, cell_spec, facts, options))
         if r.get("native"):

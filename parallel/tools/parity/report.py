@@ -102,7 +102,7 @@ def parity(spec: Spec, backends: list[str], options: dict, tol: float | None = N
         raise SpecError([("topology.nodes", f"{spec.topology.nodes}: parity runs every backend on "
                           "this host; use nodes: 1")])
     if tol is None:
-        tol = FP32_TOL if spec.precision == "fp32" else MIXED_TOL
+        tol = FP32_TOL if spec.compute == "fp32" else MIXED_TOL
         tol = max(tol, MUON_TOL) if options["optimizer"] == "muon" else tol
     rows = spec.micro_batch_size * spec.grad_accum_steps * spec.dims.dp_size
     from rich.console import Console
