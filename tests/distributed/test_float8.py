@@ -6,8 +6,8 @@ run and a bf16 run of another backend, both ways. 5 AdamW steps, saved at step 3
 processes.
 
 What one process computes is only reachable with scales that do not depend on how the batch is
-split. rowwise scales each row: 4.8e-7 from one process on every variant, at tp 2, with accumulation
-and padded rows. tensorwise scales a matmul's whole input: exact where each rank sees the whole batch
+split. rowwise scales each row: 4.8e-7 from one process on every variant, at tp 2, at ep 2 (Mixtral,
+its router's loss included), with accumulation and padded rows. tensorwise scales a matmul's whole input: exact where each rank sees the whole batch
 (tp 2: 4.8e-7), but at dp 2 each rank scales its own rows: 1.8e-3 off in 5 steps here, 7.2e-3 at
 micro-batch 1 (the engine says so at prepare). Its float8 all-gather must change nothing: the same
 losses as gathering fp32 weights (measured: identical), while scaling each shard by its own largest
@@ -61,7 +61,8 @@ def fsdp2_cases(two: dict) -> list[dict]:
     gather = merged(two, {**TENSORWISE, "float8": {**F32, "all_gather": True}})
     zero2 = {**two, "backend": "deepspeed", "shard": "grad_op", "precision": "bf16"}
     return [case("fsdp2-fp8-tensorwise", merged(two, TENSORWISE), optimizer="adamw"),
-            case("fsdp2-fp8-all-gather", gather, optimizer="adamw"),
+            case("fsdp2-fp8-all-gather", gather, optimizer="adamw", pretrained=True,
+                 generate=True),
             case("fsdp2-fp8-all-gather-shard-amax", gather, optimizer="adamw", steps=3,
                  save_at=2, shard_amax=True),
             case("fsdp2-fp8-accum-padded", merged(two, {**ROWWISE, "grad_accum_steps": 2,
@@ -74,15 +75,20 @@ def fsdp2_cases(two: dict) -> list[dict]:
 
 
 def tp_cases(tier: str) -> list[dict]:
-    """tp 2 (torchao's float8 styles for tensorwise); make test-full adds cp 2, compile and
-    activation checkpointing under the float8 all-gather."""
+    """tp 2 (torchao's float8 styles for tensorwise) and ep 2 (Mixtral, its router's loss
+    included); make test-full adds dp 2 Mixtral, cp 2, compile and activation checkpointing under
+    the float8 all-gather."""
     base = {"backend": "fsdp", "micro_batch_size": 2, "wrap": {"policy": "auto"}}
     tp = {**base, "topology": {"procs_per_node": 2, "tp": 2}}
+    ep = {**base, "topology": {"procs_per_node": 2, "ep": 2}}
     out = [case("tp2-fp8-tensorwise", merged(tp, TENSORWISE), optimizer="adamw"),
-           case("tp2-fp8-rowwise", merged(tp, ROWWISE), optimizer="adamw")]
+           case("tp2-fp8-rowwise", merged(tp, ROWWISE), optimizer="adamw"),
+           case("ep2-mixtral-fp8-rowwise", merged(ep, ROWWISE), optimizer="adamw",
+                model={"toy": "mixtral"}, eval_at_save=True)]
     if tier == "full":
         dp = {**base, "topology": {"procs_per_node": 2}}
-        out += [case("cp2-fp8-rowwise", merged({**base, "topology": {"procs_per_node": 2, "cp": 2}},
+        out += [case("dp2-mixtral-fp8-rowwise", merged(dp, ROWWISE), optimizer="adamw",
+                     model={"toy": "mixtral"}, eval_at_save=True),case("cp2-fp8-rowwise", merged({**base, "topology": {"procs_per_node": 2, "cp": 2}},
                                               ROWWISE), optimizer="adamw"),
                 case("fsdp2-fp8-compile", merged(dp, {**ROWWISE, "compile": True}),
                      optimizer="adamw"),
@@ -117,8 +123,12 @@ def check(name: str, res: dict, results: dict) -> float:
         assert off > SHARD_AMAX_MIN, f"{name}: each shard's own scale went unnoticed ({off:.1e})"
         return off
     if name.endswith("-all-gather"):  # float8 all-gather: exactly the fp32 gather's float8 casts
+        train = res["train"]
         plain = results["fsdp2-fp8-tensorwise"]["train"]["loss"]
-        assert res["train"]["loss"] == plain, (name, res["train"]["loss"], plain)
+        assert train["loss"] == plain, (name, train["loss"], plain)
+        # the gathered weights as a plain model generates and save_pretrained exports them
+        assert train["generated"] == train["plain_generated"], train
+        assert train["pretrained_loss"] == train["consolidated_loss"], train
     if "tensorwise scales each matmul's input" in notices:
         return check_parity(name, res, tol=SPLIT_TOL, norm_tol=SPLIT_NORM_TOL)
     if "-to-" in name:  # resumed in the other precision (the weights-only load's loss too)

@@ -136,3 +136,14 @@ def test_bench_makes_a_cell_per_precision():
     assert got["fsdp2/full/bf16/w2"].data["precision"] == "bf16"
     assert got["fsdp2/full/fp8/w2"].data["float8"]["all_gather"] is True
     assert got["zero2/fp8/w2"].data is None and "float8.all_gather" in got["zero2/fp8/w2"].why
+
+
+def test_an_expert_given_no_rows_trains_as_a_linear():
+    """torchao 0.14.1 raises in backward on an empty input (its scale is a maximum over no
+    element): the engine runs unused experts on empty inputs (moe/experts.py)."""
+    said = []
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))
+    apply_float8(model, Float8(recipe="rowwise"), torch.device("cpu"), said.append)
+    empty = model(torch.zeros(0, 32, requires_grad=True))
+    (empty.sum() + model(torch.randn(4, 32)).sum()).backward()
+    assert empty.shape == (0, 32) and model[0].weight.grad is not None

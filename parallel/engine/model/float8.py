@@ -5,6 +5,7 @@ shard, so every backend and layout trains the same converted model.
 - `apply_float8`: the conversion, on the model as built (every backend's `_record_params`); the
   layers `float8.keep_high_precision` names and those whose dimensions are not multiples of 16
   stay nn.Linear.
+- `empty_safe`: a converted layer given no rows (an unused expert) runs as nn.Linear.
 - `Float8.refresh`: with float8.all_gather (FSDP2), each weight's scale for the next gather,
   computed over the whole weight after every optimizer step and every load (torchao's
   precompute_float8_dynamic_scale_for_fsdp: one all-reduce for all of them).
@@ -50,6 +51,21 @@ def float8_config(section: Float8Section, emulate: bool, all_gather: bool):
     if section.recipe == "tensorwise":
         return Float8LinearConfig(enable_fsdp_float8_all_gather=all_gather, emulate=emulate)
     return dataclasses.replace(Float8LinearConfig.from_recipe_name(section.recipe), emulate=emulate)
+
+
+def empty_safe(module: nn.Module) -> None:
+    """An empty input (an expert no token reached, run so that its gradient exists on every rank:
+    moe/experts.py) skips the float8 casts, whose scales are a maximum over no element (torchao
+    0.14.1 raises in backward: 'amax(): Expected reduction dim 0 to have non-zero size'). The
+    output and gradients are empty or zero either way."""
+    float8_forward = module.forward
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == 0:
+            return nn.functional.linear(x, module.weight.to(x.dtype), module.bias)
+        return float8_forward(x)
+
+    module.forward = forward
 
 
 def batch_split(dims, accum: int) -> str:
@@ -99,6 +115,8 @@ def apply_float8(model: nn.Module, section: Float8Section, device: torch.device,
         return False
 
     convert_to_float8_training(model, config=config, module_filter_fn=chosen)
+    for name in converted:
+        empty_safe(model.get_submodule(name))
     if not converted:
         raise SpecError([("precision", f"fp8 converted no layer: of the model's linears, "
                           f"{len(kept_names)} match float8.keep_high_precision and {len(small)} "
