@@ -122,6 +122,18 @@ def parity_results(tmp: Path, run, key: str = "parity") -> dict:
     return results
 
 
+def check_launches(shared, module: str, launches, check) -> dict:
+    """Each case of a module's parity launches (`launches`: (key, cases, nproc, env) as handed to
+    parity_jobs) checked by `check(name, its results, the launch's results)`; {name: what it
+    returned}."""
+    worst = {}
+    for key, chosen, _, _ in launches:
+        results = parity_results(*shared[module], key=key)
+        for one in chosen:
+            worst[one["name"]] = check(one["name"], results[one["name"]], results)
+    return worst
+
+
 def accepted(one) -> bool:
     """A parity case's specs (and its resume spec) validate: a backend refuses what it does not
     run (unit-tested there), and its variant then has no such case."""

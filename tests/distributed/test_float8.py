@@ -7,16 +7,17 @@ processes.
 
 What one process computes is only reachable with scales that do not depend on how the batch is
 split. rowwise scales each row: 4.8e-7 from one process on every variant, at tp 2, at ep 2 (Mixtral,
-its router's loss included), with accumulation and padded rows. tensorwise scales a matmul's whole input: exact where each rank sees the whole batch
-(tp 2: 4.8e-7), but at dp 2 each rank scales its own rows: 1.8e-3 off in 5 steps here, 7.2e-3 at
-micro-batch 1 (the engine says so at prepare). Its float8 all-gather must change nothing: the same
-losses as gathering fp32 weights (measured: identical), while scaling each shard by its own largest
-value (the bug) is 1.6e-3 off from the first step. float8.base bf16 (rowwise) against the fp32-base
-reference: 7.2e-3 (FSDP2), 6.6e-3 (ZeRO-3); a checkpoint resumed in the other precision and on the
-other backend: 3.2e-3 (fp8 FSDP2 to bf16 ZeRO-2) and 2.7e-3 (back)."""
+its router's loss included), with accumulation and padded rows. tensorwise scales a matmul's whole
+input: exact where each rank sees the whole batch (tp 2: 4.8e-7), but at dp 2 each rank scales its
+own rows: 1.8e-3 off in 5 steps here, 7.2e-3 at micro-batch 1 (the engine says so at prepare). Its
+float8 all-gather must change nothing: the same losses as gathering fp32 weights (measured:
+identical), while scaling each shard by its own largest value (the bug) is 1.6e-3 off from the first
+step. float8.base bf16 (rowwise) against the fp32-base reference: 7.2e-3 (FSDP2), 6.6e-3 (ZeRO-3); a
+checkpoint resumed in the other precision and on the other backend: 3.2e-3 (fp8 FSDP2 to bf16
+ZeRO-2) and 2.7e-3 (back)."""
 
 import pytest
-from harness import case, check_parity, parity_jobs, parity_results, run_parity
+from harness import case, check_launches, check_parity, parity_jobs, run_parity
 from matrix import FULL, by_launch, cases as variants
 
 from parallel.spec.io import SpecError, load_spec
@@ -88,7 +89,8 @@ def tp_cases(tier: str) -> list[dict]:
     if tier == "full":
         dp = {**base, "topology": {"procs_per_node": 2}}
         out += [case("dp2-mixtral-fp8-rowwise", merged(dp, ROWWISE), optimizer="adamw",
-                     model={"toy": "mixtral"}, eval_at_save=True),case("cp2-fp8-rowwise", merged({**base, "topology": {"procs_per_node": 2, "cp": 2}},
+                     model={"toy": "mixtral"}, eval_at_save=True),
+                case("cp2-fp8-rowwise", merged({**base, "topology": {"procs_per_node": 2, "cp": 2}},
                                               ROWWISE), optimizer="adamw"),
                 case("fsdp2-fp8-compile", merged(dp, {**ROWWISE, "compile": True}),
                      optimizer="adamw"),
@@ -143,11 +145,7 @@ def check(name: str, res: dict, results: dict) -> float:
 
 @pytest.mark.timeout(900)
 def test_fp8_on_every_variant_that_accepts_it(shared):
-    worst = {}
-    for key, chosen, _, _ in launches():
-        results = parity_results(*shared[__name__], key=key)
-        for one in chosen:
-            worst[one["name"]] = check(one["name"], results[one["name"]], results)
+    worst = check_launches(shared, __name__, launches(), check)
     print(f"fp8: max |loss - one process| per case: {worst}")
 
 

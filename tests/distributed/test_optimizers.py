@@ -15,7 +15,7 @@ says so at prepare (one device: 7.4e-4); its cases take the wider tolerance only
 import json
 
 import pytest
-from harness import case, check_parity, parity_jobs, parity_results, run_parity
+from harness import case, check_launches, check_parity, parity_jobs, parity_results, run_parity
 from matrix import FULL, by_launch, cases as variants
 from shared import job
 
@@ -121,11 +121,7 @@ def check(name: str, res: dict) -> float:
 
 @pytest.mark.timeout(900)
 def test_several_optimizers_and_muon_on_every_variant(shared):
-    worst = {}
-    for key, chosen, _, _ in launches():
-        results = parity_results(*shared[__name__], key=key)
-        for one in chosen:
-            worst[one["name"]] = check(one["name"], results[one["name"]])
+    worst = check_launches(shared, __name__, launches(), lambda name, res, _: check(name, res))
     print(f"several optimizers, Muon: max |loss - one process| per case: {worst}")
 
 
