@@ -68,11 +68,18 @@ def global_batches(steps, world, rows, seed=1234):
 def tiny(case):
     """The case's model: the tiny Llama (or {"toy": name}: another toy, e.g. mixtral), with the
     case's config overrides (e.g. tied embeddings), or with {"own": layers} a model of your own
-    (toy.OwnDecoder)."""
+    (toy.OwnDecoder); {"lora": r} wraps it in peft's LoRA of rank r (attention and down_proj)."""
     overrides = dict(case.get("model", {}))
     if "own" in overrides:
         return OwnDecoder(layers=overrides["own"])
-    return build_llama(llama_config(overrides.pop("toy", "tiny"), **overrides))
+    rank = overrides.pop("lora", None)
+    model = build_llama(llama_config(overrides.pop("toy", "tiny"), **overrides))
+    if rank is None:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank,
+                                            target_modules=["q_proj", "v_proj", "down_proj"]))
 
 
 def reference(spec, case, batches, known: dict):

@@ -7,7 +7,8 @@ processes.
 
 What one process computes is only reachable with scales that do not depend on how the batch is
 split. rowwise scales each row: 4.8e-7 from one process on every variant, at tp 2, at ep 2 (Mixtral,
-its router's loss included), with accumulation and padded rows. tensorwise scales a matmul's whole
+its router's loss included), with peft's LoRA (r 16: base and adapter layers in float8), with
+accumulation and padded rows. tensorwise scales a matmul's whole
 input: exact where each rank sees the whole batch (tp 2: 4.8e-7), but at dp 2 each rank scales its
 own rows: 1.8e-3 off in 5 steps here, 7.2e-3 at micro-batch 1 (the engine says so at prepare). Its
 float8 all-gather must change nothing: the same losses as gathering fp32 weights (measured:
@@ -66,6 +67,7 @@ def fsdp2_cases(two: dict) -> list[dict]:
                  generate=True),
             case("fsdp2-fp8-all-gather-shard-amax", gather, optimizer="adamw", steps=3,
                  save_at=2, shard_amax=True),
+            case("fsdp2-fp8-lora", merged(two, ROWWISE), optimizer="adamw", model={"lora": 16}),
             case("fsdp2-fp8-accum-padded", merged(two, {**ROWWISE, "grad_accum_steps": 2,
                                                         "micro_batch_size": 1}),
                  optimizer="adamw", padded=True),
