@@ -96,19 +96,24 @@ def shared_jobs(tmp):
 MUON = next(c for c in DATA_PARALLEL if c.name == "fsdp2")
 
 
-def muon_jobs(tmp) -> list:
-    (tmp / "cases-muon.json").write_text(json.dumps({"muon": MUON.spec}))
-    script, flags = get(MUON.backend).bench.native(load_spec(MUON.spec))
-    (tmp / "native-muon-cases.json").write_text(json.dumps({"muon": [
-        script, "--model=toy:tiny", "--steps=3", "--warmup=2", "--seq=16",
-        f"--global-rows={ROWS}", "--clip=1.0", "--count", *flags, "--muon",
-        f"--out={tmp / 'native-muon-loop.json'}"]}))
-    return [job("hot_path_worker", ["--cases", tmp / "cases-muon.json", "--rows", ROWS,
-                                    "--optimizer", "muon", "--out", tmp / "engine-muon.json"],
+def side_jobs(tmp, name: str, spec: dict, engine_args=(), native_flags=()) -> list:
+    """A counted FSDP2 job of its own beside the launch groups (muon, fp8): the engine's, with
+    `engine_args` for hot_path_worker, and the native loop the descriptor names for `spec`, with
+    `native_flags` added."""
+    (tmp / f"cases-{name}.json").write_text(json.dumps({name: spec}))
+    script, flags = get(MUON.backend).bench.native(load_spec(spec))
+    (tmp / f"native-{name}-cases.json").write_text(json.dumps({name: native_argv(
+        script, [*flags, *native_flags], tmp / f"native-{name}-loop.json")}))
+    return [job("hot_path_worker", ["--cases", tmp / f"cases-{name}.json", "--rows", ROWS,
+                                    *engine_args, "--out", tmp / f"engine-{name}.json"],
                 MUON.nproc, MUON.env),
-            job(str(NATIVE_DIR / "cases.py"), ["--cases", tmp / "native-muon-cases.json",
-                                               "--out", tmp / "native-muon.json"],
+            job(str(NATIVE_DIR / "cases.py"), ["--cases", tmp / f"native-{name}-cases.json",
+                                               "--out", tmp / f"native-{name}.json"],
                 MUON.nproc, MUON.env)]
+
+
+def muon_jobs(tmp) -> list:
+    return side_jobs(tmp, "muon", MUON.spec, ["--optimizer", "muon"], ["--muon"])
 
 
 # precision: fp8 on FSDP2 with the float8 all-gather (docs/precision.md), against the native loop
@@ -117,17 +122,13 @@ FP8 = {**MUON.spec, "precision": "fp8", "float8": {"base": "fp32", "all_gather":
 
 
 def fp8_jobs(tmp) -> list:
-    (tmp / "cases-fp8.json").write_text(json.dumps({"fp8": FP8}))
-    script, flags = get(MUON.backend).bench.native(load_spec(FP8))
-    (tmp / "native-fp8-cases.json").write_text(json.dumps({"fp8": [
-        script, "--model=toy:tiny", "--steps=3", "--warmup=2", "--seq=16",
-        f"--global-rows={ROWS}", "--clip=1.0", "--count", *flags,
-        f"--out={tmp / 'native-fp8-loop.json'}"]}))
-    return [job("hot_path_worker", ["--cases", tmp / "cases-fp8.json", "--rows", ROWS, "--out",
-                                    tmp / "engine-fp8.json"], MUON.nproc, MUON.env),
-            job(str(NATIVE_DIR / "cases.py"), ["--cases", tmp / "native-fp8-cases.json",
-                                               "--out", tmp / "native-fp8.json"],
-                MUON.nproc, MUON.env)]
+    return side_jobs(tmp, "fp8", FP8)
+
+
+def native_argv(script: str, flags: list, out) -> list:
+    """A hand-written loop's command line, counted: 2 warm-up steps, then 3."""
+    return [script, "--model=toy:tiny", "--steps=3", "--warmup=2", "--seq=16",
+            f"--global-rows={ROWS}", "--clip=1.0", "--count", *flags, f"--out={out}"]
 
 
 def native_job(tmp, group):
@@ -136,9 +137,7 @@ def native_job(tmp, group):
     jobs = {}
     for c in group:
         script, flags = get(c.backend).bench.native(load_spec(c.spec))
-        jobs[c.name] = [script, "--model=toy:tiny", "--steps=3", "--warmup=2", "--seq=16",
-                        f"--global-rows={ROWS}", "--clip=1.0", "--count", *flags,
-                        f"--out={tmp / f'native-{c.name}.json'}"]
+        jobs[c.name] = native_argv(script, flags, tmp / f"native-{c.name}.json")
     (tmp / f"native-{group[0].name}-cases.json").write_text(json.dumps(jobs))
     return job(str(NATIVE_DIR / "cases.py"), ["--cases", tmp / f"native-{group[0].name}-cases.json",
                                               "--out", tmp / f"native-{group[0].name}.json"],
