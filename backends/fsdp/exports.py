@@ -7,10 +7,10 @@ from parallel.interop.exporting import (
     STRATEGY_OF,
     accelerate_wrap,
     common_accelerate,
-    fsdp_words,
     trainer_args,
     trainer_document,
     trainer_layers,
+    trainer_sharding,
 )
 from parallel.spec.errors import SpecError
 from parallel.spec.model import Spec
@@ -80,8 +80,6 @@ def to_hf_trainer(spec: Spec) -> dict:
               "sync_module_states": spec.fsdp.sync_module_states,
               "cpu_ram_efficient_loading": spec.fsdp.cpu_ram_efficient_loading,
               "activation_checkpointing": spec.activation_checkpointing, **trainer_layers(spec)}
-    # TrainingArguments passes the FSDP options to accelerate as FSDP_* variables but not the version,
-    # which accelerate's plugin reads from FSDP_VERSION (default 1): written here either way, so an
-    # FSDP2 spec never runs FSDP1 and a stray FSDP_VERSION=2 never turns an FSDP1 spec into FSDP2
-    return trainer_document({**trainer_args(spec), "fsdp": fsdp_words(spec), "fsdp_config": config},
-                            {"FSDP_VERSION": str(spec.fsdp.version)})
+    # the version written either way (fsdp_config's default is 2): an FSDP1 spec never runs FSDP2
+    return trainer_document({**trainer_args(spec), "fsdp": True,
+                             "fsdp_config": {**trainer_sharding(spec, spec.fsdp.version), **config}})

@@ -68,8 +68,8 @@ def accelerate_dynamo(spec: Spec) -> dict:
 
 def trainer_document(arguments: dict, environment: dict[str, str] | None = None) -> dict:
     """What `--to hf-trainer` writes: TrainingArguments' keyword arguments, and the environment the
-    training processes need for what TrainingArguments has no field for (transformers 4.57 selects
-    FSDP2 only through accelerate's FSDP_VERSION variable). Use it as
+    training processes need for what TrainingArguments has no field for (none since transformers 5,
+    whose fsdp_config carries the FSDP version). Use it as
     `os.environ.update(doc["environment"]); TrainingArguments(**doc["training_arguments"])`."""
     return {"training_arguments": arguments, "environment": environment or {}}
 
@@ -82,11 +82,20 @@ def trainer_args(spec: Spec) -> dict:
             "bf16": spec.precision == "bf16", "fp16": spec.precision == "fp16"}
 
 
-def fsdp_words(spec: Spec) -> str:
+def trainer_sharding(spec: Spec, version: int) -> dict:
+    """TrainingArguments' FSDP as transformers 5 takes it: `fsdp: true` and, in fsdp_config, the
+    version and `reshard_after_forward` (FSDP2: a bool, full_shard or shard_grad_op only; FSDP1: the
+    strategy's name). Its string form (`fsdp="full_shard auto_wrap"`) is deprecated, and
+    fsdp_config's version defaults to 2 (transformers 4.57: accelerate's FSDP_VERSION, default 1)."""
     words = {"full": "full_shard", "grad_op": "shard_grad_op", "none": "no_shard",
              "hybrid": "hybrid_shard", "hybrid_grad_op": "hybrid_shard_zero2"}
-    extra = ["offload"] if spec.offload == "params" else []
-    return " ".join([words[spec.shard], "auto_wrap", *extra])
+    if version == 2 and spec.shard not in ("full", "grad_op"):
+        raise SpecError([("shard", f"{spec.shard}: TrainingArguments runs FSDP2 as full_shard or "
+                          "shard_grad_op only (transformers 5 refuses the others with FSDP2); export "
+                          "--to accelerate (its parallelism_config has dp_replicate) or use fsdp.version 1")])
+    config = {"version": version,
+              "reshard_after_forward": spec.shard == "full" if version == 2 else words[spec.shard]}
+    return {**config, "cpu_offload": True} if spec.offload == "params" else config
 
 
 def trainer_layers(spec: Spec) -> dict:

@@ -1,7 +1,8 @@
 """Starting processes: torchrun with the spec's topology (torchrun.py), the agent that reports a
 failed job once (agent.py), the workers' output without third-party noise (quiet.py), a job's ranks
 from a notebook (notebook.py), a one-host job's ranks without an agent process (ranks.py: the
-notebook's and the test harness's), cluster files (emit.py).
+notebook's and the test harness's), cluster files (emit.py), the Python a backend's ranks start in
+(lanes.py: torch_xla's own torch, in a lane of its own).
 
 `from parallel.launch import current_spec` works; the names load on first use, so importing a
 submodule does not import the launcher."""

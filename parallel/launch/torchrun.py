@@ -13,6 +13,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from parallel.launch.lanes import interpreter
 from parallel.registry import get
 from parallel.spec.model import Spec
 from parallel.spec.io import load_spec
@@ -59,8 +60,9 @@ class LaunchArgs:
 
 def torchrun_command(spec: Spec, args: LaunchArgs, script: str, script_args: list[str]) -> list[str]:
     nnodes = spec.topology.nodes
-    # torchrun's own launcher, reporting a failure once (parallel/launch/agent.py)
-    cmd = [sys.executable, "-P", "-m", "parallel.launch.agent",
+    # torchrun's own launcher, reporting a failure once (parallel/launch/agent.py), in the Python of
+    # the backend's lane (lanes.py: torch_xla's own torch where it lives apart)
+    cmd = [interpreter(spec.backend), "-P", "-m", "parallel.launch.agent",
            "--nproc-per-node", str(spec.topology.procs_per_node),
            "--nnodes", str(nnodes), "--max-restarts", str(args.max_restarts)]
     endpoint = args.rdzv_endpoint or spec.topology.rdzv_endpoint

@@ -48,6 +48,12 @@ def model_facts(source: str, wrap, tp: int = 1, tp_plan: dict | None = None, cp:
 
     model = meta_model(source)
     check_model_layout(model, tp, cp)
+    if ep > 1:  # what the engine refuses, plan refuses (transformers 5's fused experts)
+        from parallel.engine.model.moe.expert_parallel import refuse_unsplit
+        from parallel.engine.model.moe.experts import moe_blocks
+
+        if not moe_blocks(model):
+            refuse_unsplit(model, ep)
     local = {name: shape for name, shape, _ in local_shapes(model, tp, tp_plan)}
     if keep is not None:
         held = keep(model, local)

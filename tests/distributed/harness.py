@@ -15,11 +15,30 @@ WORKER = Path(__file__).with_name("parity_worker.py")
 
 
 def needs(*modules: str):
-    """Skip one test, with the reason, when a backend's dependency is not installed (never a whole
-    file: its tests that need neither still run)."""
-    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    """Skip one test, with the reason, when a backend's dependency is neither installed nor in a
+    lane of its own (POLYSHARD_PYTHON_XLA: parallel/launch/lanes.py), never a whole file: its tests
+    that need neither still run."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None and lane(m) is None]
     return pytest.mark.skipif(bool(missing), reason=f"needs {', '.join(missing)} (pip install "
-                              f"'polyshard[{','.join(m.replace('torch_', '') for m in missing)}]')")
+                              f"'polyshard[{','.join(m.replace('torch_', '') for m in missing)}]', "
+                              "or name its lane's python: POLYSHARD_PYTHON_XLA)")
+
+
+def lane(module: str) -> str | None:
+    """The Python of the lane holding `module` where it is not installed here (torch_xla, in
+    .venv-xla beside the main lane's torch), else None."""
+    from parallel.launch import lanes
+
+    if importlib.util.find_spec(module) is not None or module != "torch_xla":
+        return None
+    return lanes.interpreter("xla_fsdp") if lanes.available("xla_fsdp") else None
+
+
+def python_for(env: dict | None) -> str:
+    """The interpreter of a launch: XLA's (USE_TORCH_XLA=1, as the backend's launch sets it) from
+    its lane where torch_xla lives apart, everything else this one."""
+    return (lane("torch_xla") or sys.executable) if (env or {}).get("USE_TORCH_XLA") == "1" \
+        else sys.executable
 
 
 needs_xla = needs("torch_xla")
@@ -63,7 +82,7 @@ def _launch(nproc: int, args: list[str], timeout: float, env: dict | None):
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "USE_TORCH_XLA": "0",
                 "TORCH_CPP_LOG_LEVEL": "ERROR", "PYTHONPATH": path, **(env or {})}
-    cmd = [sys.executable, *args]
+    cmd = [python_for(env), *args]
     start = time.perf_counter()
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         # each rank in a session of its own, so ending it ends what it started (a writer process)

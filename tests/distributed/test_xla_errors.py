@@ -2,12 +2,13 @@
 
 import os
 import subprocess
-import sys
 
 import pytest
 
-pytest.importorskip("torch_xla")
-pytestmark = pytest.mark.distributed
+from harness import needs_xla, python_for
+
+pytestmark = [pytest.mark.distributed, needs_xla]
+XLA = python_for({"USE_TORCH_XLA": "1"})  # torch_xla's lane where it lives apart
 BUDGET_S = 35  # seconds in make test (tests/conftest.py)
 
 CODE = "from parallel import create_engine, load_spec; " \
@@ -17,7 +18,7 @@ CODE = "from parallel import create_engine, load_spec; " \
 @pytest.mark.timeout(120)
 def test_v1_with_two_cpu_devices_is_a_clear_error():
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2"}
-    out = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, env=env,
+    out = subprocess.run([XLA, "-c", CODE], capture_output=True, text=True, env=env,
                          timeout=100)
     assert out.returncode != 0
     assert "CPU client is single-process" in out.stderr and "fsdp_version: 2" in out.stderr
@@ -45,14 +46,12 @@ def test_the_persistent_cache_this_torch_xla_writes_is_never_read_back(tmp_path)
     fails: lift the refusal (backends/xla/common.py: UNREADABLE_CACHE)."""
     import ast
 
-    import torch_xla
-
     from backends.xla.common import UNREADABLE_CACHE
 
     env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1"}
     counts = []
     for _ in range(2):
-        out = subprocess.run([sys.executable, "-c", PROBE, str(tmp_path / "cache")], env=env,
+        out = subprocess.run([XLA, "-c", PROBE, str(tmp_path / "cache")], env=env,
                              capture_output=True, text=True, timeout=90)
         assert out.returncode == 0, out.stderr[-2000:]
         counts.append(ast.literal_eval(out.stdout.strip().splitlines()[-1]))

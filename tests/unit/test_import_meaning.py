@@ -13,6 +13,7 @@ import torch
 import yaml
 
 from backends.deepspeed.files import interop as ds_interop
+from accelerate_host import gpu_host
 from parallel.interop.accelerate import from_accelerate
 from parallel.spec.io import SpecError, load_spec
 
@@ -97,9 +98,7 @@ def _accelerate_strategy(path: Path) -> str:
     args = _validate_launch_command(args)[0]
     with mock.patch("accelerate.utils.launch.is_port_in_use", lambda port: False):
         env = prepare_multi_gpu_env(args)
-    with mock.patch.dict(os.environ, env), \
-            mock.patch("accelerate.utils.dataclasses.is_cuda_available", lambda: True), \
-            mock.patch.object(torch.cuda, "current_device", lambda: 0):
+    with mock.patch.dict(os.environ, env), gpu_host():
         plugin = FullyShardedDataParallelPlugin()
     chosen = plugin.sharding_strategy or plugin.reshard_after_forward  # Accelerator's own rule
     return chosen.name

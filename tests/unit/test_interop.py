@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from backends.deepspeed.files import interop as ds_interop
+from accelerate_host import gpu_host
 from parallel.cli.main import main
 from parallel.interop.accelerate import from_accelerate
 from parallel.interop.export import export
@@ -284,12 +285,16 @@ def test_hf_trainer_arguments_build_training_arguments(tmp_path, monkeypatch, da
     else:
         from accelerate.utils import FullyShardedDataParallelPlugin
 
-        assert {"full": "full_shard", "grad_op": "shard_grad_op"}[data["shard"]] in [
-            str(o.value) for o in args.fsdp]
-        with mock.patch("accelerate.utils.dataclasses.is_cuda_available", lambda: True), \
-                mock.patch.object(torch.cuda, "current_device", lambda: 0):
-            plugin = FullyShardedDataParallelPlugin()  # from the variables TrainingArguments set
-        assert plugin.fsdp_version == data.get("fsdp", {}).get("version", 2)
+        version = data.get("fsdp", {}).get("version", 2)
+        # transformers 5: the plugin is built from fsdp_plugin_args (Trainer.create_accelerator_...)
+        with gpu_host():
+            plugin = FullyShardedDataParallelPlugin(**args.fsdp_plugin_args)
+        assert plugin.fsdp_version == version
+        if version == 2:
+            assert plugin.reshard_after_forward is (data["shard"] == "full")
+        else:
+            assert plugin.reshard_after_forward.name == {"full": "FULL_SHARD",
+                                                         "grad_op": "SHARD_GRAD_OP"}[data["shard"]]
 
 
 @pytest.mark.parametrize("dynamo", [

@@ -23,6 +23,7 @@ import pytest
 import torch
 import yaml
 
+from accelerate_host import gpu_host
 from parallel.interop.accelerate import from_accelerate
 from parallel.interop.export import export
 from parallel.registry import explain
@@ -222,10 +223,7 @@ def _accelerate_view(path: Path, flags: list[str], micro: int) -> dict:
     view = {"processes": args.num_processes if kind != "one process" else 1,
             "machines": args.num_machines, "kind": kind,
             "mixed_precision": env.get("ACCELERATE_MIXED_PRECISION")}
-    # FSDP1's plugin asks for the current device when syncing module states; give it one on CPU
-    with mock.patch.dict(os.environ, env), \
-            mock.patch("accelerate.utils.dataclasses.is_cuda_available", lambda: True), \
-            mock.patch.object(torch.cuda, "current_device", lambda: 0):
+    with mock.patch.dict(os.environ, env), gpu_host():
         if args.use_fsdp:
             from accelerate.utils import FullyShardedDataParallelPlugin
 

@@ -9,7 +9,7 @@ import importlib
 import pytest
 import torch
 
-from parallel.engine.model.moe.experts import moe_blocks
+from parallel.engine.model.moe.experts import router_blocks
 from parallel.engine.model.moe.router import RouterLoss, balancing_loss, statistics
 
 COMMON = dict(vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
@@ -50,7 +50,7 @@ def test_one_process_equals_the_models_own_loss_and_gradients(family):
     theirs.backward()
     expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
-    router = RouterLoss.for_model(model, moe_blocks(model), "global", 1, has_loss_fn=False)
+    router = RouterLoss.for_model(model, router_blocks(model), "global", 1, has_loss_fn=False)
     with router.capture():
         ours = model(**batch, output_router_logits=False).loss
     ours = ours + router.share(batch["attention_mask"], 1, group=None)
@@ -83,8 +83,8 @@ def test_ranks_shares_add_up_to_the_global_batchs_loss(family):
 
 def test_a_router_the_engine_cannot_find_is_refused_naming_the_fix():
     model = build("mixtral")
-    for _, block in moe_blocks(model):
+    for _, block in router_blocks(model):
         del block.gate
     with pytest.raises(ValueError, match="moe.router_loss: rank"):
-        RouterLoss.for_model(model, moe_blocks(model), "global", 2, has_loss_fn=False)
-    assert RouterLoss.for_model(model, moe_blocks(model), "rank", 2, has_loss_fn=False) is None
+        RouterLoss.for_model(model, router_blocks(model), "global", 2, has_loss_fn=False)
+    assert RouterLoss.for_model(model, router_blocks(model), "rank", 2, has_loss_fn=False) is None

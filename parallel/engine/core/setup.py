@@ -28,8 +28,8 @@ from parallel.engine.model.compile import apply_compile
 from parallel.engine.model.wrap import forward_kwargs
 from parallel.engine.model.pipeline.schedule import Pipeline
 from parallel.engine.model.context_parallel import ContextParallel, apply_context_parallel
-from parallel.engine.model.moe.expert_parallel import ExpertParallel
-from parallel.engine.model.moe.experts import Experts, moe_blocks
+from parallel.engine.model.moe.expert_parallel import ExpertParallel, refuse_unsplit
+from parallel.engine.model.moe.experts import Experts, router_blocks
 from parallel.engine.model.moe.router import RouterLoss
 from parallel.engine.model.float8 import Float8, apply_float8, batch_split
 from parallel.engine.model.params import ParamGroupsHook, ParamPlan, per_parameter
@@ -195,6 +195,8 @@ class EngineSetup(EngineCalls):
     def _apply_expert_parallel(self, model: nn.Module) -> ExpertParallel:
         """topology.ep (backends call it after `_record_params` and any pipeline split, before
         sharding): each block keeps its ep rank's experts (expert_parallel.py)."""
+        if not self.experts:
+            refuse_unsplit(model, self.dims.ep)
         self.expert_parallel = ExpertParallel(model, self.experts.blocks, self.dims,
                                               self.device.type)
         self.params.restrict({n for _, names in per_parameter(model) for n in names})
@@ -231,7 +233,7 @@ class EngineSetup(EngineCalls):
                                              self.spec.loss_weighting, self.dims.dp_cp)
         # under ep the dispatch runs every held expert itself (expert_parallel.py)
         self.experts = Experts(model, touch=self.dims.dp_cp > 1 and self.dims.ep == 1) or None
-        self.router = RouterLoss.for_model(model, moe_blocks(model), self.spec.moe.router_loss,
+        self.router = RouterLoss.for_model(model, router_blocks(model), self.spec.moe.router_loss,
                                            self.dims.dp_cp, self.loss_fn is not None)
         self.forward_kwargs = forward_kwargs(model, self.router is not None)
         self.confines_flattened = packing.confines_flattened(model)

@@ -226,10 +226,10 @@ class ContextParallel:
         from transformers.masking_utils import create_causal_mask
 
         length = ids.shape[1]
+        # transformers 5's signature: (config, inputs_embeds, attention_mask, cache, position_ids)
         return create_causal_mask(self.mask_config, ids.new_empty((ids.shape[0], length, 0),
                                                                   dtype=torch.float32),
-                                  mask, torch.arange(length, device=ids.device), None,
-                                  position_ids=positions)
+                                  mask, None, position_ids=positions)
 
     def _say_padded(self, length: int) -> None:
         if not self.padded:

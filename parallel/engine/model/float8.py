@@ -24,6 +24,7 @@ from fnmatch import fnmatch
 import torch
 from torch import nn
 
+from parallel.engine.model.moe.experts import fused_blocks
 from parallel.spec.errors import SpecError
 from parallel.spec.precision import Float8 as Float8Section
 
@@ -128,6 +129,11 @@ def apply_float8(model: nn.Module, section: Float8Section, device: torch.device,
            if small else "")
         + (f"; emulated (no float8 matmul on {device.type}: the casts and scales are float8's, the "
            f"matmuls run in {section.base})" if emulate else ""))
+    fused = fused_blocks(model)
+    if fused:  # torchao converts nn.Linear layers; transformers 5's experts are 3-D parameters
+        say(f"precision fp8: the experts of {len(fused)} mixture-of-experts blocks such as "
+            f"{fused[0][0]}.experts are fused 3-D tensors, not linear layers: they stay in "
+            f"{section.base} (docs/precision.md)")
     if split and section.recipe == "tensorwise":
         say(f"float8.recipe tensorwise scales each matmul's input and output gradient by their "
             f"largest value over the tensor this rank computes ({split}), not over the global "

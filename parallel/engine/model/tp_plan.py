@@ -14,6 +14,13 @@ from parallel.spec.errors import SpecError
 # The styles every backend splits by (the spec's topology.tp_plan takes these): colwise splits a
 # Linear's outputs, rowwise its inputs, colwise_rep its outputs gathered whole (an LM head).
 STYLES = ("colwise", "rowwise", "colwise_rep")
+# transformers 5's names for them (colwise_rep became colwise_gather_output in transformers #42809)
+RENAMED = {"colwise_gather_output": "colwise_rep"}
+# entries of a model's own plan that every backend keeps whole: transformers 5 adds
+# {"model.embed_tokens": "embedding_rowwise"} (a vocabulary-parallel embedding) to every model's plan
+# (#47579); polyshard splits no embedding, as DeepSpeed's AutoTP with vocab_parallel_lm_head false
+# keeps it whole too (docs/tp.md)
+KEPT_WHOLE = ("embedding_rowwise",)
 
 
 def hf_tp_plan(model: nn.Module) -> dict[str, str]:
@@ -34,7 +41,7 @@ def hf_tp_plan(model: nn.Module) -> dict[str, str]:
     # the head's plan from the class: transformers 4.57's post_init replaces the instance's
     # `_tp_plan` with the config's base plan (unprefixed), losing {"lm_head": "colwise_rep"}
     plan.update(getattr(type(model), "_tp_plan", None) or {})
-    return plan
+    return {k: RENAMED.get(v, v) for k, v in plan.items() if v not in KEPT_WHOLE}
 
 
 def resolve_plan(model: nn.Module, tp: int, spec_plan: dict[str, str] | None,
@@ -46,6 +53,7 @@ def resolve_plan(model: nn.Module, tp: int, spec_plan: dict[str, str] | None,
     embedding) stays whole: dropped from the model's own plan (`say` tells it), refused in yours."""
     field = "topology.tp_plan" if spec_plan is not None else "topology.tp"
     plan = lora_parts(model, spec_plan if spec_plan is not None else hf_tp_plan(model))
+    plan = {k: RENAMED.get(v, v) for k, v in plan.items()}
     unknown = {k: v for k, v in plan.items() if v not in STYLES}
     if unknown:  # the model's own (Mixtral's experts: local_colwise, gather, ...)
         raise SpecError([(field, f"{type(model).__name__}'s tp plan has entries in styles polyshard "

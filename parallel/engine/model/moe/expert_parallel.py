@@ -49,6 +49,13 @@ class HeldExperts(nn.ModuleDict):
     def __iter__(self):
         return iter(self._modules.values())
 
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        """Called as transformers 5's blocks call their experts (rows, top-k indices, top-k
+        weights), with the block's own router, top-k and shared experts around it: the rows go to
+        their experts' owners and back (`dispatch`, set by apply_expert_parallel)."""
+        return self.dispatch(hidden_states, top_k_index, top_k_weights,
+                             a_step_forward(self)).type(hidden_states.dtype)
+
 
 class Dispatch:
     """Rows to their experts' owners and back, for one block on one rank."""
@@ -126,6 +133,19 @@ def _routed_forward(block, dispatch: Dispatch):
     return types.MethodType(forward, block)
 
 
+def refuse_unsplit(model: nn.Module, ep: int) -> None:
+    """topology.ep on a model without experts held as a ModuleList, refused naming what it has."""
+    from parallel.engine.model.moe.experts import fused_blocks
+    from parallel.spec.errors import SpecError
+
+    fused = fused_blocks(model)
+    raise SpecError([("topology.ep", f"{ep}: {type(model).__name__} has " + (
+        f"its experts fused in 3-D tensors ({fused[0][0]}.experts, as transformers 5 builds them), "
+        "which topology.ep does not split yet (it splits experts held as a ModuleList)" if fused
+        else "no mixture-of-experts blocks (an `experts` ModuleList)") + "; use topology.ep: 1 "
+        "(every rank holds every expert: one process's numbers, docs/moe.md)")])
+
+
 def apply_expert_parallel(blocks: list[tuple[str, nn.Module]], ep: int, rank: int, group,
                           touch: bool = False) -> list[Dispatch]:
     """Each block (moe_blocks(model)) keeps experts [rank x n / ep, (rank + 1) x n / ep), the others
@@ -143,11 +163,15 @@ def apply_expert_parallel(blocks: list[tuple[str, nn.Module]], ep: int, rank: in
                              "it draws other noise on each rank; build the model with "
                              "router_jitter_noise=0")
         per = n // ep
+        # transformers 5's interface: the block calls experts(rows, top-k indices, top-k weights)
+        called = type(block.experts).forward is not nn.Module.forward
         held = HeldExperts({str(i): block.experts[i] for i in range(rank * per, (rank + 1) * per)}, n)
         block.experts = held
         dispatch = Dispatch(held, n, ep, rank, group, touch)
         out.append(dispatch)
-        if hasattr(block, "moe"):  # DeepSeek-V3: its own router and shared experts around moe()
+        if called:
+            held.dispatch = dispatch
+        elif hasattr(block, "moe"):  # DeepSeek-V3: its own router and shared experts around moe()
             block.moe = types.MethodType(
                 lambda self, x, idx, w, d=dispatch: d(x, idx, w, a_step_forward(self)).type(x.dtype),
                 block)

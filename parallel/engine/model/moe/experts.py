@@ -48,6 +48,24 @@ def moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
             if isinstance(getattr(m, "experts", None), nn.ModuleList)]
 
 
+def fused_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Blocks whose `experts` hold every expert in fused 3-D parameters, as transformers 5 builds
+    Mixtral, Qwen2/3-MoE, OLMoE and DeepSeek-V3 (`experts.gate_up_proj` [E, 2F, D],
+    `experts.down_proj` [E, D, F]). One tensor per projection gets a gradient every step, its rows of
+    unrouted experts zero, on one process as on every rank: each backend steps it as one process
+    does, and an expert no token reached is updated (weight decay, momentum) on both."""
+    return [(clean_name(name), m) for name, m in model.named_modules()
+            if isinstance(getattr(m, "experts", None), nn.Module)
+            and not isinstance(m.experts, nn.ModuleList)
+            and any(p.dim() == 3 for p in m.experts.parameters(recurse=False))]
+
+
+def router_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Mixture-of-experts blocks of either layout (a ModuleList of experts, or fused), whose router
+    is the `gate` module beside them."""
+    return moe_blocks(model) or fused_blocks(model)
+
+
 class Experts:
     """The experts of a model as built, their use on this rank, and the hooks that touch them."""
 

@@ -14,10 +14,18 @@ import torch.distributed as dist
 from parallel.engine.model.optim.muon import Layout, Piece
 
 
+def _shards(placement) -> bool:
+    """A placement that splits a dimension: Shard, or _StridedShard (torch 2.15's is no Shard, and
+    its `is_shard()` is False)."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return placement.is_shard() or isinstance(placement, _StridedShard)
+
+
 def dtensor_layout(p) -> Layout | None:
     """`p` a 2-D DTensor: its Layout, or None where every rank holds it whole."""
     mesh, placements = p.device_mesh, p.placements
-    sharding = [i for i, pl in enumerate(placements) if pl.is_shard()]
+    sharding = [i for i, pl in enumerate(placements) if _shards(pl)]
     if not sharding:
         return None
     group = _group(mesh, sharding)
@@ -47,7 +55,7 @@ def _coordinates(mesh, ranks: list[int]) -> list[list[int]]:
 def _piece(shape: tuple[int, int], mesh, placements, coordinate: list[int]) -> Piece:
     positions = [torch.arange(n) for n in shape]
     for i, pl in enumerate(placements):
-        if pl.is_shard():
+        if _shards(pl):
             along = _along_first(pl)
             chunks, _ = along._split_tensor(positions[pl.dim], mesh.size(i), with_padding=False,
                                             contiguous=False)
