@@ -35,11 +35,19 @@ done
 
 if [ "$mode" = prepare ]; then  # the GPU machine has no network: its own torch, these carried
     printf '/.whl/\n/.gpu/\n' >> .git/info/exclude
-    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-        --platform manylinux2014_x86_64 -d .whl pydantic_core==2.41.5 pydantic==2.12.4 \
-        annotated_types==0.8.0 typing_inspection==0.4.5 hjson==3.1.0 transformers==4.57.1 \
-        accelerate==1.11.0 tokenizers==0.22.2 huggingface_hub==0.36.2 torchao==0.14.1 || exit 1
+    # the main lane's stack (constraints.txt: transformers 5.25, accelerate 1.16, torchao 0.18,
+    # pydantic 2.14), with what transformers pulls in, at the pinned versions; torch stays the
+    # machine's own (a CUDA torch is GBs, over what a run carries)
+    where=(--only-binary=:all: --python-version 3.12 --implementation cp \
+           --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+           --platform manylinux2014_x86_64 -d .whl)
+    pins=$(grep -E '^(transformers|accelerate|torchao|pydantic|hjson)==' constraints.txt)
+    grep -vE '^(torch|nvidia-|triton|cuda-)' constraints.txt > .whl.constraints
+    python3 -m pip download "${where[@]}" -c .whl.constraints $(echo "$pins" | grep -vE \
+        '^(accelerate|torchao)==') || exit 1
+    python3 -m pip download --no-deps "${where[@]}" $(echo "$pins" | grep -E \
+        '^(accelerate|torchao)==') || exit 1
+    rm -f .whl.constraints
     # DeepSpeed ships as a source distribution; its installed package is pure Python and builds
     # its ops on the GPU machine
     mkdir -p .gpu/site && (cd .venv/lib/python3.11/site-packages && tar cf - --exclude=__pycache__ \
