@@ -1,5 +1,6 @@
 # polyshard on TPU VMs: torch 2.9 (CPU wheel: the TPU does the compute) with torch_xla 2.9 and libtpu,
-# the pinned environment from constraints.txt, and a smoke test of every config.
+# the XLA lane's pinned environment (constraints-xla.txt: torch_xla 2.9.0 needs exactly torch 2.9.0;
+# docs/lanes.md), and a smoke test of every config.
 # Build from the repository root:  docker build -f docker/tpu.Dockerfile -t polyshard-tpu .
 FROM python:3.11-slim-bookworm
 
@@ -10,14 +11,14 @@ ENV PIP_NO_CACHE_DIR=1 \
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
 WORKDIR /opt/polyshard
-COPY pyproject.toml constraints.txt README.md ./
+COPY pyproject.toml constraints-xla.txt README.md ./
 COPY parallel ./parallel
 COPY backends ./backends
 COPY configs ./configs
 COPY examples ./examples
 
 # torch from the CPU index (the CUDA build would add ~5 GB for nothing); libtpu from Google's index.
-RUN pip install --no-cache-dir -c constraints.txt \
+RUN pip install --no-cache-dir -c constraints-xla.txt \
         --extra-index-url https://download.pytorch.org/whl/cpu \
         -f https://storage.googleapis.com/libtpu-wheels/index.html \
         -f https://storage.googleapis.com/libtpu-releases/index.html \

@@ -50,6 +50,8 @@ def test_docker_images_pin_what_constraints_pins_and_smoke_test_the_configs():
                 if "==" in line and not line.startswith("#"))
     gpu = (ROOT / "docker" / "gpu.Dockerfile").read_text()
     assert f"'deepspeed=={pins['deepspeed']}'" in gpu and "-c constraints.txt" in gpu
+    # the TPU image is the XLA lane's: torch 2.9 + torch_xla 2.9 (docs/lanes.md)
+    assert "-c constraints-xla.txt" in (ROOT / "docker" / "tpu.Dockerfile").read_text()
     for name in ("gpu", "tpu"):
         text = (ROOT / "docker" / f"{name}.Dockerfile").read_text()
         assert 'polyshard validate "${config}"' in text and "COPY configs" in text
