@@ -42,12 +42,10 @@ if [ "$mode" = prepare ]; then  # the GPU machine has no network: its own torch,
            --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
            --platform manylinux2014_x86_64 -d .whl)
     pins=$(grep -E '^(transformers|accelerate|torchao|pydantic|hjson)==' constraints.txt)
-    grep -vE '^(torch|nvidia-|triton|cuda-)' constraints.txt > .whl.constraints
-    python3 -m pip download "${where[@]}" -c .whl.constraints $(echo "$pins" | grep -vE \
-        '^(accelerate|torchao)==') || exit 1
+    python3 -m pip download "${where[@]}" -c <(grep -vE '^(torch|nvidia-|triton|cuda-)' \
+        constraints.txt) $(echo "$pins" | grep -vE '^(accelerate|torchao)==') || exit 1
     python3 -m pip download --no-deps "${where[@]}" $(echo "$pins" | grep -E \
         '^(accelerate|torchao)==') || exit 1
-    rm -f .whl.constraints
     # DeepSpeed ships as a source distribution; its installed package is pure Python and builds
     # its ops on the GPU machine
     mkdir -p .gpu/site && (cd .venv/lib/python3.11/site-packages && tar cf - --exclude=__pycache__ \

@@ -22,12 +22,16 @@ def variable(extra: str) -> str:
     return f"POLYSHARD_PYTHON_{extra.upper()}"
 
 
+def _installed(descriptor) -> bool:
+    return all(importlib.util.find_spec(p) is not None for p in descriptor.packages)
+
+
 def interpreter(backend: str) -> str:
     """The Python executable to start `backend`'s ranks with."""
     from parallel.registry import get
 
     descriptor = get(backend)
-    if all(importlib.util.find_spec(p) is not None for p in descriptor.packages):
+    if _installed(descriptor):
         return sys.executable
     lane = os.environ.get(variable(descriptor.extra))
     if not lane:
@@ -45,5 +49,15 @@ def available(backend: str) -> bool:
     from parallel.registry import get
 
     descriptor = get(backend)
-    return (all(importlib.util.find_spec(p) is not None for p in descriptor.packages)
-            or bool(os.environ.get(variable(descriptor.extra))))
+    return _installed(descriptor) or bool(os.environ.get(variable(descriptor.extra)))
+
+
+def lane_of(package: str) -> str | None:
+    """The Python of the lane holding `package` where it does not import here (torch_xla, in
+    .venv-xla), None where it imports here or no backend's named lane holds it."""
+    from parallel.registry import descriptors
+
+    if importlib.util.find_spec(package) is not None:
+        return None
+    return next((interpreter(d.name) for d in descriptors()
+                 if package in d.packages and os.environ.get(variable(d.extra))), None)

@@ -27,11 +27,9 @@ def needs(*modules: str):
 def lane(module: str) -> str | None:
     """The Python of the lane holding `module` where it is not installed here (torch_xla, in
     .venv-xla beside the main lane's torch), else None."""
-    from parallel.launch import lanes
+    from parallel.launch.lanes import lane_of
 
-    if importlib.util.find_spec(module) is not None or module != "torch_xla":
-        return None
-    return lanes.interpreter("xla_fsdp") if lanes.available("xla_fsdp") else None
+    return lane_of(module)
 
 
 def python_for(env: dict | None) -> str:

@@ -53,7 +53,6 @@ def resolve_plan(model: nn.Module, tp: int, spec_plan: dict[str, str] | None,
     embedding) stays whole: dropped from the model's own plan (`say` tells it), refused in yours."""
     field = "topology.tp_plan" if spec_plan is not None else "topology.tp"
     plan = lora_parts(model, spec_plan if spec_plan is not None else hf_tp_plan(model))
-    plan = {k: RENAMED.get(v, v) for k, v in plan.items()}
     unknown = {k: v for k, v in plan.items() if v not in STYLES}
     if unknown:  # the model's own (Mixtral's experts: local_colwise, gather, ...)
         raise SpecError([(field, f"{type(model).__name__}'s tp plan has entries in styles polyshard "
