@@ -52,6 +52,7 @@ def notebook_launch(fn: Callable, spec, *args, timeout: float | None = None) -> 
     import dill
     import torch.distributed as dist
 
+    from parallel.launch.lanes import interpreter
     from parallel.launch.ranks import job_ranks
     from parallel.launch.torchrun import launch_env
     from parallel.spec.io import load_spec
@@ -65,9 +66,13 @@ def notebook_launch(fn: Callable, spec, *args, timeout: float | None = None) -> 
         tmp, data = Path(tmp), run.model_dump(mode="json", exclude_unset=True)
         (tmp / "job.dill").write_bytes(dill.dumps((fn, data, args), recurse=True))
         (tmp / "spec.json").write_text(json.dumps(data))  # current_spec() in the ranks reads it
+        python = interpreter(run.backend)  # the backend's lane (lanes.py)
+        # the notebook's own import paths; another lane's python keeps its own packages
+        paths = [p for p in sys.path if python == sys.executable
+                 or not p.startswith((sys.prefix, sys.base_prefix))]
         shared = {**launch_env(run, tmp / "spec.json"), **env,
-                  "PYTHONPATH": os.pathsep.join(sys.path)}
-        with job_ranks([sys.executable, "-P", "-m", "parallel.launch.notebook", str(tmp / "job.dill"),
+                  "PYTHONPATH": os.pathsep.join(paths)}
+        with job_ranks([python, "-P", "-m", "parallel.launch.notebook", str(tmp / "job.dill"),
                         str(tmp / "rank")], nproc, shared) as procs:
             return _collect(procs, tmp, timeout)
 

@@ -35,3 +35,27 @@ def test_a_backend_whose_packages_do_not_import_runs_in_its_named_lane(monkeypat
     python.chmod(0o644)
     with pytest.raises(ValueError, match="POLYSHARD_PYTHON_XLA=.*not an executable file"):
         lanes.interpreter("xla_fsdp")
+
+
+READ_INDEX = ("import sys; from pathlib import Path; from parallel.checkpoint.format.safe import "
+              "load_index; print(load_index(Path(sys.argv[1]) / '.metadata').state_dict_metadata["
+              "'w'].size)")
+
+
+def test_a_dcp_index_this_torch_writes_reads_in_the_xla_lane(tmp_path):
+    """torch 2.15 pickles DCP's TensorProperties with a sixth field (strides); the XLA lane's torch
+    2.9 unpacked five and refused the index ('too many values to unpack'): a checkpoint saved in
+    the main lane did not resume on XLA."""
+    import os
+    import subprocess
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    xla = lanes.lane_of("torch_xla")
+    if xla is None:
+        pytest.skip("the XLA lane's python is not named (POLYSHARD_PYTHON_XLA; make sets it)")
+    dcp.save({"w": torch.arange(6.0).reshape(2, 3)}, checkpoint_id=str(tmp_path), no_dist=True)
+    out = subprocess.run([xla, "-c", READ_INDEX, str(tmp_path)], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert out.returncode == 0 and out.stdout.strip().endswith("torch.Size([2, 3])"), out.stderr[-2000:]

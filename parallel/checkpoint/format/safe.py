@@ -96,8 +96,27 @@ DCP_CLASSES = frozenset({
 DTYPES = frozenset(name for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype))
 
 
+def _properties_of_any_torch():
+    """DCP's TensorProperties reading the state of a newer torch too: torch 2.15 pickles a sixth
+    field (strides) after torch 2.9's five, so an index the main lane wrote loads in the XLA lane's
+    torch 2.9 (docs/lanes.md); a torch that knows the field reads it itself."""
+    from torch.distributed.checkpoint.metadata import TensorProperties
+
+    if "strides" in getattr(TensorProperties, "__dataclass_fields__", {}):
+        return TensorProperties
+
+    class Properties(TensorProperties):
+        def __setstate__(self, state):
+            super().__setstate__(tuple(state)[:5])
+
+    Properties.__qualname__ = Properties.__name__ = "TensorProperties"
+    return Properties
+
+
 class _IndexUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
+        if (module, name) == ("torch.distributed.checkpoint.metadata", "TensorProperties"):
+            return _properties_of_any_torch()
         if (module, name) in DCP_CLASSES or (module == "torch" and name in DTYPES):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"GLOBAL {module}.{name}")

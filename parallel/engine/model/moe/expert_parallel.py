@@ -77,10 +77,13 @@ class Dispatch:
         `record`: add this call's rows per expert to `tokens` (training: on the device, unread)."""
         from torch.distributed.nn.functional import all_to_all_single
 
-        k, h = selected.shape[-1], x.shape[-1]
-        flat = selected.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # (token, slot) pairs by expert, then token
-        token = order // k
+        h = x.shape[-1]
+        # (slot, token) pairs by expert, then slot, then token: the order in which transformers 5's
+        # expert loop takes each expert's rows (torch.where over its [k, tokens] mask), so each
+        # expert's weight gradient sums its rows in one process's order
+        flat = selected.T.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token = order % selected.shape[0]
         counts = torch.bincount(flat, minlength=self.n)  # rows this rank sends to each expert
         if record:
             self.tokens = counts if self.tokens is None else self.tokens + counts
@@ -92,7 +95,7 @@ class Dispatch:
         rows = all_to_all_single(x.new_empty(sum(recv), h), x[token], recv, send, group=self.group)
         out = self._experts(rows, table[1])
         back = all_to_all_single(x.new_empty(len(token), h), out, send, recv, group=self.group)
-        back = back * weights.reshape(-1)[order, None].to(back.dtype)
+        back = back * weights.T.reshape(-1)[order, None].to(back.dtype)
         return x.new_zeros(x.shape[0], h, dtype=back.dtype).index_add_(0, token, back)
 
     def _experts(self, rows: torch.Tensor, got: list[list[int]]) -> torch.Tensor:
