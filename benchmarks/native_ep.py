@@ -1,6 +1,8 @@
 """Expert parallelism by hand, the way torchtitan writes it (models/common/token_dispatcher.py's
 AllToAllTokenDispatcher, moe_sharding.py and distributed/utils.py's clip_grad_norm_ under EP), on
-Hugging Face's Mixtral / Qwen2-MoE / Qwen3-MoE blocks (their router and `experts` ModuleList):
+Hugging Face's Mixtral / Qwen2-MoE / Qwen3-MoE blocks as transformers 5 builds them (their router,
+which returns its own top-k, and fused `experts` tensors, of which each rank keeps its experts'
+rows as modules of their own: GroupedExperts' for-loop path):
 - the ep ranks are the innermost of the data-parallel ranks (mesh (dp_mod_ep, ep));
 - each block keeps its ep rank's experts (torchtitan shards its grouped experts' dim 0 over ep);
 - the dispatch: tokens reordered by expert, the per-expert counts exchanged by all-to-all, the split
@@ -22,32 +24,42 @@ from torch.distributed._functional_collectives import all_to_all_single, all_to_
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 
+class Expert(nn.Module):
+    """One expert's rows of the fused tensors (gate_up [2F, D], down [D, F])."""
+
+    def __init__(self, gate_up, down, act):
+        super().__init__()
+        self.gate_up, self.down, self.act = nn.Parameter(gate_up.clone()), nn.Parameter(down.clone()), act
+
+    def forward(self, x):
+        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+        return F.linear(self.act(gate) * up, self.down)
+
+
 class EPBlock(nn.Module):
     """An HF MoE block's router (and shared expert) with this ep rank's experts and the dispatch."""
 
     def __init__(self, block, ep_mesh):
         super().__init__()
         self.gate, self.ep_mesh = block.gate, ep_mesh
-        self.num_experts, self.top_k = len(block.experts), block.top_k
-        self.norm_topk_prob = getattr(block, "norm_topk_prob", True)  # Mixtral always normalises
+        fused = block.experts
+        self.num_experts = fused.gate_up_proj.shape[0]
         ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
         self.local = self.num_experts // ep
-        self.experts = nn.ModuleList(block.experts[rank * self.local:(rank + 1) * self.local])
+        self.experts = nn.ModuleList(
+            Expert(fused.gate_up_proj[e].detach(), fused.down_proj[e].detach(), fused.act_fn)
+            for e in range(rank * self.local, (rank + 1) * self.local))
         self.shared_expert = getattr(block, "shared_expert", None)
         self.shared_expert_gate = getattr(block, "shared_expert_gate", None)
 
     def forward(self, hidden_states):
         b, s, h = hidden_states.shape
         x = hidden_states.view(-1, h)
-        router_logits = self.gate(x)
-        scores = F.softmax(router_logits, dim=1, dtype=torch.float)
-        scores, ids = torch.topk(scores, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            scores = scores / scores.sum(dim=-1, keepdim=True)
+        _, scores, ids = self.gate(x)  # transformers 5's router: softmax, top-k, normalisation
         out = self.dispatch_combine(x, scores.to(x.dtype), ids)
         if self.shared_expert is not None:
             out = out + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out.view(b, s, h), router_logits
+        return out.view(b, s, h)
 
     def _permute(self, routed, got):
         """torchtitan's _permute: rank-major (e0 r0, e1 r0, .., e0 r1, ..) to expert-major (e0 r0,
@@ -67,7 +79,7 @@ class EPBlock(nn.Module):
         # _local_reorder: (token, slot) pairs sorted by expert
         flat = ids.view(-1)
         sorted_slots = torch.argsort(flat, stable=True)
-        tokens = sorted_slots // self.top_k
+        tokens = sorted_slots // ids.shape[-1]
         per_expert = torch.bincount(flat, minlength=self.num_experts)
         with torch.no_grad():  # _token_count_exchange, then _sync_token_count_exchange
             got = all_to_all_single(per_expert, None, None, group=self.ep_mesh)

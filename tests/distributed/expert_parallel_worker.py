@@ -6,7 +6,7 @@ rows (hidden states that carry gradients, as inside a model); one process feeds 
 block: the largest output and gradient differences (experts on their owner, relative to the
 gradient's scale; router and shared experts summed over ranks), and which experts no rank routed to
 (they keep no gradient, as on one process). The blocks are transformers 5's, their experts one module
-each (tests/listed_moe.py: topology.ep splits that layout).
+each (parallel/toy.py's `listed`: topology.ep splits that layout).
 
     torchrun --nproc-per-node 2 expert_parallel_worker.py --out OUT.json
 """
@@ -14,16 +14,12 @@ each (tests/listed_moe.py: topology.ep splits that layout).
 import argparse
 import copy
 import json
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: listed_moe.py
-from listed_moe import listed  # noqa: E402
-
 from parallel.engine.model.moe.expert_parallel import apply_expert_parallel
+from parallel.toy import listed
 
 H, ROWS, SEQ = 32, 2, 6
 
@@ -55,7 +51,7 @@ def compare(name: str, make, rank: int, ep: int) -> dict:
     block = make()
     # a bare transformers 5 block's router and fused experts are torch.empty until a model inits
     # them: nn.Linear's default bound, 1 / sqrt(fan in), as transformers 4.57's Linear experts had;
-    # then one module per expert (tests/listed_moe.py), the layout topology.ep splits
+    # then one module per expert (parallel/toy.py's `listed`), the layout topology.ep splits
     for param in block.parameters():
         bound = param.shape[-1] ** -0.5
         torch.nn.init.uniform_(param, -bound, bound)

@@ -137,14 +137,14 @@ def test_the_public_calls_hand_to_the_engines_parts(tmp_path, one_rank):
 
 # ---- experts a step does not use ----
 def test_experts_no_rank_used_lose_their_gradient():
-    from listed_moe import listed
     from transformers import MixtralConfig, MixtralForCausalLM
 
     from parallel.engine.model.moe.experts import Experts
     from parallel.engine.model.params import per_parameter
+    from parallel.toy import listed
 
     torch.manual_seed(0)
-    # an MoE whose experts are modules of their own (transformers 5 fuses them: tests/listed_moe.py)
+    # an MoE whose experts are modules of their own (transformers 5 fuses them: parallel/toy.py's listed)
     model = listed(MixtralForCausalLM(MixtralConfig(
         vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
         num_attention_heads=2, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=1)))
