@@ -75,7 +75,9 @@ class Dispatch:
                  record: bool = False) -> torch.Tensor:
         """x: (tokens, hidden); selected, weights: (tokens, k). Returns sum_k w_k expert_k(x).
         `record`: add this call's rows per expert to `tokens` (training: on the device, unread)."""
-        from torch.distributed.nn.functional import all_to_all_single
+        # the differentiable all-to-all torchtitan uses (torch.distributed.nn.functional's is
+        # deprecated since torch 2.13)
+        from torch.distributed._functional_collectives import all_to_all_single_autograd as a2a
 
         h = x.shape[-1]
         # (slot, token) pairs by expert, then slot, then token: the order in which transformers 5's
@@ -92,9 +94,10 @@ class Dispatch:
         table = torch.stack([counts, got]).view(2, self.ep, self.per).tolist()  # one host read
         send = [sum(row) for row in table[0]]
         recv = [sum(row) for row in table[1]]
-        rows = all_to_all_single(x.new_empty(sum(recv), h), x[token], recv, send, group=self.group)
+        group = self.group if self.group is not None else dist.group.WORLD
+        rows = a2a(x[token], recv, send, group)
         out = self._experts(rows, table[1])
-        back = all_to_all_single(x.new_empty(len(token), h), out, send, recv, group=self.group)
+        back = a2a(out, send, recv, group)
         back = back * weights.T.reshape(-1)[order, None].to(back.dtype)
         return x.new_zeros(x.shape[0], h, dtype=back.dtype).index_add_(0, token, back)
 
