@@ -140,9 +140,8 @@ class Block(nn.Module):
         from transformers.masking_utils import create_causal_mask
 
         positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-        mask = create_causal_mask(config=self.config, input_embeds=h, attention_mask=None,
-                                  cache_position=positions[0], past_key_values=None,
-                                  position_ids=positions)
+        mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None,
+                                  cache=None, position_ids=positions)
         return self.layer(h, attention_mask=mask, position_ids=positions,
                           position_embeddings=self.rotary(h, positions))
 

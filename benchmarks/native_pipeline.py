@@ -36,9 +36,8 @@ class Stage(nn.Module):
         from transformers.masking_utils import create_causal_mask
 
         # the causal mask as the model's own forward makes it (eager attention takes it whole)
-        mask = create_causal_mask(config=self.config, input_embeds=h, attention_mask=None,
-                                  cache_position=positions[0], past_key_values=None,
-                                  position_ids=positions)
+        mask = create_causal_mask(config=self.config, inputs_embeds=h, attention_mask=None,
+                                  cache=None, position_ids=positions)
         for layer in self.layers.values():
             h = layer(h, attention_mask=mask, position_ids=positions, position_embeddings=rotary)
         return self.output(self.norm(h)) if self.output is not None else h

@@ -82,7 +82,10 @@ class Expert(torch.nn.Module):
 
 
 class ListedExperts(torch.nn.ModuleList):
-    """The fused module's loop (transformers 5's MixtralExperts.forward), one module per expert."""
+    """The fused module's loop (transformers 5's MixtralExperts.forward), one module per expert,
+    each expert's rows taken token by token (as transformers 4.57's loops did; 5's takes them slot
+    by slot): the order in which topology.ep's owner receives them, rank after rank, so its
+    weight gradients sum the same rows in the same order as one process."""
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         out = torch.zeros_like(hidden_states)
@@ -93,7 +96,7 @@ class ListedExperts(torch.nn.ModuleList):
             index = int(index[0])
             if index == len(self):
                 continue
-            slot, token = torch.where(mask[index])
+            token, slot = torch.where(mask[index].T)
             rows = self[index](hidden_states[token]) * top_k_weights[token, slot, None]
             out.index_add_(0, token, rows.to(out.dtype))
         return out

@@ -3,10 +3,10 @@ mixture-of-experts block it splits, against one process: Mixtral top-2, Qwen2-Mo
 expert (top-k weights not renormalised), a 64-expert top-8 Qwen3-MoE block, DeepSeek-V3 (group-limited
 routing: every token's experts on one rank, so the other receives no rows). Each rank feeds its own
 rows (hidden states that carry gradients, as inside a model); one process feeds them all. Recorded per
-block: the largest output and gradient differences (experts on their owner, relative to the
-gradient's scale; router and shared experts summed over ranks), and which experts no rank routed to
-(they keep no gradient, as on one process). The blocks are transformers 5's, their experts one module
-each (parallel/toy.py's `listed`: topology.ep splits that layout).
+block: the largest output and gradient differences (experts on their owner; router and shared experts
+summed over ranks), and which experts no rank routed to (they keep no gradient, as on one process).
+The blocks are transformers 5's, their experts one module each (parallel/toy.py's `listed`: the layout
+topology.ep splits).
 
     torchrun --nproc-per-node 2 expert_parallel_worker.py --out OUT.json
 """
@@ -77,11 +77,7 @@ def compare(name: str, make, rank: int, ep: int) -> dict:
             if want is None:
                 unused.append(pname) if p.grad is None else unused.append(f"{pname} (has a grad)")
                 continue
-            # relative to the gradient's scale (at least 1): transformers 5's loop takes an
-            # expert's rows slot-major over the whole batch, the owner source by source, so the
-            # weight gradient sums the same rows in another order (DeepSeek: 1.9e-6 of 13.0)
-            scale = max(1.0, want.abs().max().item())
-            experts = max(experts, (p.grad - want).abs().max().item() / scale)
+            experts = max(experts, (p.grad - want).abs().max().item())
         else:
             summed = p.grad.clone()
             dist.all_reduce(summed)

@@ -106,7 +106,12 @@ def test_llama3_8b_at_1024_ranks_tp8_cp4_exchanges_what_plan_says(tmp_path, laye
     # TP's all-reduces over each rank's seq / 4 tokens: per layer 2 rowwise outputs + 1 recomputed
     # + 5 colwise input gradients, and the head's input gradient (bf16); then the loss and count
     tp_reduce = (layers * 8 + 1) * (seq // 4) * 1 * 4096 * 2
-    assert 0 <= got["collectives"]["all_reduce"]["bytes"] - tp_reduce <= 64, got["collectives"]
+    # torch 2.15's get_total_norm reduces each mesh's per-tensor norms as a vector (one float per
+    # gradient tensor, once per mesh dimension it is partial over: measured 6 + 2 x 15 floats at 2
+    # layers), where torch 2.9 reduced a scalar
+    norms = 4 * 2 * (layers * 9 + 3)
+    assert 0 <= got["collectives"]["all_reduce"]["bytes"] - tp_reduce <= 64 + norms, \
+        got["collectives"]
     for kind in ("all_gather", "reduce_scatter"):  # FSDP2 over the 128 dp x cp ranks: plan's
         row = got["collectives"][kind]
         assert abs(row["planned"] - row["bytes"]) <= 0.10 * row["bytes"], (kind, row)
@@ -222,11 +227,11 @@ def test_llama3_70b_at_1024_ranks_pp8_tp8_is_plans_to_the_byte(tmp_path, rank):
 # test-full: all 48 blocks with the real vocabulary
 @pytest.mark.parametrize("layers,vocab", [(2, 32000), pytest.param(48, 151936, marks=pytest.mark.full)])
 def test_qwen3_30b_a3b_at_1024_ranks_ep8_exchanges_what_plan_says(tmp_path, layers, vocab):
-    """configs/ep8-qwen3-30b-a3b.yaml: 128 experts per block split over ep 8 (16 held), each sharded
-    over the 128 ranks holding the same ones, FSDP2 over all 1024 for the rest. The dispatch's
-    all-to-alls are plan's to the byte (each block: the row counts, the rows out and back in
-    forward and again in the recomputation, the two row exchanges in backward), the parameter
-    bytes plan's (the experts' shards over 128 ranks, not 1024), FSDP's gathers within 10%."""
+    """configs/ep8-qwen3-30b-a3b.yaml: 128 experts per block over ep 8. transformers 5 builds
+    Qwen3-MoE's experts fused in 3-D tensors, which topology.ep does not split yet (issue #82): the
+    dry run refuses it as prepare does, naming the field and the fix, before any rank is built.
+    (Its byte counts against plan at 1024 ranks, measured on transformers 4.57's per-expert layout,
+    are in docs/moe.md; they return with ep over fused experts.)"""
     seq, model = 16, tmp_path / "qwen3-30b-a3b.json"
     model.write_text(json.dumps({**json.loads((ROOT / "configs/models/qwen3-30b-a3b.json")
                                               .read_text()),
@@ -235,16 +240,5 @@ def test_qwen3_30b_a3b_at_1024_ranks_ep8_exchanges_what_plan_says(tmp_path, laye
                           "configs/ep8-qwen3-30b-a3b.yaml", "--model", str(model), "--world",
                           "1024", "--seq", str(seq), "--json"], cwd=ROOT, capture_output=True,
                          text=True, timeout=580)
-    assert out.returncode == 0, out.stderr[-4000:]
-    got = json.loads(out.stdout[out.stdout.index("{"):])
-    exchanged = got["collectives"]["all_to_all"]
-    assert exchanged["calls"] == layers * (3 + 3 + 2)  # forward, recomputation, backward
-    # rows: 2 samples x 16 tokens x top-8 x 2048 in bf16; counts: 128 int64
-    rows, counts = 2 * seq * 8 * 2048 * 2, 128 * 8
-    assert exchanged["bytes"] == exchanged["planned"] == layers * (2 * (counts + 2 * rows)
-                                                                   + 2 * rows), exchanged
-    measured, planned = got["measured"], got["planned"]
-    assert abs(planned["params"] - measured["params"]) <= 0.01 * measured["params"], got
-    for kind in ("all_gather", "reduce_scatter"):
-        row = got["collectives"][kind]
-        assert abs(row["planned"] - row["bytes"]) <= 0.10 * row["bytes"], (kind, row)
+    assert out.returncode == 2 and "topology.ep" in out.stderr, out.stderr[-4000:]
+    assert "fused in 3-D tensors" in out.stderr and "Traceback" not in out.stderr

@@ -79,13 +79,10 @@ class Dispatch:
         # deprecated since torch 2.13)
         from torch.distributed._functional_collectives import all_to_all_single_autograd as a2a
 
-        h = x.shape[-1]
-        # (slot, token) pairs by expert, then slot, then token: the order in which transformers 5's
-        # expert loop takes each expert's rows (torch.where over its [k, tokens] mask), so each
-        # expert's weight gradient sums its rows in one process's order
-        flat = selected.T.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        token = order % selected.shape[0]
+        k, h = selected.shape[-1], x.shape[-1]
+        flat = selected.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs by expert, then token
+        token = order // k
         counts = torch.bincount(flat, minlength=self.n)  # rows this rank sends to each expert
         if record:
             self.tokens = counts if self.tokens is None else self.tokens + counts
@@ -98,7 +95,7 @@ class Dispatch:
         rows = a2a(x[token], recv, send, group)
         out = self._experts(rows, table[1])
         back = a2a(out, send, recv, group)
-        back = back * weights.T.reshape(-1)[order, None].to(back.dtype)
+        back = back * weights.reshape(-1)[order, None].to(back.dtype)
         return x.new_zeros(x.shape[0], h, dtype=back.dtype).index_add_(0, token, back)
 
     def _experts(self, rows: torch.Tensor, got: list[list[int]]) -> torch.Tensor:
