@@ -33,6 +33,9 @@ TENSORWISE = {"precision": "fp8", "float8": F32}
 # stated against what was measured (the module's docstring), about twice it
 SPLIT_TOL, SPLIT_NORM_TOL = 1.5e-2, 0.4  # tensorwise at dp 2: 7.2e-3, norm 0.18 (relative)
 BF16_TOL, BF16_NORM_TOL = 1.5e-2, 0.4  # float8.base bf16: 7.2e-3, norm 0.15
+# rowwise under a split (prepare says so): its weight gradients' per-feature scales are over each
+# rank's tokens; measured 3.6e-4 at dp 2 x 2 micro-batches of padded rows (torchao 0.18)
+ROWWISE_SPLIT_TOL, ROWWISE_SPLIT_NORM_TOL = 1e-3, 1e-2
 MOVE_TOL = 6e-3  # a checkpoint resumed in the other precision: 3.2e-3 at the next steps
 SHARD_AMAX_MIN = 1e-4  # each shard's own scale: 1.6e-3 from the right one at step 1
 
@@ -142,6 +145,8 @@ def check(name: str, res: dict, results: dict) -> float:
         worst = check_parity(name, res, tol=BF16_TOL, norm_tol=BF16_NORM_TOL)
         assert worst > 1e-6, f"{name}: identical to the fp32 reference; was bf16 applied?"
         return worst
+    if "rowwise casts each weight gradient" in notices:
+        return check_parity(name, res, tol=ROWWISE_SPLIT_TOL, norm_tol=ROWWISE_SPLIT_NORM_TOL)
     return check_parity(name, res)
 
 
