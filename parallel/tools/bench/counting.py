@@ -25,7 +25,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 STORE_WRITES = ("set", "add", "append", "compare_set", "multi_set", "delete_key", "queue_push")
 STORE_READS = ("get", "multi_get", "check", "wait", "num_keys", "queue_pop", "queue_len")
-NOT_COLLECTIVES = {"wait_tensor", "wait"}  # waiting on an issued collective is not another one
+# waiting on an issued collective is not another one, nor is wrapping a functional one's output for
+# autograd (torch 2.15's all_to_all_single_autograd issues _c10d_functional::_wrap_tensor_autograd)
+NOT_COLLECTIVES = {"wait_tensor", "wait", "_wrap_tensor_autograd"}
 
 
 def group_size(args) -> int:

@@ -117,7 +117,10 @@ def live_tensor_bytes() -> int:
         except RuntimeError:  # a tensor subclass with no device of its own (a wrapper): its
             return False  # storage is a tensor found on its own
 
-    return held_bytes(o for o in gc.get_objects() if isinstance(o, torch.Tensor) and on_host(o))
+    # by type, not isinstance: torch 2.15's compile leaves weakref proxies among the objects, and
+    # isinstance on a dead one raises ReferenceError (a proxy is no tensor of its own)
+    return held_bytes(o for o in gc.get_objects()
+                      if issubclass(type(o), torch.Tensor) and on_host(o))
 
 
 def step_peak_bytes(step) -> dict | None:
