@@ -227,13 +227,16 @@ ZOO = {
                "accumulate": 2, "factory": by_dim,
                "overrides": {"xla1": {"xla": {"fsdp_version": 1, "flatten_parameters": False}}}},
     "lora": {"build": _lora, "batches": padded_batches, "wrap": {"policy": "auto"}},
-    # flat backends (ZeRO, XLA v1) update experts no rank used: they say so, and differ (moe: True).
-    # HF's MoE blocks route with data-dependent shapes, which XLA compiles anew each step (docs/moe.md:
+    # MoE (moe: True) as transformers 5 builds it: each block's experts fused in 3-D tensors, which
+    # every backend steps whole as one process does (an expert no token reached gets a zero row and
+    # is updated on both), so flat backends (ZeRO, XLA v1) are exact here and say nothing; with
+    # experts held one module each (fused: False) they update experts no rank used, say so, and
+    # differ (docs/moe.md). HF's MoE blocks route with data-dependent shapes, which XLA compiles anew each step (docs/moe.md:
     # 4-12 s a step here): one family runs on XLA, in launches of its own (xla: "alone").
     "mixtral": {"build": _mixtral, "batches": padded_batches, "wrap": {"policy": "auto"}, "moe": True,
-                "xla": "alone"},
+                "fused": True, "xla": "alone"},
     "qwen2moe": {"build": _qwen2moe, "batches": masked_batches, "wrap": {"policy": "auto"}, "moe": True,
-                 "xla": False},
+                 "fused": True, "xla": False},
 }
 
 
