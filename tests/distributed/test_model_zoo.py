@@ -123,7 +123,8 @@ def test_model_zoo_matches_one_process_and_moves_between_backends(shared):
     exported = check_lora_exports(tmp_path, saved["reference-lora"])
     top = sorted(worst.items(), key=lambda kv: -kv[1])[:4]
     print(f"{len(worst)} cells, max |loss - one process| = {max(worst.values()):.2e} ({top}); flat backends "
-          f"on MoE ({len(moe)} cells, declared): max {max(moe.values(), default=0.0):.2e}; LoRA exports loaded "
+          f"on MoE ({len(moe)} cells, declared): max {max(moe.values(), default=0.0):.2e}; "
+          f"LoRA exports loaded "
           f"by from_pretrained: max {max(exported.values()):.2e} ({len(exported)})")
 
 

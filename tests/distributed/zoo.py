@@ -231,12 +231,13 @@ ZOO = {
     # every backend steps whole as one process does (an expert no token reached gets a zero row and
     # is updated on both), so flat backends (ZeRO, XLA v1) are exact here and say nothing; with
     # experts held one module each (fused: False) they update experts no rank used, say so, and
-    # differ (docs/moe.md). HF's MoE blocks route with data-dependent shapes, which XLA compiles anew each step (docs/moe.md:
-    # 4-12 s a step here): one family runs on XLA, in launches of its own (xla: "alone").
+    # differ (docs/moe.md). HF's MoE blocks route with data-dependent shapes, which XLA compiles
+    # anew each step (docs/moe.md: 4-12 s a step here): one family runs on XLA, in launches of its
+    # own (xla: "alone").
     "mixtral": {"build": _mixtral, "batches": padded_batches, "wrap": {"policy": "auto"}, "moe": True,
                 "fused": True, "xla": "alone"},
-    "qwen2moe": {"build": _qwen2moe, "batches": masked_batches, "wrap": {"policy": "auto"}, "moe": True,
-                 "fused": True, "xla": False},
+    "qwen2moe": {"build": _qwen2moe, "batches": masked_batches, "wrap": {"policy": "auto"},
+                 "moe": True, "fused": True, "xla": False},
 }
 
 
