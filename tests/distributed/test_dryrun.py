@@ -180,11 +180,13 @@ def _dryrun_pp(spec: str, model: str, world: int, rank: int, seq: int) -> dict:
 def _exact_to_plan(got: dict) -> None:
     """Every byte plan counts for a pipeline rank, counted: its stages' shards, its sends, FSDP2's
     gathers and reductions under torch's schedules, TP's all-reduces (plus the loss's and the
-    grad norm's scalars, which plan leaves out)."""
+    grad norm's, which plan leaves out: scalars, and torch 2.15's per-tensor norm vectors, one
+    float per gradient tensor and mesh dimension it is partial over, measured 5 + 2 x 14 floats
+    on the toy's first pipeline rank and 5 + 2 x 15 on its last)."""
     measured, planned = got["measured"], got["planned"]
     assert measured["params"] == planned["params"] and measured["grads"] == planned["grads"], got
     for kind, row in got["collectives"].items():
-        slack = 64 if kind == "all_reduce" else 0
+        slack = 64 + 4 * 40 if kind == "all_reduce" else 0
         assert row["planned"] is not None and 0 <= row["bytes"] - row["planned"] <= slack, (kind, got)
 
 

@@ -86,12 +86,12 @@ class Pipeline:
             self._schedules[key] = self._make(training, shape)
         return self._schedules[key]
 
-    def _stages(self, shape: tuple) -> list:
+    def _stages(self, shape: tuple, training: bool) -> list:
         from torch.distributed import pipelining
 
         lay = self.layout
         stages = [pipelining.PipelineStage(part, s, lay.n_stages, self.device, group=lay.group,
-                                           **self._shapes(part, s, shape))
+                                           **self._shapes(part, s, shape, training))
                   for part, s in zip(self.parts, lay.stage_ids)]
         if torch.distributed.get_backend(lay.group) == "gloo":
             # torch 2.9's first-step handshake (it warms NCCL's p2p communicators up) sends an
@@ -101,10 +101,12 @@ class Pipeline:
                 stage._get_init_p2p_neighbors_ops = list
         return stages
 
-    def _shapes(self, part: nn.Module, stage: int, shape: tuple) -> dict:
+    def _shapes(self, part: nn.Module, stage: int, shape: tuple, training: bool) -> dict:
         """torch's own shape inference (an exchange with the neighbouring stages at the first step
         of each shape), unless `given_inputs` knows the input: then the output is what the part
-        makes of zeros, as torch's inference computes it."""
+        makes of zeros, as torch's inference computes it. In training the examples say they
+        require grad: torch 2.15 derives the gradients a stage receives and sends from that flag
+        (none where it is off: its backward then met a None output gradient, measured)."""
         if self.given_inputs is None:
             return {}
         chunk = (shape[0] // self.layout.microbatches, *shape[1:])
@@ -112,7 +114,9 @@ class Pipeline:
             tuple(torch.zeros_like(t, device=self.device) for t in self.given_inputs(stage, chunk))
         with torch.no_grad():
             out = part(*inputs)
-        return {"input_args": tuple(t.to("meta") for t in inputs), "output_args": out.to("meta")}
+        return {"input_args": tuple(t.to("meta").requires_grad_(training and t.is_floating_point())
+                                    for t in inputs),
+                "output_args": out.to("meta").requires_grad_(training)}
 
     def _make(self, training: bool, shape: tuple):
         """torch's schedule for this layout. Two run on torch's action runtime instead of their
@@ -121,7 +125,7 @@ class Pipeline:
         every multi-stage evaluation (dualpipev's own order runs backward actions even in eval:
         "can't steal_bwd_input if this stage doesn't have backward"), as forwards alone, stage by
         stage."""
-        lay, stages = self.layout, self._stages(shape)
+        lay, stages = self.layout, self._stages(shape, training)
         args = {"n_microbatches": lay.microbatches, "loss_fn": self._loss_fn,
                 "scale_grads": self.scale_grads}
         if lay.schedule in SINGLE:
