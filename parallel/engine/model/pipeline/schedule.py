@@ -222,3 +222,6 @@ class _ForwardOnly(ts._PipelineScheduleRuntime):
         self.pipeline_order_with_comms = ts._add_send_recv(
             {r: ts._add_unshard_reshard(a) for r, a in actions.items()},
             stage_to_rank=self.mapping.__getitem__, num_stages=self._num_stages)
+        wait_sends = getattr(ts, "_add_wait_send", None)  # torch 2.15's runtime retires each send
+        if wait_sends is not None:  # at its own wait action ("Pipeline sends have no matching
+            self.pipeline_order_with_comms = wait_sends(self.pipeline_order_with_comms)  # wait")
