@@ -171,8 +171,11 @@ def test_flattened_batches_train_each_document_alone_or_are_refused():
     alone = [(model(input_ids=torch.tensor([d]), labels=torch.tensor([d])).loss.item(), len(d) - 1)
              for d in docs]
     expected = sum(loss * n for loss, n in alone) / sum(n for _, n in alone)
-    assert forward_kwargs(model, router=False) == {"use_cache": False}
-    assert model(**batch, **forward_kwargs(model, False)).loss.item() == pytest.approx(expected, abs=1e-6)
+    kwargs = forward_kwargs(model, router=False)
+    assert kwargs.of(dict(batch)) == {**batch, "use_cache": False}
+    ids = {"input_ids": batch["input_ids"]}  # no position ids: the model's own default, no reads
+    assert kwargs.of(ids) == ids
+    assert model(**kwargs.of(dict(batch))).loss.item() == pytest.approx(expected, abs=1e-6)
     assert abs(model(**batch).loss.item() - expected) > 1e-3  # the cache transformers makes itself
     assert confines_flattened(model) and "pack_to" in flattened_problem(dict(batch))
     moe = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
@@ -183,7 +186,7 @@ def test_flattened_batches_train_each_document_alone_or_are_refused():
     # each document too, as its loss on the flattened batch shows
     alone = [(moe(input_ids=torch.tensor([d]), labels=torch.tensor([d])).loss.item(), len(d) - 1)
              for d in docs]
-    flat = moe(**batch, **forward_kwargs(moe, False)).loss.item()
+    flat = moe(**forward_kwargs(moe, False).of(dict(batch))).loss.item()
     truth = flat == pytest.approx(sum(loss * n for loss, n in alone) / sum(n for _, n in alone),
                                   abs=1e-6)
     assert confines_flattened(moe) is truth is True

@@ -211,8 +211,7 @@ class Engine(EngineSetup):
         logits, unless `logits` (evaluate's metrics read them: then the loss is not tiled)."""
         offload = self.spec.sequence.offload_activations  # saved tensors in host memory
         router = nullcontext()
-        if self.forward_kwargs and isinstance(batch, dict):  # use_cache=False, ... (setup.py)
-            batch = {**batch, **self.forward_kwargs}
+        batch = self.forward_kwargs.of(batch)  # use_cache=False, ... (wrap.py)
         if self.router is not None and self.model.training:  # the router's logits kept for
             router = self.router.capture()  # the balancing loss over the global batch (router.py)
         with self._autocast(), router, (torch.autograd.graph.save_on_cpu(

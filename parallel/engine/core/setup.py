@@ -25,7 +25,7 @@ from parallel.engine.core.step import LossFn, OptimizerArg, build_optimizer
 from parallel.engine.data import packing
 from parallel.engine.data.loaders import Loaders
 from parallel.engine.model.compile import apply_compile
-from parallel.engine.model.wrap import forward_kwargs
+from parallel.engine.model.wrap import ForwardKwargs, forward_kwargs
 from parallel.engine.model.pipeline.schedule import Pipeline
 from parallel.engine.model.context_parallel import ContextParallel, apply_context_parallel
 from parallel.engine.model.moe.expert_parallel import ExpertParallel, refuse_unsplit
@@ -71,7 +71,7 @@ class EngineSetup(EngineCalls):
         self._expert_use: list[float] | None = None  # their use this step, summed over ranks
         self._step_metrics = None  # this step's metrics for the trackers (StepResult.metrics)
         self.router: RouterLoss | None = None  # their load-balancing loss, global (router.py)
-        self.forward_kwargs, self.confines_flattened = {}, True  # (below; packing.py)
+        self.forward_kwargs, self.confines_flattened = ForwardKwargs({}, {}), True  # (below; packing.py)
         self.tiled: TiledLoss | None = None  # sequence.loss_tile's patched lm_head, likewise
         self.attention: str | None = None  # the HF model's attention implementation, likewise
         self.context: ContextParallel | None = None  # topology.cp's split and attention, likewise
@@ -188,7 +188,7 @@ class EngineSetup(EngineCalls):
                         else None)
         view, self.pipeline = apply_pipeline(model, self.spec, self.dims.pp_rank(self.rank),
                                              self.device_mesh["pp"].get_group(), self.device,
-                                             self.forward_kwargs, runner)
+                                             self.forward_kwargs.every(), runner)
         self.params.restrict({n for _, names in per_parameter(view) for n in names})
         return view
 

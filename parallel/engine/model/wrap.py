@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections import Counter
 
@@ -95,17 +96,43 @@ def at_unit_places(model: nn.Module, units: list[tuple[str, nn.Module]]) -> list
     return [(name, wrapper_of.get(id(unit), unit)) for name, unit in units]
 
 
-def forward_kwargs(model: nn.Module, router: bool) -> dict:
-    """What the engine's forwards pass an HF model besides the batch: use_cache=False (with a KV
-    cache transformers' masks skip a flattened row's documents: 1.2e-2 off, tiny Llama, sdpa);
-    output_router_logits=False where the engine's balancing loss is global (router.py)."""
+@dataclasses.dataclass(frozen=True)
+class ForwardKwargs:
+    """What the engine's forwards pass an HF model besides the batch: `always`, and `flattened`
+    where the batch carries position ids (documents side by side may restart them)."""
+
+    always: dict
+    flattened: dict
+
+    def __bool__(self) -> bool:
+        return bool(self.always or self.flattened)
+
+    def every(self) -> dict:
+        """Both: a pipeline stage's forward, built once for every batch."""
+        return {**self.always, **self.flattened}
+
+    def of(self, batch):
+        """The batch with the kwargs it needs (a dict lookup: nothing read from the device)."""
+        if not isinstance(batch, dict):
+            return batch
+        return {**batch, **self.always, **(self.flattened if "position_ids" in batch else {})}
+
+
+def forward_kwargs(model: nn.Module, router: bool) -> ForwardKwargs:
+    """use_cache=False where the batch carries position ids (with a KV cache transformers' masks
+    skip a flattened row's documents: 1.2e-2 off, tiny Llama, sdpa); elsewhere the model's own
+    default, as a hand-written loop calls it: without a cache transformers 5 searches the position
+    ids for restarts in every forward, a read of the device each time (measured: 23 reads per
+    step where the native loop's are 22). output_router_logits=False where the engine's balancing
+    loss is global (router.py). Activation checkpointing turns the cache off in the config
+    (disable_kv_cache)."""
     import inspect
 
     from parallel.kits.objective import base_model
 
     base = base_model(model)
     if not hasattr(getattr(base, "config", None), "use_cache"):
-        return {}
+        return ForwardKwargs({}, {})
     accepted = inspect.signature(base.forward).parameters
-    out = {"use_cache": False} if "use_cache" in accepted else {}
-    return {**out, "output_router_logits": False} if router else out
+    flattened = {"use_cache": False} if "use_cache" in accepted else {}
+    return ForwardKwargs({"output_router_logits": False} if router else {}, flattened)
