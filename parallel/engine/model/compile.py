@@ -87,6 +87,17 @@ def _frame_name() -> str:
     return f"compile {CompileContext.current_compile_id()}"
 
 
+def allow_checkpointed_side_effects() -> None:
+    """Activation checkpointing under compile: transformers 5 wraps its attention (and norms) in the
+    `kernels` package's hub-kernel forward, which sets and resets a module-level context variable in
+    every call. Dynamo refuses a mutation inside the checkpoint's higher-order op unless told the
+    recomputation may skip it ("HOP: Unsafe side effect", measured with transformers 5.25 and
+    kernels 0.19.1: every checkpointed block ran eagerly). The variable is reset before the forward
+    returns, so skipping it in the recomputation changes nothing; polyshard sets dynamo's flag
+    (process-wide, docs/compile.md)."""
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+
+
 def apply_compile(model: nn.Module, units: list[tuple[str, nn.Module]], section: Compile,
                   policy: str, loud: bool, compile_model: Callable | None = None) -> CompileWatch | None:
     """compile.enabled: compile each unit in place (scope blocks; whatever sits at the unit's place,
@@ -106,6 +117,8 @@ def apply_compile(model: nn.Module, units: list[tuple[str, nn.Module]], section:
                           f"{policy!r} selects none in this model; use scope: model, or a wrap "
                           "policy that selects its repeated blocks")])
     disable_kv_cache(model)
+    if any(hasattr(m, "_checkpoint_wrapped_module") for m in model.modules()):
+        allow_checkpointed_side_effects()
     backend = CountingBackend(section)
     targets = at_unit_places(model, units) if section.scope == "blocks" else [("<model>", model)]
     if section.scope == "model" and compile_model is not None:
