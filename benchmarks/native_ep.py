@@ -25,15 +25,17 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 
 class Expert(nn.Module):
-    """One expert's rows of the fused tensors (gate_up [2F, D], down [D, F])."""
+    """One expert's rows of the fused tensors, as torchtitan names an expert's weights: w1 (gate)
+    and w3 (up), the halves of gate_up [2F, D], and w2 (down [D, F])."""
 
     def __init__(self, gate_up, down, act):
         super().__init__()
-        self.gate_up, self.down, self.act = nn.Parameter(gate_up.clone()), nn.Parameter(down.clone()), act
+        gate, up = gate_up.chunk(2)
+        self.w1, self.w3 = nn.Parameter(gate.clone()), nn.Parameter(up.clone())
+        self.w2, self.act = nn.Parameter(down.clone()), act
 
     def forward(self, x):
-        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
-        return F.linear(self.act(gate) * up, self.down)
+        return F.linear(self.act(F.linear(x, self.w1)) * F.linear(x, self.w3), self.w2)
 
 
 class EPBlock(nn.Module):

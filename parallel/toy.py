@@ -66,19 +66,29 @@ def build_llama(config):
 # expert's rows of them in a module of its own, called as the fused module is (hidden states, top-k
 # indices, top-k weights) by the model's own block: the same numbers, one module per expert. A
 # model built from a config.json (`build_model`) keeps transformers' fused layout.
+NAMES = {"mixtral": ("w1", "w3", "w2"), None: ("gate_proj", "up_proj", "down_proj")}
+
+
 class Expert(torch.nn.Module):
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, act):
+    """One expert's gate, up and down projections, named as the family's per-expert checkpoints
+    name them (Mixtral's w1 / w3 / w2, Qwen-MoE's gate_proj / up_proj / down_proj): transformers
+    5's loader fuses exactly those names into its 3-D tensors, so save_pretrained's files load
+    in AutoModelForCausalLM with the same weights."""
+
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, act,
+                 names: tuple[str, str, str]):
         super().__init__()
-        self.gate_up = torch.nn.Linear(gate_up.shape[1], gate_up.shape[0], bias=False)
-        self.down = torch.nn.Linear(down.shape[1], down.shape[0], bias=False)
-        with torch.no_grad():
-            self.gate_up.weight.copy_(gate_up)
-            self.down.weight.copy_(down)
+        self.names = names
+        for name, weight in zip(names, (gate, up, down)):
+            linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+            with torch.no_grad():
+                linear.weight.copy_(weight)
+            self.add_module(name, linear)
         self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(self.act(gate) * up)
+        gate, up, down = (getattr(self, n) for n in self.names)
+        return down(self.act(gate(x)) * up(x))
 
 
 class ListedExperts(torch.nn.ModuleList):
@@ -104,12 +114,13 @@ class ListedExperts(torch.nn.ModuleList):
 
 def listed(model: torch.nn.Module) -> torch.nn.Module:
     """`model` with every fused experts module replaced by a ListedExperts of the same weights."""
+    names = NAMES.get(getattr(getattr(model, "config", None), "model_type", None), NAMES[None])
     for module in list(model.modules()):
         fused = getattr(module, "experts", None)
         if isinstance(fused, torch.nn.Module) and getattr(fused, "gate_up_proj", None) is not None:
             module.experts = ListedExperts(
-                Expert(fused.gate_up_proj[e].detach(), fused.down_proj[e].detach(), fused.act_fn)
-                for e in range(fused.gate_up_proj.shape[0]))
+                Expert(*fused.gate_up_proj[e].detach().chunk(2), fused.down_proj[e].detach(),
+                       fused.act_fn, names) for e in range(fused.gate_up_proj.shape[0]))
     return model
 
 

@@ -126,16 +126,17 @@ def apply_expert_fsdp(experts: list[nn.Module], mesh, kwargs: dict, divide_by: i
     as torchtitan shards experts over dp_shard_mod_ep. The gradient is divided by the whole
     data-parallel x cp count, not the mesh's size: each owner's gradient already sums its ep
     group's tokens (torchtitan's gradient divide factor). NCCL folds the division into the
-    reduction (premul-sum); elsewhere (gloo) it is a sum, then the division. On a mesh of one rank
-    (no replica holds the same experts) there is no reduction: torch 2.15 divides in the copy that
-    replaces it, and with forced sums divides again after (expert gradients at half of one
-    process's, measured), so the sums are forced only where a reduction runs."""
+    reduction (premul-sum); elsewhere (gloo) it is a sum, then the division. Where the shard
+    dimension has one rank (no other rank shards the same experts) there is no reduce-scatter:
+    torch 2.15 divides in the copy that replaces it, and with forced sums divides again after the
+    replicas' all-reduce or alone (expert gradients at half of one process's, measured), so the
+    sums are forced only where a reduce-scatter runs."""
     from torch.distributed.fsdp import fully_shard
 
     for expert in experts:
         fully_shard(expert, mesh=mesh, **kwargs)
         expert.set_gradient_divide_factor(float(divide_by))
-        if device_type != "cuda" and mesh.size() > 1:
+        if device_type != "cuda" and mesh.shape[-1] > 1:
             expert.set_force_sum_reduction_for_comms(True)
 
 

@@ -222,7 +222,7 @@ def check_loads(name, tracked, one):
         tokens = sum(v for k, v in line.items() if k.startswith("moe/tokens/expert_"))
         assert tokens == per_step * toy["num_experts_per_tok"] * toy["num_hidden_layers"] * \
             one["tracked"], (name, line)
-        assert line["moe/imbalance"] >= 1.0 and "moe/model.layers.0.block_sparse_moe/imbalance" \
+        assert line["moe/imbalance"] >= 1.0 and "moe/model.layers.0.mlp/imbalance" \
             in line, (name, line)
     assert [line["step"] for line in tracked] == [2, 4], (name, tracked)
 

@@ -27,6 +27,7 @@ The convention this reads is Hugging Face's (Mixtral, Qwen2-MoE, OLMoE, ...): a 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -35,11 +36,26 @@ from torch import nn
 from parallel.kits.names import clean_name
 
 
+_PROBING = [0]  # pipeline metadata probes running now (`probing`)
+
+
 def a_step_forward(module: nn.Module) -> bool:
     """Whether `module` runs in a training step's own forward: not evaluation or generation, not a
-    pipeline stage's shape inference (torch runs it on zeros, without grad, at a schedule's first
-    step) and not activation checkpointing's recomputation (inside the backward)."""
-    return module.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+    pipeline stage's metadata probe (torch 2.9 ran it without grad; 2.15 runs a forward and a
+    backward with grad at a schedule's first step: `probing` marks it) and not activation
+    checkpointing's recomputation (inside the backward)."""
+    return (module.training and torch.is_grad_enabled() and not _PROBING[0]
+            and torch._C._current_graph_task_id() == -1)
+
+
+@contextlib.contextmanager
+def probing():
+    """Around a pipeline stage's metadata probe: no forward inside is a step's own."""
+    _PROBING[0] += 1
+    try:
+        yield
+    finally:
+        _PROBING[0] -= 1
 
 
 def moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -16,6 +16,8 @@ pipeline alike (the ranks of one pipeline are fed the same rows) and kept for th
 
 from __future__ import annotations
 
+import contextlib
+
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -93,6 +95,9 @@ class Pipeline:
         stages = [pipelining.PipelineStage(part, s, lay.n_stages, self.device, group=lay.group,
                                            **self._shapes(part, s, shape, training))
                   for part, s in zip(self.parts, lay.stage_ids)]
+        for stage in stages:  # torch 2.15's probe of the first step's shapes is no step's forward
+            if hasattr(stage, "register_forward_context"):
+                stage.register_forward_context(_probe_context)
         if torch.distributed.get_backend(lay.group) == "gloo":
             # torch 2.9's first-step handshake (it warms NCCL's p2p communicators up) sends an
             # int64 into a float32 buffer: gloo refuses it (measured: "op.preamble.length <=
@@ -207,6 +212,14 @@ def _causal_lm_loss(last: nn.Module | None):
     from transformers.loss.loss_utils import ForCausalLMLoss
 
     return ForCausalLMLoss
+
+
+def _probe_context(info):
+    """torch 2.15's forward context: its metadata probe (a forward and a backward with grad on the
+    first micro-batch, at a schedule's first step) marked, so that no expert counts its rows."""
+    from parallel.engine.model.moe.experts import probing
+
+    return probing() if info.is_metadata_inference else contextlib.nullcontext()
 
 
 class _ForwardOnly(ts._PipelineScheduleRuntime):
