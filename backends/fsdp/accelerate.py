@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import difflib
 
-from parallel.interop.importing import BY_NUMBER, PREFETCH, STRATEGIES, Import, strategy, wrap_section
+from parallel.interop.importing import (BY_NUMBER, PREFETCH, STRATEGIES, Import, parallelism_sizes,
+                                       strategy, wrap_section)
 
 STRATEGY_NAMES = {v: k for k, v in STRATEGIES.items()}
 
@@ -173,7 +174,17 @@ def _parallelism(imp: Import, par: dict) -> None:
     is topology.tp (the model's own tp plan, TP innermost, as accelerate's mesh has it); its cp_size
     is topology.cp (the same mesh place, inside tp's; accelerate splits each row over the group and
     runs torch's ring attention, polyshard runs Ulysses: the same loss)."""
-    size = {k.removeprefix("parallelism_config_"): v for k, v in par.items()}
+    size = parallelism_sizes(imp, par)
+    sp = imp.whole("parallelism_config.parallelism_config_sp_size", size.get("sp_size", 1) or 1)
+    if sp is not None and sp > 1:
+        imp.problems.append(("parallelism_config.parallelism_config_sp_size", f"{sp}: accelerate "
+                             "runs sp_size as DeepSpeed's Ulysses (sp_backend: deepspeed, "
+                             "distributed_type DEEPSPEED); under FSDP split rows with "
+                             "parallelism_config_cp_size (topology.cp)"))
+    for key in ("cp_backend", "cp_comm_strategy"):
+        if key in size:
+            imp.note(f"parallelism_config.parallelism_config_{key}", "ignored", "polyshard's "
+                     "topology.cp exchanges by Ulysses all-to-all: the same loss")
     cp = int(size.get("cp_size", 1) or 1)
     if cp > 1:
         imp.set("topology.cp", cp, "parallelism_config.parallelism_config_cp_size",

@@ -92,6 +92,32 @@ class Import:
                                                  if lossy_ok else "")))
 
 
+# accelerate 1.16's parallelism_config keys (`accelerate config` and launch's
+# --parallelism_config_* flags), without their prefix
+PARALLELISM = {"dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "cp_backend",
+               "cp_comm_strategy", "sp_size", "sp_backend", "sp_seq_length",
+               "sp_seq_length_is_variable", "sp_attn_implementation"}
+
+
+def parallelism_sizes(imp: Import, par) -> dict:
+    """An accelerate file's parallelism_config as {key without prefix: value}; a key accelerate
+    does not read is a problem naming it (never silently dropped), as is a section that is not a
+    mapping. The readers decide what each size means on their backend."""
+    if not isinstance(par, dict):
+        imp.problems.append(("parallelism_config", f"{str(par)[:80]!r} is not a mapping"))
+        return {}
+    out = {}
+    for key, value in par.items():
+        name = str(key).removeprefix("parallelism_config_")
+        if name not in PARALLELISM:
+            hint = difflib.get_close_matches(name, sorted(PARALLELISM), n=1, cutoff=0.75)
+            imp.problems.append((f"parallelism_config.{key}", "accelerate 1.16 does not read it"
+                                 + (f"; did you mean 'parallelism_config_{hint[0]}'?" if hint else "")))
+        else:
+            out[name] = value
+    return out
+
+
 def merged(spec: dict, given: dict) -> dict:
     """`spec` with the --set values `given` laid over it."""
     out = dict(spec)

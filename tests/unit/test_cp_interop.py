@@ -72,3 +72,36 @@ def test_what_a_tool_cannot_carry_is_refused_naming_the_field():
     with pytest.raises(SpecError) as err:  # DeepSpeed's own key under native: the field is cp
         load_spec({"backend": "deepspeed", "deepspeed": {"native": {"sequence_parallel_size": 2}}})
     assert "set topology.cp" in dict(err.value.problems)["deepspeed.native.sequence_parallel_size"]
+
+
+def test_accelerate_sp_size_beside_deepspeed_is_cp_and_other_keys_are_named():
+    """accelerate 1.16 takes a ParallelismConfig beside DEEPSPEED for sequence parallelism (1.11
+    refused it): sp_size over DeepSpeed's Ulysses is topology.cp on the DeepSpeed backend, as
+    accelerate's own ParallelismConfig reads the same sizes. Under FSDP sp_size is refused naming
+    cp_size; a key accelerate does not read is named, never dropped; its other sizes beside
+    DEEPSPEED are refused."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    par = {"parallelism_config_sp_size": 2, "parallelism_config_sp_backend": "deepspeed",
+           "parallelism_config_sp_seq_length": 64}
+    theirs = ParallelismConfig(sp_size=2, sp_backend="deepspeed")  # accelerate's own reading
+    assert theirs.sp_enabled and theirs.non_data_parallel_size == 2
+    cfg = {"distributed_type": "DEEPSPEED", "num_processes": 4,
+           "deepspeed_config": {"zero_stage": 2}, "parallelism_config": par}
+    spec, report = from_accelerate(cfg)
+    assert (spec["backend"], spec["topology"]["cp"]) == ("deepspeed", 2)
+    assert load_spec(spec).dims.cp == 2 and load_spec(spec).dims.dp_size == 2
+    assert ("parallelism_config.parallelism_config_sp_seq_length", "ignored") in {
+        (src, outcome) for src, outcome, _ in report}
+    fsdp = {"distributed_type": "FSDP", "num_processes": 4, "fsdp_config": {"fsdp_version": 2},
+            "parallelism_config": {"parallelism_config_sp_size": 2}}
+    with pytest.raises(SpecError) as err:
+        from_accelerate(fsdp)
+    assert "cp_size" in dict(err.value.problems)["parallelism_config.parallelism_config_sp_size"]
+    typo = {**fsdp, "parallelism_config": {"parallelism_config_tp_sise": 2}}
+    with pytest.raises(SpecError) as err:
+        from_accelerate(typo)
+    assert "tp_size" in dict(err.value.problems)["parallelism_config.parallelism_config_tp_sise"]
+    with pytest.raises(SpecError) as err:
+        from_accelerate({**cfg, "parallelism_config": {**par, "parallelism_config_tp_size": 2}})
+    assert "parallelism_config" in dict(err.value.problems)

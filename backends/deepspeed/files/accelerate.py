@@ -17,7 +17,7 @@ from pathlib import Path
 
 from backends.deepspeed.files.import_zero import SHARD_OF_STAGE, zero_section
 from backends.deepspeed.files.interop import import_into, read_config
-from parallel.interop.importing import Import
+from parallel.interop.importing import Import, parallelism_sizes
 
 PLUGIN_KEYS = {"zero_stage", "offload_optimizer_device", "offload_param_device",
                "offload_optimizer_nvme_path", "offload_param_nvme_path",
@@ -57,18 +57,37 @@ def deepspeed_section(imp: Import, ds: dict, cfg: dict, base) -> None:
         _from_file(imp, ds, base)
     else:
         _from_plugin(imp, ds)
-    sizes = {k: v for k, v in (cfg.get("parallelism_config") or {}).items() if v not in (None, 1)}
-    if sizes:  # ParallelismConfig._validate_accelerator raises for DEEPSPEED (accelerate 1.11)
-        imp.problems.append(("parallelism_config", f"{sizes}: accelerate refuses a "
-                             "ParallelismConfig with distributed_type DEEPSPEED (FSDP2 and "
-                             "multi-device only); DeepSpeed's tensor parallelism is its config's "
-                             "tensor_parallel.autotp_size"))
+    _parallelism(imp, parallelism_sizes(imp, cfg.get("parallelism_config") or {}))
     _autotp_world(imp)
     stage3 = imp.spec.get("shard") in ("full", "hybrid")
     flag = ds.get("zero3_init_flag")
     imp.set("deepspeed.zero_init", bool(stage3 if flag is None else flag and stage3),
             "deepspeed_config.zero3_init_flag", "mapped" if flag is not None else "default",
             "zero.Init" + (" (absent: on at ZeRO-3, accelerate's default)" if flag is None else ""))
+
+
+def _parallelism(imp: Import, size: dict) -> None:
+    """accelerate 1.16 takes a ParallelismConfig beside DEEPSPEED for sequence parallelism:
+    sp_size over DeepSpeed's Ulysses (sp_backend deepspeed, its only one), which is topology.cp on
+    this backend (the same all-to-alls as DeepSpeed's ALST loop). Its other sizes are not
+    DeepSpeed's dimensions: refused naming them (tensor parallelism is the DeepSpeed config's
+    tensor_parallel.autotp_size)."""
+    sp = imp.whole("parallelism_config.parallelism_config_sp_size", size.get("sp_size", 1) or 1)
+    if sp is not None and sp > 1:
+        imp.set("topology.cp", sp, "parallelism_config.parallelism_config_sp_size",
+                detail=f"each row split over {sp} ranks by DeepSpeed's Ulysses all-to-all, as "
+                "accelerate's sp_backend deepspeed")
+    for key in ("sp_backend", "sp_seq_length", "sp_seq_length_is_variable",
+                "sp_attn_implementation"):
+        if key in size:
+            imp.note(f"parallelism_config.parallelism_config_{key}", "ignored", "polyshard "
+                     "splits each batch's rows as they come, with the model's own attention")
+    other = {k: v for k, v in size.items() if k.endswith("_size") and k != "sp_size"
+             and v not in (None, 1)}
+    if other:
+        imp.problems.append(("parallelism_config", f"{other}: beside DEEPSPEED accelerate runs "
+                             "sp_size only (DeepSpeed's Ulysses); DeepSpeed's tensor parallelism "
+                             "is its config's tensor_parallel.autotp_size"))
 
 
 def _autotp_world(imp: Import) -> None:
