@@ -14,14 +14,15 @@ OUTCOME_STYLE = {"lost": "bold red", "ignored": "yellow", "launch": "dim", "defa
 
 
 def add_parsers(sub, command, add_spec_args) -> None:
-    p = command("import", "turn an accelerate config or a DeepSpeed JSON into a spec that means the "
-                "same; every source field is reported, and one that cannot keep its meaning stops "
-                "the import (exit 2) naming it, unless --lossy")
+    p = command("import", "turn an accelerate config, a DeepSpeed JSON or a transformers "
+                "DistributedConfig JSON into a spec that means the same; every source field is "
+                "reported, and one that cannot keep its meaning stops the import (exit 2) naming "
+                "it, unless --lossy")
     from parallel.registry import config_import_kinds, export_formats
 
-    p.add_argument("kind", choices=["accelerate", *config_import_kinds()])
-    p.add_argument("file", help="accelerate config YAML, or DeepSpeed JSON (hjson, as DeepSpeed "
-                   "reads it)")
+    p.add_argument("kind", choices=["accelerate", "transformers", *config_import_kinds()])
+    p.add_argument("file", help="accelerate config YAML, DeepSpeed JSON (hjson, as DeepSpeed "
+                   "reads it), or transformers' DistributedConfig JSON (its to_json_file)")
     p.add_argument("-o", "--output", help="write the spec YAML here (default: stdout)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                    help="what the file leaves to its caller (\"auto\") or its launch: e.g. --set "
@@ -37,7 +38,8 @@ def add_parsers(sub, command, add_spec_args) -> None:
 
 
 def _read_yaml(path: Path):
-    """An accelerate config, read as data: a regular file, bounded, without YAML aliases."""
+    """An accelerate config (or a JSON one), read as data: a regular file, bounded, without YAML
+    aliases."""
     from parallel.files import FileError, load_yaml
     from parallel.spec.errors import SpecError
 
@@ -61,6 +63,14 @@ def run_import(args) -> int:
         from parallel.interop.accelerate import from_accelerate
 
         data, report = from_accelerate(_read_yaml(source), source.parent, args.lossy, given)
+    elif args.kind == "transformers":
+        from parallel.interop.objects import from_distributed_config
+
+        loaded = _read_yaml(source)  # JSON is YAML: the same bounded data reader
+        if not isinstance(loaded, dict):
+            raise SpecError([(str(source), "is not a JSON object: a DistributedConfig file is "
+                              "one (DistributedConfig.to_json_file)")])
+        data, report = from_distributed_config(loaded, args.lossy, given)
     else:  # a kind a backend reads (its descriptor's config_importers)
         from parallel.registry import config_importer
 

@@ -349,3 +349,34 @@ def test_zero2_with_offload_param_means_what_deepspeed_does_with_it():
     spec = load_spec(data)
     assert (spec.shard, spec.offload, spec.compile.enabled) == ("grad_op", "optimizer", True)
     assert any(r[0] == "zero_optimization.offload_param" and r[1] == "ignored" for r in report)
+
+
+def test_parallelism_objects_import_as_their_tools_resolve_them():
+    """accelerate's ParallelismConfig (through the accelerate file reader) and transformers'
+    DistributedConfig (object, or its JSON through transformers' own from_dict): the spec's
+    dimensions are the sizes each class resolved; what polyshard cannot keep is named."""
+    from accelerate.parallelism_config import ParallelismConfig
+    from transformers.distributed import DistributedConfig
+
+    from parallel.interop.objects import from_distributed_config, from_parallelism_config
+
+    theirs = ParallelismConfig(dp_replicate_size=2, dp_shard_size=2, tp_size=2)
+    spec = load_spec(from_parallelism_config(theirs)[0])
+    assert (spec.dims.dp_replicate, spec.dims.dp_shard, spec.dims.tp) == (2, 2, 2)
+    assert spec.world_size == theirs.total_size and spec.shard == "hybrid"
+    world = {"topology": {"procs_per_node": 8}}
+    for given in (DistributedConfig(tp_size=2, fsdp_size=2, dp_replicate_size=2),
+                  {"tp_size": 2, "fsdp_size": 2, "dp_replicate_size": 2}):
+        resolved = given if isinstance(given, DistributedConfig) else DistributedConfig.from_dict(given)
+        out, _ = from_distributed_config(given, given=world)
+        dims = load_spec({**out, "topology": {**out["topology"], "procs_per_node": 8}}).dims
+        assert (dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp) == (
+            resolved.dp_replicate_size, resolved.fsdp_size, resolved.tp_size, resolved.pp_size)
+    ep, _ = from_distributed_config(DistributedConfig(fsdp_size=4, ep_size=2),
+                                    given={"topology": {"procs_per_node": 4}})
+    assert ep["topology"]["ep"] == 2
+    assert "fsdp_mixed_precision" in problems(from_distributed_config,
+                                              {"fsdp_size": 2, "fsdp_mixed_precision": True})
+    assert "bogus" in problems(from_distributed_config, {"fsdp_size": 2, "bogus": 1})
+    legacy = DistributedConfig(tp_size=2, ep_size=2, tp_plan={})  # ep over the tp ranks alone
+    assert "tp_plan" in problems(from_distributed_config, legacy)
