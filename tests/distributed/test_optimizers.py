@@ -26,6 +26,12 @@ BUDGET_S = 60  # seconds in make test (tests/conftest.py)
 
 MUON_TOL = 2e-4  # measured above: at most 1.04e-4 (tp 2; pp 2 4.4e-5, ep 2 8.7e-5)
 MUON_NORM_TOL = 5e-4  # the gradient norm, relative: at most 3.7e-4 (pp 2; tp 2 2.4e-4)
+# the toy Mixtral, its experts three matrices each (w1 / w3 / w2, as transformers 5's loader reads
+# them; Muon orthogonalizes each): data parallel alone, without ep, measured 1.82e-4 from one
+# process and ep 2 2.01e-4 (torch 2.15): bf16 Newton-Schulz on a gradient summed in another
+# order, not ep (its gradients are one process's within 1.5e-8 under SGD). #80's oracle (one
+# process summing the same per-rank shares) replaces these bounds.
+MIXTRAL_MUON_TOL = 3e-4
 # where the backend said its bf16 differs (XLA SPMD, 2 devices): the loss 1.3e-3 off, the gradient
 # norm 1.2e-2 (relative) by step 5
 XLA_MUON_TOL, XLA_NORM_TOL = 3e-3, 3e-2
@@ -116,7 +122,8 @@ def check(name: str, res: dict) -> float:
     notices = " ".join(res["train"].get("notices", []))
     if "Newton-Schulz iteration in bf16" in notices:
         return check_parity(name, res, tol=XLA_MUON_TOL, norm_tol=XLA_NORM_TOL)
-    return check_parity(name, res, tol=MUON_TOL, norm_tol=MUON_NORM_TOL)
+    return check_parity(name, res, tol=MIXTRAL_MUON_TOL if "mixtral" in name else MUON_TOL,
+                        norm_tol=MUON_NORM_TOL)
 
 
 @pytest.mark.timeout(900)
