@@ -64,13 +64,13 @@ def run_import(args) -> int:
 
         data, report = from_accelerate(_read_yaml(source), source.parent, args.lossy, given)
     elif args.kind == "transformers":
-        from parallel.interop.objects import from_distributed_config
+        from parallel.interop.distributed_config import from_distributed_config
 
         loaded = _read_yaml(source)  # JSON is YAML: the same bounded data reader
         if not isinstance(loaded, dict):
             raise SpecError([(str(source), "is not a JSON object: a DistributedConfig file is "
                               "one (DistributedConfig.to_json_file)")])
-        data, report = from_distributed_config(loaded, args.lossy, given)
+        data, report = from_distributed_config(loaded, load_spec, args.lossy, given)
     else:  # a kind a backend reads (its descriptor's config_importers)
         from parallel.registry import config_importer
 

@@ -19,7 +19,7 @@ import difflib
 from pathlib import Path
 from typing import Any
 
-from parallel.interop.importing import Import, Report
+from parallel.interop.importing import PARALLELISM, Import, Report
 from parallel.spec.errors import SpecError
 
 TOP_LEVEL = {  # accelerate 1.11's ClusterConfig fields; it refuses any other key
@@ -183,4 +183,17 @@ def _topology(imp: Import, cfg: dict, kind: str) -> None:
                  "picks a free port")
 
 
-
+def from_parallelism_config(config, accelerate_config: dict | None = None, lossy: bool = False,
+                            given: dict | None = None) -> tuple[dict, Report]:
+    """accelerate's ParallelismConfig object (its sizes as its class resolved them) in
+    `accelerate_config` (default: FSDP2, accelerate's only FSDP that takes one; a DEEPSPEED config
+    for sp_size), read as that file would be: (spec dict, report)."""
+    fields = config.to_json() if hasattr(config, "to_json") else dict(config)
+    sizes = {f"parallelism_config_{k}": v for k, v in fields.items()
+             if k in PARALLELISM and v is not None}
+    cfg = dict(accelerate_config or {"distributed_type": "FSDP",
+                                     "fsdp_config": {"fsdp_version": 2}})
+    cfg["parallelism_config"] = {**(cfg.get("parallelism_config") or {}), **sizes}
+    if getattr(config, "total_size", 1) > 1:  # the world its mesh spans, as accelerate checks it
+        cfg.setdefault("num_processes", config.total_size)
+    return from_accelerate(cfg, lossy=lossy, given=given)

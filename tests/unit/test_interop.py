@@ -358,7 +358,11 @@ def test_parallelism_objects_import_as_their_tools_resolve_them():
     from accelerate.parallelism_config import ParallelismConfig
     from transformers.distributed import DistributedConfig
 
-    from parallel.interop.objects import from_distributed_config, from_parallelism_config
+    from parallel.interop.accelerate import from_parallelism_config
+    from parallel.interop.distributed_config import from_distributed_config as read
+
+    def from_distributed_config(config, **kwargs):
+        return read(config, load_spec, **kwargs)
 
     theirs = ParallelismConfig(dp_replicate_size=2, dp_shard_size=2, tp_size=2)
     spec = load_spec(from_parallelism_config(theirs)[0])

@@ -1,35 +1,15 @@
-"""Parallelism objects users hold in Python, as a spec: accelerate's `ParallelismConfig` (what an
-Accelerator or TrainingArguments takes) and transformers' `DistributedConfig` (what from_pretrained
-takes, and what its `to_json_file` writes).
-
-Each is read after its own class resolved it (its `__post_init__`: the defaults, the legacy
-`enable_expert_parallel`), so the sizes are what the tool itself runs. A ParallelismConfig is laid
-over an accelerate config and read by the accelerate file reader (one reader for the file and the
-object); a DistributedConfig is transformers' native FSDP2 with its own dimensions. What polyshard
-cannot keep is a problem naming the field, as for files (exit 2 at the CLI)."""
+"""transformers' `DistributedConfig` (what from_pretrained takes, and what its `to_json_file`
+writes) as a spec: transformers' native FSDP2 with its own dimensions, read after its class resolved
+them (`__post_init__`: the defaults, the legacy `enable_expert_parallel`), so the sizes are what
+transformers itself runs. What polyshard cannot keep is a problem naming the field, as for files
+(exit 2 at the CLI). accelerate's `ParallelismConfig` object is read by the accelerate file reader
+(accelerate.py's from_parallelism_config). A kit: the caller passes the spec validation."""
 
 from __future__ import annotations
 
-from parallel.interop.importing import PARALLELISM, Import, Report
+from collections.abc import Callable
 
-
-def from_parallelism_config(config, accelerate_config: dict | None = None, lossy: bool = False,
-                            given: dict | None = None) -> tuple[dict, Report]:
-    """accelerate's ParallelismConfig (its sizes as accelerate resolved them) in
-    `accelerate_config` (default: FSDP2, accelerate's only FSDP that takes one; a DEEPSPEED config
-    for sp_size), read as that file would be: (spec dict, report)."""
-    from parallel.interop.accelerate import from_accelerate
-
-    fields = config.to_json() if hasattr(config, "to_json") else dict(config)
-    sizes = {f"parallelism_config_{k}": v for k, v in fields.items()
-             if k in PARALLELISM and v is not None}
-    cfg = dict(accelerate_config or {"distributed_type": "FSDP",
-                                     "fsdp_config": {"fsdp_version": 2}})
-    cfg["parallelism_config"] = {**(cfg.get("parallelism_config") or {}), **sizes}
-    if getattr(config, "total_size", 1) > 1:  # the world its mesh spans, as accelerate checks it
-        cfg.setdefault("num_processes", config.total_size)
-    return from_accelerate(cfg, lossy=lossy, given=given)
-
+from parallel.interop.importing import Import, Report
 
 DISTRIBUTED_REFUSED = {
     "fsdp_plan": "polyshard picks FSDP units by wrap.policy (e.g. layer_classes)",
@@ -39,24 +19,22 @@ DISTRIBUTED_REFUSED = {
 }
 
 
-def from_distributed_config(config, lossy: bool = False,
+def from_distributed_config(config, validate: Callable[[dict], object], lossy: bool = False,
                             given: dict | None = None) -> tuple[dict, Report]:
     """transformers' DistributedConfig (or its JSON as a dict, read by transformers' own
     `from_dict`): tp_size, fsdp_size, dp_replicate_size, pp_size, ep_size as topology and
-    sharding on FSDP2; (spec dict, report)."""
-    from parallel.spec.io import load_spec
-
+    sharding on FSDP2; (spec dict, report). `validate`: the spec validation (load_spec)."""
     if isinstance(config, dict):
         from transformers.distributed import DistributedConfig
 
         unknown = sorted(set(config) - set(DistributedConfig.__dataclass_fields__))
         if unknown:
-            imp = Import(lossy, given or {}, load_spec)
+            imp = Import(lossy, given or {}, validate)
             imp.problems += [(k, "transformers' DistributedConfig has no such field") for k in unknown]
             return imp.finish()
         config = DistributedConfig.from_dict(config)
     d = config.to_dict()
-    imp = Import(lossy, given or {}, load_spec)
+    imp = Import(lossy, given or {}, validate)
     imp.set("backend", "fsdp", "DistributedConfig", detail="transformers' native FSDP2")
     imp.set("fsdp.version", 2, "DistributedConfig")
     imp.set("wrap.policy", "auto", "fsdp_plan", "default", "wrap.policy: auto (transformers' "
