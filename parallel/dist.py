@@ -127,7 +127,10 @@ def init_distributed(timeout_s: float) -> DistContext:
         else:
             store = _attempt_store(rank, world, join)
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=join, store=store)
-        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=timeout_s))
+        # torch 2.15 deprecates _set_pg_timeout for set_timeout, which torch 2.9 lacks
+        set_timeout = getattr(dist.distributed_c10d, "set_timeout", None) or \
+            dist.distributed_c10d._set_pg_timeout
+        set_timeout(timedelta(seconds=timeout_s))
     apply_group_timeout(timeout_s)
     return DistContext(rank, world, local_rank, device, created)
 
