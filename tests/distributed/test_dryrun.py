@@ -191,7 +191,8 @@ def _exact_to_plan(got: dict) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("rank", [1, 5])  # the first pipeline rank (embeddings), the last (head)
+# the first pipeline rank (embeddings); make test-full also the last (head)
+@pytest.mark.parametrize("rank", [1, pytest.param(5, marks=pytest.mark.full)])
 def test_a_pipeline_ranks_bytes_are_plans(tmp_path, rank):
     """pp 2 x tp 2 over 8 ranks, interleaved (2 stages per rank), 2 runs of the schedule per step:
     the sends (each stage's activation forward, its input gradient back, per micro-batch), FSDP2's
