@@ -85,3 +85,23 @@ def test_bench_runs_spmd_cells_at_the_world_of_the_others(cpu_client):
     assert got["fsdp2"].devices is None and got["fsdp2"].data["topology"]["procs_per_node"] == 2
     assert got["xla2"].devices == 2 and got["xla2"].data["topology"]["procs_per_node"] == 1
     assert got["xla1"].data is not None and got["xla1"].devices is None
+
+
+def test_a_preemption_is_one_even_where_torchrun_ended_a_rank_still_exiting():
+    """Every rank exits REQUEUE_EXIT after the save's closing barrier; torchrun ends the ranks left
+    once one exits (with this agent's SIGUSR2). Those ranks had saved too: the launch is a
+    preemption (exit 85). A rank that failed any other way makes it a failure."""
+    import signal
+    from types import SimpleNamespace
+
+    from parallel.launch.agent import preempted, report
+
+    def failures(*codes):
+        return {r: SimpleNamespace(exitcode=c, error_file_data=None, timestamp=r, message="",
+                                   error_file="") for r, c in enumerate(codes)}
+
+    usr2 = -signal.SIGUSR2
+    assert preempted(failures(85, 85)) and preempted(failures(usr2, 85))
+    assert "preempted" in report(failures(usr2, 85))
+    assert not preempted(failures(usr2, 1)) and not preempted(failures(usr2, usr2))
+    assert not preempted(failures(85, -signal.SIGKILL))
