@@ -104,9 +104,6 @@ class ForwardKwargs:
     always: dict
     flattened: dict
 
-    def __bool__(self) -> bool:
-        return bool(self.always or self.flattened)
-
     def every(self) -> dict:
         """Both: a pipeline stage's forward, built once for every batch."""
         return {**self.always, **self.flattened}

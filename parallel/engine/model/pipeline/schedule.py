@@ -17,7 +17,6 @@ pipeline alike (the ranks of one pipeline are fed the same rows) and kept for th
 from __future__ import annotations
 
 import contextlib
-
 from collections.abc import Callable
 from dataclasses import dataclass
 
