@@ -77,31 +77,8 @@ fi
 mkdir -p "$out"
 start=$(date +%s)
 
-# step NAME LIMIT WHAT -- COMMAND...: run COMMAND under min(LIMIT, what the budget has left), its
-# output in OUT/NAME.log, then record it (with OUT/NAME/bench.json's cells when bench wrote them)
-step() {
-    local name="$1" limit="$2" what="$3"; shift 4
-    local left=$((budget - ($(date +%s) - start)))
-    [ "$limit" -gt "$left" ] && limit=$left
-    if [ "$limit" -lt 20 ]; then
-        skip "$name" "$what" "out of time (${left}s of the ${budget}s budget left)"
-        return
-    fi
-    echo "== $name (up to ${limit}s): $what"
-    local t0 rc ms
-    t0=$(date +%s%N)
-    timeout -k 10 "$limit" "$@" > "$out/$name.log" 2>&1
-    rc=$?
-    ms=$((($(date +%s%N) - t0) / 1000000))
-    tail -n 15 "$out/$name.log"
-    "$PY" benchmarks/gpu_report.py record --out "$out" --step "$name" --what "$what" --rc "$rc" \
-        --seconds "$((ms / 1000)).$(printf %03d $((ms % 1000)))" --bench "$out/$name"
-}
-
-skip() {
-    echo "== $1: skipped ($3)"
-    "$PY" benchmarks/gpu_report.py record --out "$out" --step "$1" --what "$2" --skip "$3"
-}
+CHECK=gpu_check
+source benchmarks/check_steps.sh  # step, skip
 
 bench=("$PY" -m parallel.cli bench "$spec" --wide "${small[@]}")  # each step adds --out OUT/<step>
 

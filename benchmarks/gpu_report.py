@@ -1,10 +1,10 @@
-"""The GPU check's record (benchmarks/gpu_check.sh): each step's outcome and figures go into
-OUT/gpu_check.json and OUT/gpu_check.md the moment the step ends, so a run cut off at the device
-machine's limit still reports every step before the cut. Bench figures are read from the bench.json
-`polyshard bench` wrote and shown with bench's own wide columns (parallel/tools/bench/table.py), so
-the GPU table and `bench --wide` cannot disagree.
+"""The device checks' record (benchmarks/gpu_check.sh, benchmarks/tpu_check.sh; --check names
+which): each step's outcome and figures go into OUT/<check>.json and OUT/<check>.md the moment the
+step ends, so a run cut off at the device machine's limit still reports every step before the cut.
+Bench figures are read from the bench.json `polyshard bench` wrote and shown with bench's own wide
+columns (parallel/tools/bench/table.py), so the device table and `bench --wide` cannot disagree.
 
-    gpu_report.py env --out OUT                         # step (a): versions and devices
+    gpu_report.py env --out OUT [--check tpu_check]     # step (a): versions and devices
     gpu_report.py record --out OUT --step NAME --what TEXT (--rc N --seconds S [--bench DIR]
                          | --skip WHY)
     gpu_report.py check --out OUT --expect a,b,...      # exit 1 naming a step that failed or is missing
@@ -26,20 +26,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's p
 # The goals of #63 the table marks: polyshard's step within 1.02x the native loop's, bf16 MFU at
 # least 40% (torchtitan's recipe on the largest Llama that fits), plan's peak within 10%.
 GOALS = {"x_native": 1.02, "mfu": 0.40, "plan_error": 0.10}
-PACKAGES = ("torch", "torch_xla", "deepspeed", "transformers", "accelerate", "pydantic", "torchao",
-            "peft", "datasets")
+PACKAGES = ("torch", "torch_xla", "torch_tpu", "libtpu", "deepspeed", "transformers", "accelerate",
+            "pydantic", "torchao", "peft", "datasets")
+
+
+CHECK = "gpu_check"  # the check whose files these are (--check)
+TITLES = {"gpu_check": "GPU check", "tpu_check": "TPU check"}
 
 
 def load(out: Path) -> dict:
-    path = out / "gpu_check.json"
+    path = out / f"{CHECK}.json"
     return json.loads(path.read_text()) if path.exists() else {"steps": []}
 
 
 def write(out: Path, record: dict) -> None:
     """Both files replaced whole (written aside, then renamed): a reader never sees half of one."""
     out.mkdir(parents=True, exist_ok=True)
-    for name, text in (("gpu_check.json", json.dumps(record, indent=1)),
-                       ("gpu_check.md", markdown(record))):
+    for name, text in ((f"{CHECK}.json", json.dumps(record, indent=1)),
+                       (f"{CHECK}.md", markdown(record))):
         tmp = out / f".{name}.tmp"
         tmp.write_text(text)
         os.replace(tmp, out / name)
@@ -57,9 +61,15 @@ def environment() -> dict:
             facts["packages"][name] = None
     import torch
 
-    if torch.cuda.is_available():
+    from parallel.kits.device import accelerator
+
+    kind = accelerator()  # CUDA, or TorchTPU's tpu where torch-tpu is installed
+    facts["accelerator"] = kind
+    if kind:
+        module = getattr(torch, kind)
+        facts["devices"] = [module.get_device_name(i) for i in range(module.device_count())]
+    if kind == "cuda":
         facts["cuda"] = torch.version.cuda
-        facts["devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         try:
             smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                                  capture_output=True, text=True, timeout=30)
@@ -100,7 +110,7 @@ def goals(cells: dict) -> list[str]:
 def markdown(record: dict) -> str:
     from parallel.tools.bench.table import WIDE, wide_row
 
-    lines = ["# GPU check", ""]
+    lines = [f"# {TITLES[CHECK]}", ""]
     env = record.get("env")
     if env:
         versions = ", ".join(f"{k} {v}" for k, v in env["packages"].items() if v)
@@ -134,13 +144,16 @@ def main(argv=None) -> int:
     p.add_argument("--bench", type=Path)
     p.add_argument("--skip")
     p.add_argument("--expect", default="")
+    p.add_argument("--check", default="gpu_check", choices=sorted(TITLES))
     a = p.parse_args(argv)
+    global CHECK
+    CHECK = a.check
     record = load(a.out)
     if a.action == "check":
         seen = {s["step"]: s for s in record["steps"]}
         bad = [f"{n}: " + ("missing" if n not in seen else f"exit {seen[n]['rc']}")
                for n in a.expect.split(",") if n and (n not in seen or seen[n]["rc"])]
-        print("gpu_check: " + ("; ".join(bad) or "every step passed or was skipped with its reason"))
+        print(f"{CHECK}: " + ("; ".join(bad) or "every step passed or was skipped with its reason"))
         return 1 if bad else 0
     entry = {"step": a.step if a.action == "record" else "env", "what": a.what, "rc": a.rc,
              "seconds": a.seconds}

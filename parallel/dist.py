@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.envinfo import detect_launcher
+from parallel.kits import device as devices
 
 
 @dataclass(frozen=True)
@@ -100,20 +101,17 @@ def restore_launch_env(saved: dict[str, str | None]) -> None:
             os.environ[key] = value
 
 
-def init_distributed(timeout_s: float) -> DistContext:
-    """Join (or create) the default process group: NCCL on CUDA with gloo for CPU tensors, else gloo.
+def init_distributed(timeout_s: float, device: str = "auto") -> DistContext:
+    """Join (or create) the default process group on `device` (topology.device; parallel/kits/
+    device.py): the accelerator's own backend (NCCL on CUDA, tpu_dist on TorchTPU) with gloo for
+    CPU tensors, else gloo.
 
     A single process without a launcher still gets a world of size 1, so FSDP and DCP code paths are
     the same whether one rank or many run them.
     """
     install_error_report()  # under a launcher: the first failing rank is reported once
     rank, world, local_rank = launched_world()
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        backend = "cpu:gloo,cuda:nccl"
-    else:
-        device, backend = torch.device("cpu"), "gloo"
+    device, backend = devices.bind(devices.resolve(device), local_rank)
     created = not dist.is_initialized()
     if created:
         # Joining waits for every rank to start (imports, a restart's re-launch: tens of seconds);
@@ -186,6 +184,8 @@ def rng_state() -> dict:
     # would probe the driver on every save (3-4 ms of an async save's 15 ms on a CPU host)
     if torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
+    elif (kind := devices.accelerator()) and getattr(torch, kind).is_initialized():
+        state[kind] = getattr(torch, kind).get_rng_state()  # TorchTPU: this rank's one device
     return state
 
 
@@ -197,6 +197,9 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+    kind = devices.accelerator()
+    if kind and kind != "cuda" and kind in state:
+        getattr(torch, kind).set_rng_state(state[kind])
 
 
 WORLD = None  # torch's default process group: every rank of the job

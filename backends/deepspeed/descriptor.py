@@ -29,6 +29,10 @@ DESCRIPTOR = BackendDescriptor(
         "shard": {"hybrid_grad_op": Unsupported(
             "ZeRO++ hierarchical partitioning (hpZ) applies to ZeRO-3 parameters only",
             "shard: hybrid (ZeRO-3 + hpZ), or shard: grad_op (ZeRO-2)")},
+        "topology.device": {"tpu": Unsupported(
+            "DeepSpeed 0.19.8 has no accelerator for TorchTPU's tpu device (its accelerators: "
+            "cuda, cpu, xpu, hpu, npu, mps)",
+            "backend: fsdp (FSDP2 runs TorchTPU), or backend: xla_fsdp (torch_xla)")},
     }),
     translate=translate,
     engine="backends.deepspeed.engine:make_engine",

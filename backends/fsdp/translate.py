@@ -44,6 +44,15 @@ def _ep_rules(spec: Spec) -> None:
                           "use fsdp.version: 2")])
 
 
+def _device_rules(spec: Spec) -> None:
+    """topology.device: tpu is TorchTPU's device, which runs FSDP2 and DTensor on
+    DeviceMesh("tpu"); FSDP1's flat parameters and its CUDA streams are not ported to it."""
+    if spec.topology.device == "tpu" and spec.fsdp.version == 1:
+        raise SpecError([("topology.device", "'tpu' with fsdp.version: 1: TorchTPU runs "
+                          "fully_shard (FSDP2) and DTensor, not FSDP1's flat parameters; use "
+                          "fsdp.version: 2")])
+
+
 def _float8_rules(spec: Spec) -> None:
     """float8.all_gather is FSDP2's tensor-subclass hook over sharded parameters."""
     if not spec.float8.all_gather or spec.precision != "fp8":
@@ -90,8 +99,8 @@ def _fsdp2_dims(spec: Spec) -> None:
 
 def translate(spec: Spec) -> dict:
     """The FSDP keyword arguments this spec means, as plain values, with `fsdp.native` merged last."""
-    _check_loss_scale(spec)
-    _float8_rules(spec)
+    for rules in (_check_loss_scale, _device_rules, _float8_rules):
+        rules(spec)
     low = spec.compute if spec.compute in LOW else None
     reduce = spec.grad_reduce_dtype
     mixed = {"param_dtype": low, "reduce_dtype": reduce} if low or reduce != "fp32" else None

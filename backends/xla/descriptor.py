@@ -25,6 +25,10 @@ DESCRIPTOR = BackendDescriptor(
             "hybrid": Unsupported(NO_HYBRID, "shard: full"),
             "hybrid_grad_op": Unsupported(NO_HYBRID, "shard: grad_op"),
         },
+        "topology.device": {"tpu": Unsupported(
+            "backend xla_fsdp drives TPUs through torch_xla's PJRT client (PJRT_DEVICE=TPU); tpu is "
+            "TorchTPU's device, a different runtime", "topology.device: auto (PJRT_DEVICE picks "
+            "the chips), or backend: fsdp for TorchTPU")},
         "offload": {"optimizer": Unsupported("XLA FSDP has no CPU offload", "offload: none"),
                     "params": Unsupported("XLA FSDP has no CPU offload", "offload: none")},
         "precision": {"fp16": Unsupported("TPUs compute in bf16; XLA FSDP has no fp16 loss "

@@ -75,7 +75,8 @@ def _launch(args) -> int:
     script_args = [a for a in args.script_args if a != "--"]
     if args.emit == "tpu-vm":
         print(tpu_vm_command(args.config, args.overrides, args.script, script_args, args.tpu,
-                             args.zone, args.workdir, nodes=spec.topology.nodes))
+                             args.zone, args.workdir, nodes=spec.topology.nodes,
+                             device=spec.topology.device))
         return 0
     if args.emit in ("slurm", "k8s"):
         import yaml

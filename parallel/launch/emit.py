@@ -22,6 +22,15 @@ def _launch_words(spec_path: str, overrides: list[str], script: str, script_args
     return words + [w for o in overrides for w in ("--set", o)] + [spec_path, script, *script_args]
 
 
+GPU = "nvidia.com/gpu"
+
+
+def requested(spec: Spec) -> str:
+    """The device resource a cluster job asks for per rank: TorchTPU's chips on GKE (google.com/tpu)
+    for topology.device: tpu, else the backend's (nvidia.com/gpu; none for torch_xla's TPU VMs)."""
+    return "google.com/tpu" if spec.topology.device == "tpu" else get(spec.backend).launch.accelerator
+
+
 CPUS_PER_PROCESS = 8  # the cores each rank gets by default: its own, its loader's workers
 RESTARTS = 20  # PyTorchJob restarts allowed by default: each preemption save's exit is one
 
@@ -35,7 +44,7 @@ def slurm_script(spec: Spec, spec_path: str, overrides: list[str], script: str,
     rank (Slurm's default is one a task); --open-mode=append: a requeued run adds to the log."""
     nodes, procs = spec.topology.nodes, spec.topology.procs_per_node
     cpus = cpus_per_task or CPUS_PER_PROCESS * procs
-    gpus = f"#SBATCH --gpus-per-node={procs}\n" if get(spec.backend).launch.accelerator else ""
+    gpus = f"#SBATCH --gpus-per-node={procs}\n" if requested(spec) == GPU else ""
     launch = " ".join(shlex.quote(w) for w in _launch_words(
         spec_path, overrides, script, script_args, "__ENDPOINT__", max_restarts))
     launch = launch.replace("__ENDPOINT__", '"$head:' + str(RDZV_PORT) + '"')
@@ -99,7 +108,7 @@ def k8s_manifest(spec: Spec, spec_path: str, overrides: list[str], script: str,
     nodes, procs = spec.topology.nodes, spec.topology.procs_per_node
     command = _launch_words(spec_path, overrides, script, script_args,
                             "$(PET_MASTER_ADDR):$(PET_MASTER_PORT)", max_restarts)
-    device = get(spec.backend).launch.accelerator  # TPU VMs: the host's chips, nothing to request
+    device = requested(spec)  # torch_xla's TPU VMs: the host's chips, nothing to request
     limits = {device: procs} if device else {}
     workdir = "/opt/polyshard"  # the images' WORKDIR (docker/*.Dockerfile): paths are relative to it
     ckpt = spec.checkpoint.dir
@@ -153,19 +162,24 @@ WORKER_AND_COORDINATOR = ("python3 -c 'from torch_xla._internal import tpu; "
 
 
 def tpu_vm_command(spec_path: str, overrides: list[str], script: str, script_args: list[str],
-                   tpu: str, zone: str, workdir: str, nodes: int = 1) -> str:
-    """The gcloud command that runs this job on every worker of a TPU VM pod slice: one process per
-    host (PJRT drives the host's chips), each running `polyshard launch` with the same spec; with
-    several hosts (topology.nodes), each worker passes its own index as the node rank and worker
-    0's address as the rendezvous, as torch_xla reads them from the TPU's metadata."""
+                   tpu: str, zone: str, workdir: str, nodes: int = 1, device: str = "auto") -> str:
+    """The gcloud command that runs this job on every worker of a TPU VM pod slice, each running
+    `polyshard launch` with the same spec.
+    - torch_xla (backend xla_fsdp): one process per host, PJRT drives the host's chips; with several
+      hosts (topology.nodes), each worker passes its own index as the node rank and worker 0's
+      address as the rendezvous, as torch_xla reads them from the TPU's metadata.
+    - TorchTPU (topology.device: tpu): procs_per_node ranks per host, one per chip, as on a GPU host;
+      `polyshard launch` has TorchTPU's own set_tpu_launch_env decide the slice's addresses, the
+      node rank and the rendezvous (parallel/kits/device.py), so the command is the same on every
+      worker."""
     words = ["polyshard", "launch", *[w for o in overrides for w in ("--set", o)], spec_path,
              script, *script_args]
     launch = " ".join(shlex.quote(w) for w in words)
-    if nodes > 1:
+    if nodes > 1 and device != "tpu":
         launch = launch.replace("polyshard launch", "polyshard launch --node-rank \"$1\" "
                                 f"--rdzv-endpoint \"$2:{RDZV_PORT}\"", 1)
         launch = f"set -- $({WORKER_AND_COORDINATOR}) && PJRT_DEVICE=TPU {launch}"
-    else:
+    elif device != "tpu":  # TorchTPU's command is the same on every worker
         launch = f"PJRT_DEVICE=TPU {launch}"
     home, rest = (workdir[2:], "~/") if workdir.startswith("~/") else (workdir, "")
     remote = f"cd {rest}{shlex.quote(home)} && {launch}"  # ~ outside the quotes, to expand

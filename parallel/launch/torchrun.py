@@ -100,8 +100,14 @@ def launch(spec: Spec, args: LaunchArgs, script: str, script_args: list[str],
     """Run `script` on every rank under `spec`, laid out as this host's runtime supports
     (registry.local_layout: said in one line when that differs from the spec as written); return
     the launcher's exit code. Third-party start-up noise is filtered unless `verbose`."""
+    from parallel.kits.device import launch_env as device_env
+    from parallel.kits.device import resolve
     from parallel.registry import local_layout
 
+    kind = resolve(spec.topology.device)  # a device this host lacks: refused before any rank starts
+    t = spec.topology
+    runtime = device_env(kind, t.nodes, t.procs_per_node)  # TorchTPU's slice, decided here
+    args = _rendezvous(args, runtime, t.rdzv_endpoint)
     data, local_env, note = local_layout(spec)
     if note:
         print(f"polyshard: {note}", file=sys.stderr, flush=True)
@@ -110,7 +116,7 @@ def launch(spec: Spec, args: LaunchArgs, script: str, script_args: list[str],
         spec_file = Path(tmp) / "spec.json"
         spec_file.write_text(json.dumps(spec.model_dump(mode="json", exclude_unset=True)))
         cmd = torchrun_command(spec, args, script, script_args)
-        env = {**launch_env(spec, spec_file), **local_env}
+        env = {**launch_env(spec, spec_file), **runtime, **local_env}
         if verbose:
             proc, relays = subprocess.Popen(cmd, env=env), []
         else:  # gloo's peer lines and torchrun's banner dropped (quiet.py)
@@ -127,6 +133,19 @@ def launch(spec: Spec, args: LaunchArgs, script: str, script_args: list[str],
         for relay in relays:
             relay.thread.join(timeout=30)  # the workers' last lines, before we return
         return code
+
+
+def _rendezvous(args: LaunchArgs, runtime: dict[str, str], written: str | None) -> LaunchArgs:
+    """The node rank and rendezvous a device runtime decided (TorchTPU's, from the slice's
+    hosts), where neither the command line nor the spec (`written`) named them: every worker of a
+    slice runs the same command."""
+    if "MASTER_ADDR" not in runtime and "NODE_RANK" not in runtime:
+        return args
+    endpoint = args.rdzv_endpoint or written or (
+        f"{runtime['MASTER_ADDR']}:{runtime.get('MASTER_PORT', 29500)}"
+        if "MASTER_ADDR" in runtime else None)
+    rank = args.node_rank if args.node_rank is not None else int(runtime.get("NODE_RANK", 0))
+    return LaunchArgs(rank, endpoint, args.max_restarts, args.extra)
 
 
 def run_locally(spec: Spec, module: str, args: list[str], out: Path, timeout: float,

@@ -47,10 +47,11 @@ class Compile(Section):
               "running the rest eagerly: each compiled unit must be one graph."),
     ] = False
     backend: Annotated[
-        Literal["inductor", "aot_eager", "eager"],
+        Literal["inductor", "aot_eager", "eager", "tpu"],
         Field(description="torch.compile backend. inductor generates kernels (Triton on GPU, C++ "
               "on CPU, which needs a C++ compiler); aot_eager and eager trace without generating "
-              "code, for finding graph breaks and numerical differences."),
+              "code, for finding graph breaks and numerical differences; tpu is TorchTPU's XLA "
+              "compiler, the one it supports on topology.device: tpu (docs/tpu.md)."),
     ] = "inductor"
     max_recompiles: Annotated[
         int,
@@ -78,3 +79,19 @@ class Compile(Section):
         (parallel/engine/model/compile.py), and torch.compile would hand it to a callable backend as a
         keyword that backend does not take."""
         return {"fullgraph": self.fullgraph, "dynamic": self.dynamic}
+
+
+def device_problems(spec) -> list[tuple[str, str]]:
+    """compile.backend against topology.device: TorchTPU registers its compiler, `tpu`, and raises
+    on inductor for TPU tensors (torch_tpu 0.2.0: experimental, its issue #4300); the tpu compiler
+    exists only where TorchTPU runs."""
+    c, device = spec.compile, spec.topology.device
+    if c.backend == "tpu" and device != "tpu":
+        return [("compile.backend", f"'tpu' with topology.device: {device}: it is TorchTPU's "
+                 "compiler, for its tpu device; set topology.device: tpu, or compile.backend: "
+                 "inductor")]
+    if c.enabled and device == "tpu" and c.backend == "inductor":
+        return [("compile.backend", "'inductor' with topology.device: tpu: torch_tpu 0.2.0 "
+                 "raises on inductor for TPU tensors (experimental there); use compile.backend: "
+                 "tpu, its XLA compiler")]
+    return []

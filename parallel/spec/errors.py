@@ -14,13 +14,9 @@ import re
 from pydantic import BaseModel, ValidationError
 from pydantic_core import PydanticCustomError
 
+from parallel.kits.problems import SpecError  # the one error class, raised below the spec too
 
-class SpecError(ValueError):
-    """A spec that cannot be used; `problems` holds `(path, message)` pairs."""
-
-    def __init__(self, problems: list[tuple[str, str]]):
-        self.problems = problems
-        super().__init__("\n".join(f"{p}: {m}" for p, m in problems))
+__all__ = ["SpecError", "explain_validation_error", "merge_native", "rule_error", "validate_as"]
 
 
 def rule_error(*problems: tuple[str, str]) -> PydanticCustomError:

@@ -18,7 +18,7 @@ from typing import Annotated, Any, ClassVar, Literal, Protocol
 
 from pydantic import Field, field_validator, model_validator
 
-from parallel.spec.compiling import Compile
+from parallel.spec.compiling import Compile, device_problems
 from parallel.spec.dims import HYBRID, ParallelDims, batch_problems, world_problems
 from parallel.spec.errors import SpecError, rule_error
 from parallel.spec.pipeline import Pipeline, pipeline_problems
@@ -244,6 +244,7 @@ class Spec(Section):
                              f"the data-parallel size {dp} (world size / (tp x cp x pp)); pick a "
                              "divisor of it"))
         problems += precision_problems(self) + batch_problems(self) + pipeline_problems(self)
+        problems += device_problems(self)
         if self.sequence.loss_tile is not None and self.topology.tp > 1:
             problems.append(("sequence.loss_tile", f"{self.sequence.loss_tile} with topology.tp "
                              f"{self.topology.tp}: a tensor-parallel lm_head splits the vocabulary, "

@@ -41,8 +41,8 @@ class Topology(Section):
                                 "--nnodes).")] = 1
     procs_per_node: Annotated[
         int,
-        Field(ge=1, le=MAX_PER_NODE, description="Processes per host: one per GPU; on CPU, one per "
-              "rank you want."),
+        Field(ge=1, le=MAX_PER_NODE, description="Processes per host: one per GPU (or TPU chip under "
+              "TorchTPU); on CPU, one per rank you want."),
     ] = 1
     shard_group_size: Annotated[
         int | None,
@@ -107,6 +107,15 @@ class Topology(Section):
               "them whole (an LM head). Unset: the model's own plan (Hugging Face's "
               "`base_model_tp_plan` and the head class's `_tp_plan`)."),
     ] = None
+    device: Annotated[
+        Literal["auto", "cuda", "tpu", "cpu"],
+        Field(description="The device each rank trains on. auto: torch.accelerator's (a CUDA GPU, "
+              "or a TPU where TorchTPU, `torch-tpu`, is installed), else the CPU. cuda / tpu: that "
+              "device, refused at prepare naming what installs it where this host lacks it. tpu "
+              "is TorchTPU's device (torch 2.11-2.15, `polyshard[torchtpu]`) on FSDP2, through "
+              "the same code as CUDA (process group tpu_dist, DeviceMesh('tpu')); backend xla_fsdp "
+              "runs TPUs through torch_xla instead (PJRT_DEVICE). docs/tpu.md."),
+    ] = "auto"
     rdzv_endpoint: Annotated[
         str | None,
         Field(pattern=r"^[^:\s]+:\d+$", description="HOST:PORT every node of a multi-node job "

@@ -1,7 +1,9 @@
-"""benchmarks/gpu_check.sh --dry: the GPU check run end to end on this CPU at tiny sizes, so the
-script a lent GPU runs first cannot rot unseen (test_gpu.py once named a removed helper for a week of
-CPU-only runs). Every step records its outcome as it ends; every bench step leaves its cells with
-the figures the GPU table reports (ms/step, x native, peak against plan, save blocking)."""
+"""benchmarks/gpu_check.sh --dry and benchmarks/tpu_check.sh --dry: the device checks run end to end
+on this CPU at tiny sizes, so the scripts a lent GPU or a TPU VM runs first cannot rot unseen
+(test_gpu.py once named a removed helper for a week of CPU-only runs). Every step records its
+outcome as it ends; every bench step leaves its cells with the figures the device table reports
+(ms/step, x native, peak against plan, save blocking). make test-full: 2 min each on this box, over
+what make test's 25 minutes had left after the move to torch 2.15 (docs/testing.md)."""
 
 import json
 import subprocess
@@ -9,8 +11,8 @@ import subprocess
 import pytest
 from harness import ROOT
 
-pytestmark = pytest.mark.distributed
-BUDGET_S = 170  # seconds in make test (tests/conftest.py)
+pytestmark = [pytest.mark.distributed, pytest.mark.full]
+BUDGET_S = 30  # seconds in make test (tests/conftest.py): make test-full's
 STEPS = ["env", "tests", "bench", "plan", "nccl", "save", "fp8", "largest"]
 
 
@@ -36,3 +38,20 @@ def test_gpu_check_runs_every_step_on_cpu(tmp_path):
     assert saves["async_blocking_s"] < saves["sync_s"] and "inflight_slowdown" in saves
     table = (tmp_path / "gpu_check.md").read_text()
     assert all(f"| {name} |" in table for name in STEPS) and "x native" in table
+
+
+def test_tpu_check_runs_every_step_on_cpu(tmp_path):
+    """TorchTPU's check at topology.device cpu on 2 gloo ranks: test_tpu.py is collected and
+    skipped with its reason; bench, save and the compiled step leave their cells."""
+    proc = subprocess.run(["bash", "benchmarks/tpu_check.sh", "--dry", "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    record = json.loads((tmp_path / "tpu_check.json").read_text())
+    steps = {s["step"]: s for s in record["steps"]}
+    assert list(steps) == ["env", "tests", "bench", "save", "compiled"], list(steps)
+    assert "needs TorchTPU's tpu device" in (tmp_path / "tests.log").read_text()
+    for name in ("bench", "save", "compiled"):
+        cell = steps[name]["cells"]["fsdp2/full/w2"]
+        assert steps[name]["rc"] == 0 and cell["world_size"] == 2 and "median_s" in cell, cell
+    assert "async_blocking_s" in steps["save"]["cells"]["fsdp2/full/w2"]["ranks"][0]["saves"]
+    assert "| compiled |" in (tmp_path / "tpu_check.md").read_text()

@@ -102,6 +102,24 @@ def test_tpu_specs_ask_for_no_gpus():
     assert limits == {"limits": {}}
 
 
+def test_torchtpu_jobs_run_one_command_on_every_worker_and_ask_for_tpu_chips():
+    """topology.device: tpu (TorchTPU): no PJRT_DEVICE, no node rank read per worker (TorchTPU's
+    set_tpu_launch_env decides it in `polyshard launch`); GKE pods ask for google.com/tpu chips,
+    Slurm for no GPUs."""
+    from parallel.launch.emit import tpu_vm_command
+
+    for nodes in (1, 4):
+        text = tpu_vm_command("c.yaml", ["topology.device=tpu"], "train.py", [], "tpu", "zone",
+                              "/opt/p", nodes=nodes, device="tpu")
+        remote = shlex.split(text)[-1].removeprefix("--command=")
+        assert remote == "cd /opt/p && polyshard launch --set topology.device=tpu c.yaml train.py"
+    spec = load_spec({"topology": {"device": "tpu", "nodes": 2, "procs_per_node": 4}})
+    assert "gpus-per-node" not in slurm_script(spec, "c.yaml", [], "t.py", [])
+    pod = k8s_manifest(spec, "c.yaml", [], "t.py", [], image="i")["spec"][
+        "pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+    assert pod["resources"] == {"limits": {"google.com/tpu": 4}}
+
+
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_cli_emits_parseable_files(tmp_path, capsys):
     from parallel.cli.main import main

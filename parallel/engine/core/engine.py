@@ -27,6 +27,7 @@ from parallel.engine.data.loaders import plain_batch
 from parallel.engine.data.packing import flattened_problem
 from parallel.engine.watch.hang import CollectiveTimeout, is_timeout, timeout_error
 from parallel.engine.watch.nonfinite import NonFiniteLossError, nonfinite_ranks
+from parallel.kits import device as devices
 
 
 class Engine(EngineSetup):
@@ -215,7 +216,7 @@ class Engine(EngineSetup):
         if self.router is not None and self.model.training:  # the router's logits kept for
             router = self.router.capture()  # the balancing loss over the global batch (router.py)
         with self._autocast(), router, (torch.autograd.graph.save_on_cpu(
-                self.device.type == "cuda") if offload else nullcontext()):
+                devices.on_accelerator(self.device)) if offload else nullcontext()):
             if self.loss_fn is not None:
                 return None, self.loss_fn(self.model, batch)
             if self.tiled is not None and not logits:  # sequence.loss_tile: never whole

@@ -54,7 +54,7 @@ class EngineSetup(EngineCalls):
         (the backend's descriptor's; the registry passes them)."""
         self.spec = spec
         self._launch_env = pdist.launch_env()  # restored at close (a library may add to it)
-        self.ctx = pdist.init_distributed(spec.timeout_s)
+        self.ctx = pdist.init_distributed(spec.timeout_s, spec.topology.device)
         self.hang = HangWatch(self.ctx.rank, spec.timeout_s, spec.checkpoint.dir)  # never per step
         self.progress = self.hang.progress
         self.dims = spec.dims  # every parallel dimension, built once

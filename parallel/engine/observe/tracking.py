@@ -22,6 +22,7 @@ import torch
 
 from parallel.engine.observe.flops import flops_per_token, peak_flops
 from parallel.files import plain_folder
+from parallel.kits import device as devices
 
 def device_peak(device: torch.device, precision: str, configured: float | None) -> float | None:
     """tracking.peak_tflops, else the table's figure for this GPU (flops.py); None on a CPU."""
@@ -133,9 +134,10 @@ class Tracker:
         import psutil
 
         out = {"memory/host_rss_gib": psutil.Process(os.getpid()).memory_info().rss / 2 ** 30}
-        if self.device.type == "cuda":
-            out["memory/device_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2 ** 30
-            torch.cuda.reset_peak_memory_stats(self.device)  # the next window's own peak
+        if devices.on_accelerator(self.device):  # CUDA, TorchTPU: torch.accelerator's counters
+            out["memory/device_peak_gib"] = \
+                torch.accelerator.max_memory_allocated(self.device) / 2 ** 30
+            torch.accelerator.reset_peak_memory_stats(self.device)  # the next window's own peak
         return out
 
     def log(self, metrics: dict, step: int) -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from parallel.kits import device as devices
+
 
 class NonFiniteLossError(FloatingPointError):
     """A non-finite loss with `on_nonfinite: raise` or `raise_deferred`; names the step."""
@@ -31,13 +33,13 @@ class NonfiniteWatch:
     """`on_nonfinite: raise_deferred`: the first step whose loss was not finite, kept on the device
     (sticky: [global, this rank's own], 0 while none) and copied to the host without waiting for it.
     `check()` runs at the next step, save and close: it reads the host copy once it has landed (a
-    CUDA event; on CPU the copy is immediate), so no step ever waits on the device for it. Backends
+    device event; on CPU the copy is immediate), so no step ever waits on the device for it. Backends
     whose device copies differently (XLA: a step closure) override `publish`."""
 
     def __init__(self, device: torch.device):
         self.count = torch.zeros((), dtype=torch.int64, device=device)  # steps, counted on device
         self.first = torch.zeros(2, dtype=torch.int64, device=device)
-        self.host = torch.zeros(2, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.host = torch.zeros(2, dtype=torch.int64, pin_memory=devices.on_accelerator(device))
         self.event = None
 
     def at(self, step: int) -> None:
@@ -55,9 +57,7 @@ class NonfiniteWatch:
 
     def publish(self) -> None:
         self.host.copy_(self.first, non_blocking=True)
-        if self.first.device.type == "cuda":
-            self.event = torch.cuda.Event()
-            self.event.record()
+        self.event = devices.recorded_event(self.first.device)
 
     def check(self, now: int, wait: bool = False) -> None:
         """Raise NonFiniteLossError if a recorded step was not finite. `wait`: read the device now

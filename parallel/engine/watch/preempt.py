@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from parallel.kits import device as devices
+
 REQUEUE_EXIT = 85  # the launchers' scripts requeue the job on this code (parallel/launch/emit.py)
 LAG = 2  # steps between the step whose reduction carried the flag and the boundary that acts on it
 
@@ -67,7 +69,7 @@ class AgreedFlag:
     rides_loss = True  # the flag travels in the step's loss reduction
 
     def __init__(self, device: torch.device):
-        self.pinned = device.type == "cuda"
+        self.pinned = devices.on_accelerator(device)
         self.ring: deque = deque()
         self.free: list[torch.Tensor] = []  # host buffers read and returned: lag + 1 in all
 
@@ -77,10 +79,7 @@ class AgreedFlag:
     def record(self, step: int, reduced: torch.Tensor) -> None:
         host = self._buffer()
         host.copy_(reduced.reshape(1).float(), non_blocking=True)
-        event = None
-        if reduced.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
+        event = devices.recorded_event(reduced.device)
         self.ring.append((step, host, event))
 
     def agreed(self, step: int) -> float:
