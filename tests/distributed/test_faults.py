@@ -5,6 +5,7 @@ Each outcome is recorded for docs/reliability.md."""
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -360,6 +361,13 @@ def test_stalled_rank_fails_the_launch_naming_it(tmp_path, backend):
     report = next((tmp_path / "stall").glob("hang-report-rank0-*.txt")).read_text()
     assert "==== rank 1: step 2: done" in report and "time.sleep(120)" in report, report[-3000:]
     assert "==== rank 0: step 3" in report, report[-3000:]  # the failing rank's own stack too
+    # torch's Flight Recorder: the collective rank 0 waits in, numbered, and rank 1's last on that
+    # group, one behind (flight.py)
+    place = re.search(r"in collective #(\d+) of group (\S+) \(", text)
+    assert place, text[-3000:]
+    behind = re.search(rf"its last collective on group {re.escape(place[2])}: #(\d+)", text)
+    assert behind and int(behind[1]) < int(place[1]), text[-3000:]
+    assert "collectives (torch's Flight Recorder, per group): {" in report, report[-3000:]
     assert "Every rank's Python stack:" in text, text[-3000:]
     record(f"faults-hang-{backend}", {
         "fault": "rank 1 stalls 120 s before step 3, timeout_s 5",
@@ -383,6 +391,11 @@ def test_a_collective_one_rank_entered_alone_is_named(tmp_path):
     assert "torch.distributed.all_reduce (called at elastic_worker.py:" in line, line
     assert "rank 1 at 'step 2: done'" in line and "time.sleep(20)" in line, line
     assert "1 of 2 ranks are in it" in line, line
+    # torch's Flight Recorder numbers the all_reduce rank 0 entered; rank 1 stopped before it
+    place = re.search(r"This rank is in collective #(\d+) of group (\S+) \(gloo:all_reduce", line)
+    behind = place and re.search(rf"rank 1: its last collective on group {re.escape(place[2])}: "
+                                 r"#(\d+)", line)
+    assert behind and int(behind[1]) < int(place[1]), line
     assert seconds < 90, seconds
     record("faults-alone-collective", {
         "fault": "rank 0 runs all_reduce alone after step 2, timeout_s 6",

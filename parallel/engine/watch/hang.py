@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from parallel.engine.watch.flight import flight_status, positions
 from parallel.engine.watch.stall import StallWatch, in_collective, stall_text
 
 HANG = "polyshard/hang"
@@ -94,6 +95,10 @@ class HangWatch:
             reports = collect_reports()
             text = stall_text(self.rank, where, waited_s, self.timeout_s, reports,
                               dist.get_world_size())
+            place, theirs = positions(flight_status(), reports or {})
+            if place:  # torch's Flight Recorder: the collective, numbered, and each rank's last
+                text += f". This rank is in {place}; " + "; ".join(
+                    f"rank {r}: {t}" for r, t in sorted(theirs.items())[:NAMED] if r != self.rank)
         path = write_report(self.report_dir, self.rank, text, reports) if (
             self.report_dir and reports) else None
         print(f"polyshard hang watch: {text}" + (f". Every rank's Python stack: {path}" if path
@@ -117,7 +122,8 @@ def _watch(store, rank: int, world: int, main: threading.Thread, progress: Progr
         inside = in_collective(_frame(main))
         line = json.dumps({"rank": rank, "progress": progress.describe(), "frames": _stack(main),
                            "stack": "".join(traceback.format_stack(_frame(main))),
-                           "collective": inside.api if inside else None})
+                           "collective": inside.api if inside else None,
+                           "collectives": flight_status()})  # torch's Flight Recorder (flight.py)
         store.append(REPORTS, line + "\n")
         if store.add(REPORTED, 1) == world:
             store.set(ALL_IN, "1")
@@ -193,16 +199,19 @@ def timeout_error(rank: int, world: int, what: str, timeout_s: float, progress: 
     there, named in the error."""
     mine = progress.describe()
     head = (f"rank {rank}: {what}: a collective did not complete (timeout_s {timeout_s:g} s, or a "
-            f"peer went away) while this rank was at '{mine}'; ")
-    collector = _collector(rank)
+            f"peer went away) while this rank was at '{mine}'")
+    collector, status = _collector(rank), flight_status()
     if collector is not None and collector != rank:
-        return CollectiveTimeout(head + f"rank {collector} gathered every rank's report: see its "
+        return CollectiveTimeout(head + f"; rank {collector} gathered every rank's report: see its "
                                  "error and the hang-report file it names")
     reports = collect_reports()
     if reports is None:
-        return CollectiveTimeout(head + "the job's store is unreachable (the rank hosting it, "
+        return CollectiveTimeout(head + "; the job's store is unreachable (the rank hosting it, "
                                  "usually rank 0, has exited): see that rank's error")
+    place, theirs = positions(status, reports)
+    head += f", in {place}; " if place else "; "
     lagging = [f"rank {r} last reported '{e['progress']}' at {e['frames']}"
+               + (f" ({theirs[r]})" if r in theirs else "")
                for r, e in sorted(reports.items()) if e["progress"] != mine]
     silent = [r for r in range(world) if r not in reports]
     parts = lagging[:NAMED] + ([f"and {len(lagging) - NAMED} more ranks elsewhere"]
@@ -228,7 +237,9 @@ def write_report(directory: str, rank: int, summary: str, reports: dict) -> Path
         path.parent.mkdir(parents=True, exist_ok=True)
         body = [summary, ""]
         for r, entry in sorted(reports.items()):
-            body += [f"==== rank {r}: {entry['progress']}", entry.get("stack", "").rstrip(), ""]
+            body += [f"==== rank {r}: {entry['progress']}", entry.get("stack", "").rstrip(),
+                     "collectives (torch's Flight Recorder, per group): "
+                     f"{json.dumps(entry.get('collectives'))}", ""]
         path.write_text("\n".join(body))
         return path
     except OSError:  # a report that cannot be written must not hide the error itself
