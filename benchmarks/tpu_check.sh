@@ -37,7 +37,7 @@ done
 if [ "$mode" = prepare ]; then  # TPU VMs have the network; torch's CPU wheel, TorchTPU beside it
     python3 -m venv .venv-tpu || exit 1
     .venv-tpu/bin/python -m pip install -q --extra-index-url https://download.pytorch.org/whl/cpu \
-        -c <(grep -vE '^(torch|nvidia-|triton|cuda-)' constraints.txt) "torch==$(grep -E \
+        -c <(grep -vE '^(torch==|nvidia-|triton==|cuda-)' constraints.txt) "torch==$(grep -E \
         '^torch==' constraints.txt | cut -d= -f3)" -e '.[hf,torchtpu,dev]' || exit 1
     echo "then run: PYTHON=.venv-tpu/bin/python bash benchmarks/tpu_check.sh"
     exit 0

@@ -52,7 +52,10 @@ def test_docker_images_pin_what_constraints_pins_and_smoke_test_the_configs():
     assert f"'deepspeed=={pins['deepspeed']}'" in gpu and "-c constraints.txt" in gpu
     # the TPU image is the XLA lane's: torch 2.9 + torch_xla 2.9 (docs/lanes.md)
     assert "-c constraints-xla.txt" in (ROOT / "docker" / "tpu.Dockerfile").read_text()
-    for name in ("gpu", "tpu"):
+    # TorchTPU's image is the main lane's, torch from the CPU index (docs/tpu.md)
+    torchtpu = (ROOT / "docker" / "torchtpu.Dockerfile").read_text()
+    assert "constraints.txt" in torchtpu and "'.[torchtpu,hf]'" in torchtpu
+    for name in ("gpu", "tpu", "torchtpu"):
         text = (ROOT / "docker" / f"{name}.Dockerfile").read_text()
         assert 'polyshard validate "${config}"' in text and "COPY configs" in text
 
