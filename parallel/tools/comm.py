@@ -58,25 +58,35 @@ def planned_collectives(spec, psi: float, output_share: float = 0.0, root_share:
     if spec.shard == "none":
         return {"all_reduce_group": psi * red, "all_gather": max(0.0, volume - 2.0) * psi * low}
     out = {"all_gather": max(0.0, volume - 1.0) * psi * low, "reduce_scatter": psi * red}
-    if spec.topology.pp > 1:  # each run of the schedule ends in its own reduction (as torchtitan's)
-        out["reduce_scatter"] *= spec.grad_accum_steps
+    k, defers = spec.grad_accum_steps, pipeline_defers()
+    if spec.topology.pp > 1 and not defers:  # torch < 2.15: each run of the schedule reduces
+        out["reduce_scatter"] *= k
+    passes = max(0.0, comm_volume(spec, 1.0) - 1.0)  # the blocks' gathers (float8, below)
     if spec.topology.pp > 1 and spec.shard == "full":
         # torch's schedules keep a stage gathered from its first backward to its last in each
         # run (set_reshard_after_backward), and each micro-batch's forward gathers it again:
         # m + 1 gathers of the rank's stages per run (dry run, FSDP2: 5 at m 4, 9 at m 8), but
         # once for the last stage's root unit (`last_root` parameters: norm and head), whose
-        # backward follows each forward at once
+        # backward follows each forward at once. Runs that defer their reduction (torch 2.15's
+        # finalize_gradients, schedule.py) keep the stage gathered into the next run: k x m + 1
+        # gathers a step, the root's once (dry run: 5 and 7 at m 2, k 2 and 3)
         m = spec.pipeline.microbatches or spec.micro_batch_size
-        out["all_gather"] = spec.grad_accum_steps * ((m + 1) * (psi - last_root) + last_root) * low
+        passes = k * m + 1 if defers else k * (m + 1)
+        root = 1 if defers else k
+        out["all_gather"] = (passes * (psi - last_root) + root * last_root) * low
     if float8:  # the blocks' converted weights, gathered as often as the blocks are
-        passes = max(0.0, comm_volume(spec, 1.0) - 1.0)
-        if spec.topology.pp > 1 and spec.shard == "full":
-            passes = spec.grad_accum_steps * ((spec.pipeline.microbatches or
-                                               spec.micro_batch_size) + 1)
         out["all_gather"] -= passes * float8 * (low - 1)
     if spec.dims.dp_size // n > 1:
         out["all_reduce_replicas"] = psi / n * red
     return out
+
+
+def pipeline_defers() -> bool:
+    """torch's schedules leave an FSDP stage's gradients unreduced until the step's last run
+    (parallel/engine/model/pipeline/schedule.py: torch 2.15's finalize_gradients)."""
+    from parallel.engine.model.pipeline.schedule import DEFERS
+
+    return DEFERS
 
 
 def float8_gathered(spec, shapes, cfg: dict | None) -> float:

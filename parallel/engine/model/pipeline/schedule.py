@@ -17,6 +17,7 @@ pipeline alike (the ranks of one pipeline are fed the same rows) and kept for th
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,6 +27,9 @@ from torch.distributed.pipelining import schedules as ts
 
 from parallel.dist import union_names
 
+# torch 2.15's step(finalize_gradients=False) leaves FSDP stages' gradients unreduced for a later call
+# (torch 2.9 lacks it: each call reduces)
+DEFERS = "finalize_gradients" in inspect.signature(ts._PipelineSchedule.step).parameters
 SINGLE = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 MULTI = {"interleaved_1f1b": "ScheduleInterleaved1F1B", "zbv": "ScheduleZBVZeroBubble",
          "dualpipev": "ScheduleDualPipeV"}
@@ -154,8 +158,9 @@ class Pipeline:
         """The step's micro-batches, each one run of the schedule; `total()`: the step's target
         count over the data-parallel ranks (the engine's, in flight since before this call)."""
         local = torch.zeros((), device=self.device)
-        for micro in micro_batches:
-            local += self.run(micro, total() / self.layout.data_parallel, training=True)
+        for i, micro in enumerate(micro_batches):
+            local += self.run(micro, total() / self.layout.data_parallel, training=True,
+                              last=i == len(micro_batches) - 1)
         if self.scale_grads:  # torch's convention: the mean of the micro-batches' own means
             return local / (self.layout.microbatches * len(micro_batches))
         return local
@@ -180,10 +185,13 @@ class Pipeline:
         self._shifted = shifted is not None
         return micro["labels"] if shifted is None else shifted
 
-    def run(self, micro: dict, denominator: torch.Tensor, training: bool) -> torch.Tensor:
+    def run(self, micro: dict, denominator: torch.Tensor, training: bool,
+            last: bool = True) -> torch.Tensor:
         """One engine micro-batch through the pipeline; this rank's part of the step's loss (on
         the last stage its share x pp, so that the engine's mean over the world is the loss;
-        elsewhere 0)."""
+        elsewhere 0). `last`: the step's last micro-batch, after which FSDP stages reduce their
+        gradients and reshard (torch 2.15's finalize_gradients; before it, every schedule call
+        reduced: one reduce-scatter per micro-batch, where a hand-written loop makes one a step)."""
         self._denominator = denominator
         ids = micro["input_ids"]
         kwargs = {k: micro[k] for k in PASSED if micro.get(k) is not None}
@@ -192,7 +200,8 @@ class Pipeline:
         args = (ids,) if self.first else ()
         target = self._targets(micro) if self.last else None
         if training:
-            schedule.step(*args, target=target, losses=losses, **kwargs)
+            deferred = {"finalize_gradients": last} if DEFERS else {}
+            schedule.step(*args, target=target, losses=losses, **deferred, **kwargs)
         else:
             schedule.eval(*args, target=target, losses=losses, **kwargs)
         if not self.last:
