@@ -45,7 +45,8 @@ def test_deepspeed_runs_pp_at_zero0_in_fp32_and_refuses_the_rest_naming_why():
             config["train_batch_size"], config["gradient_clipping"]) == (2, 6, 12, 0.0)
     for shard in ("grad_op", "full"):
         assert "incompatible with pipeline" in problems(ds(shard))["shard"]
-    assert "7.3e-4" in problems(ds("optimizer"))["shard"]
+    zero1 = problems(ds("optimizer"))["shard"]  # exact on torch 2.15; checkpoints not built
+    assert "4.8e-7" in zero1 and "7.3e-4 off on torch 2.9" in zero1 and "layer index" in zero1
     assert "FSDP2" in problems(ds("full"))["shard"]
     assert "1F1B" in problems({**ds(), "pipeline": {"schedule": "gpipe"}})["pipeline.schedule"]
     assert "data parallelism only" in problems(

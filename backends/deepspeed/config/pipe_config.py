@@ -4,7 +4,10 @@ and what is refused with the measured reason (docs/pipeline.md). No deepspeed im
 
 Measured with DeepSpeed 0.19.8 on 2 gloo CPU ranks, tiny Llama, pp 2 (docs/pipeline.md):
 - ZeRO-0 in fp32 matches one process (AdamW within 9.5e-7, SGD identical): what runs here.
-- ZeRO-1's first SGD update was 7.3e-4 off one process's (a gradient, as DeepSpeed#1488 reports).
+- ZeRO-1: on torch 2.9 its first SGD update was 7.3e-4 off one process's (a gradient, as
+  DeepSpeed#1488 reports); on torch 2.15 it trains as ZeRO-0 does (SGD lr 0.5, 4 steps: 4.8e-7 at
+  pp 2 and at pp 2 x dp 2 with grad_accum 2), but its checkpoints would name the stage's parameters
+  by PipelineModule's layer index (`0.part.model...`), which no other layout reads (not built).
 - ZeRO-2 and ZeRO-3: PipelineEngine asserts "ZeRO-2 and ZeRO-3 are incompatible with pipeline
   parallelism".
 - DeepSpeed's clipping under a pipeline (runtime/utils.py clip_grad_norm_) counts the gradients of
@@ -28,9 +31,10 @@ def pipeline_rules(spec, stage: int) -> list[tuple[str, str]]:
                     f"pipeline parallelism\"; use shard: none (ZeRO-0), {FSDP2}"))
     elif stage == 1:
         out.append(("shard", f"'optimizer' (ZeRO-1) with topology.pp {pp}: DeepSpeed 0.19.8's "
-                    "pipeline engine under ZeRO-1 updated 7.3e-4 away from one process's first SGD "
-                    "update (tiny Llama, pp 2; DeepSpeed#1488), ZeRO-0 exactly; use shard: none, "
-                    f"{FSDP2}"))
+                    "pipeline engine trains it as one process does on torch 2.15 (4.8e-7, as "
+                    "ZeRO-0; 7.3e-4 off on torch 2.9), but polyshard's ZeRO-1 checkpoints of a "
+                    "pipeline would name its parameters by layer index, which no other layout "
+                    f"reads (not built); use shard: none (ZeRO-0), {FSDP2}"))
     if spec.pipeline.schedule != "1f1b":
         out.append(("pipeline.schedule", f"{spec.pipeline.schedule!r} on deepspeed: its pipeline "
                     f"engine runs its own 1F1B (TrainSchedule) only; use 1f1b, {FSDP2}"))
