@@ -27,3 +27,23 @@ def detect_launcher(env=None) -> str:
     if detect_pjrt_device() == "TPU" and not env.get("PJRT_DEVICE"):
         return "tpu-vm"
     return "local"
+
+
+# The node count a cluster scheduler gave this launch: Slurm's step (srun sets SLURM_STEP_NUM_NODES;
+# SLURM_NNODES is the same inside a step), Kubeflow's PyTorchJob (PET_NNODES, "N" or elastic
+# "MIN:MAX"), a TPU VM slice (TPU_WORKER_HOSTNAMES, one name per host).
+SCHEDULER_NODES = ("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "PET_NNODES")
+
+
+def scheduler_nodes(env=None) -> tuple[str, str, int] | None:
+    """(variable, its value, nodes) from the first scheduler variable set, else None."""
+    env = os.environ if env is None else env
+    for name in SCHEDULER_NODES:
+        value = env.get(name, "").strip()
+        if value:
+            try:
+                return name, value, int(value.rsplit(":", 1)[-1])
+            except ValueError:
+                return None
+    hosts = [h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
+    return ("TPU_WORKER_HOSTNAMES", env["TPU_WORKER_HOSTNAMES"], len(hosts)) if hosts else None

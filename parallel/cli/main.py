@@ -24,13 +24,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _spec(args):
+def _overrides(args) -> list[str]:
+    """--set's, then what --nproc / --nnodes set: what every emitted file's launch line carries too
+    (a file that named the allocation in its header alone started one-node worlds)."""
     overrides = list(args.overrides)
     for flag, field in (("nproc", "topology.procs_per_node"), ("nnodes", "topology.nodes")):
         if getattr(args, flag, None) is not None:
             overrides.append(f"{field}={getattr(args, flag)}")
+    return overrides
+
+
+def _spec(args):
     world = getattr(args, "world", None)  # plan / dryrun: one number, the layout asked about
-    return load_spec(Path(args.config), overrides, world=world if isinstance(world, int) else None)
+    return load_spec(Path(args.config), _overrides(args),
+                     world=world if isinstance(world, int) else None)
 
 
 def _validate(args) -> int:
@@ -74,23 +81,28 @@ def _launch(args) -> int:
     spec = _spec(args)
     script_args = [a for a in args.script_args if a != "--"]
     if args.emit == "tpu-vm":
-        print(tpu_vm_command(args.config, args.overrides, args.script, script_args, args.tpu,
-                             args.zone, args.workdir, nodes=spec.topology.nodes,
-                             device=spec.topology.device))
+        print(tpu_vm_command(args.config, _overrides(args), args.script, script_args, args.tpu,
+                             args.zone, args.workdir or "~/polyshard", nodes=spec.topology.nodes,
+                             device=spec.topology.device, setup=args.setup))
         return 0
     if args.emit in ("slurm", "k8s"):
         import yaml
 
-        from parallel.launch.emit import k8s_manifest, slurm_script
+        from parallel.launch.emit import k8s_claim, k8s_manifest, slurm_script
 
-        where = (args.config, args.overrides, args.script, script_args)
+        where = (args.config, _overrides(args), args.script, script_args)
         if args.emit == "slurm":
             print(slurm_script(spec, *where, job_name=args.job_name, time=args.time,
-                               max_restarts=args.max_restarts, cpus_per_task=args.cpus_per_task),
-                  end="")
-        else:
-            print(yaml.safe_dump(k8s_manifest(spec, *where, image=args.image, name=args.job_name,
-                                              max_restarts=args.max_restarts), sort_keys=False))
+                               max_restarts=args.max_restarts, cpus_per_task=args.cpus_per_task,
+                               setup=args.setup), end="")
+            return 0
+        job = k8s_manifest(spec, *where, image=args.image, name=args.job_name,
+                           max_restarts=args.max_restarts, setup=args.setup,
+                           workdir=args.workdir or "/opt/polyshard")
+        claim = [k8s_claim(args.job_name, args.pvc_size)] if spec.checkpoint.dir else []
+        print("# kubectl apply -f <this file>: the checkpoint volume (ReadWriteMany: a storage "
+              "class that offers it) and the job\n" + yaml.safe_dump_all([*claim, job],
+                                                                         sort_keys=False), end="")
         return 0
     launch_args = LaunchArgs(node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
                              max_restarts=args.max_restarts)

@@ -104,7 +104,13 @@ def _add_launch(p: argparse.ArgumentParser) -> None:
                    "task, which runs all its ranks (--emit slurm; default 8 per process)")
     p.add_argument("--tpu", default="TPU_NAME", help="TPU VM name (--emit tpu-vm)")
     p.add_argument("--zone", default="ZONE", help="TPU VM zone (--emit tpu-vm)")
-    p.add_argument("--workdir", default="~/polyshard", help="checkout on the workers (--emit tpu-vm)")
+    p.add_argument("--workdir", help="where the job runs: the checkout every TPU VM worker has "
+                   "(--emit tpu-vm, default ~/polyshard) or the container's working directory "
+                   "(--emit k8s, default /opt/polyshard, the images' WORKDIR)")
+    p.add_argument("--setup", help="a shell line run before the launch in every emitted file (e.g. "
+                   "'source /opt/venv/bin/activate' or 'module load cuda')")
+    p.add_argument("--pvc-size", default="100Gi", help="storage the emitted PersistentVolumeClaim "
+                   "for checkpoint.dir requests (--emit k8s)")
     add_spec_args(p)
     p.add_argument("script", help="training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")

@@ -22,6 +22,12 @@ def _launch_words(spec_path: str, overrides: list[str], script: str, script_args
     return words + [w for o in overrides for w in ("--set", o)] + [spec_path, script, *script_args]
 
 
+def _setup_line(setup: str | None) -> str:
+    """--setup: the user's line that makes the environment (a module load, a venv's activate), run
+    before the launch; its environment reaches every task (srun passes it on)."""
+    return f"# --setup: the environment every task inherits\n{setup}\n" if setup else ""
+
+
 GPU = "nvidia.com/gpu"
 
 
@@ -37,18 +43,18 @@ RESTARTS = 20  # PyTorchJob restarts allowed by default: each preemption save's 
 
 def slurm_script(spec: Spec, spec_path: str, overrides: list[str], script: str,
                  script_args: list[str], job_name: str = "polyshard", time: str = "24:00:00",
-                 max_restarts: int = 0, cpus_per_task: int | None = None) -> str:
-    """One srun task per node; each runs torchrun (via polyshard launch) for that node's GPUs. The
-    rendezvous lives on the first node of the allocation; --kill-on-bad-exit ends every node when
-    one fails, instead of leaving the others waiting in a collective. Its CPUs: CPUS_PER_PROCESS a
-    rank (Slurm's default is one a task); --open-mode=append: a requeued run adds to the log."""
+                 max_restarts: int = 0, cpus_per_task: int | None = None,
+                 setup: str | None = None) -> str:
+    """One srun task per node, each running torchrun (via polyshard launch) for its node's GPUs, the
+    rendezvous on the first node; --kill-on-bad-exit ends every node when one fails. CPUs:
+    CPUS_PER_PROCESS a rank (Slurm's default: one a task); a requeued run appends to the log."""
     nodes, procs = spec.topology.nodes, spec.topology.procs_per_node
     cpus = cpus_per_task or CPUS_PER_PROCESS * procs
     gpus = f"#SBATCH --gpus-per-node={procs}\n" if requested(spec) == GPU else ""
     launch = " ".join(shlex.quote(w) for w in _launch_words(
         spec_path, overrides, script, script_args, "__ENDPOINT__", max_restarts))
-    launch = launch.replace("__ENDPOINT__", '"$head:' + str(RDZV_PORT) + '"')
-    grace = int(spec.checkpoint.preemption_grace_s)
+    launch = launch.replace("__ENDPOINT__", f'"$head:{RDZV_PORT}"')
+    grace, first = int(spec.checkpoint.preemption_grace_s), _setup_line(setup)
     unsaved = "" if spec.checkpoint.dir else (
         "# checkpoint.dir is unset: a preemption notice cannot save anything; set it to resume.\n")
     return f"""#!/bin/bash
@@ -76,7 +82,7 @@ trap forward USR1
 head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-1}}
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=${{TORCH_NCCL_ASYNC_ERROR_HANDLING:-3}}
-if [ "$notice" -eq 1 ]; then  # noticed before the ranks started: nothing to save, come back later
+{first}if [ "$notice" -eq 1 ]; then  # noticed before the ranks started: nothing to save, come back later
   scontrol requeue "$SLURM_JOB_ID"
   exit {REQUEUE_EXIT}
 fi
@@ -99,18 +105,21 @@ exit "$code"
 
 def k8s_manifest(spec: Spec, spec_path: str, overrides: list[str], script: str,
                  script_args: list[str], image: str, name: str = "polyshard",
-                 max_restarts: int = 0) -> dict:
+                 max_restarts: int = 0, workdir: str = "/opt/polyshard",
+                 setup: str | None = None) -> dict:
     """A Kubeflow training-operator PyTorchJob: one Master and nodes-1 Workers, one pod per node.
     The operator sets PET_MASTER_ADDR / PET_MASTER_PORT in every pod; Kubernetes expands $(VAR).
-    checkpoint.dir is a PersistentVolumeClaim (`<name>-checkpoints`, the cluster's to provide),
-    so a restarted pod resumes from what the preempted one saved; /dev/shm is memory (a container's
-    default is 64 MB: NCCL's and the loaders' shared memory)."""
+    checkpoint.dir is a PersistentVolumeClaim (`<name>-checkpoints`: k8s_claim's), so a restarted
+    pod resumes from what the preempted one saved; /dev/shm is memory (a container's default is 64
+    MB: NCCL's and the loaders' shared memory). `workdir`: where paths are relative to (the
+    images' WORKDIR); `setup`: a shell line run before the launch, in the same shell."""
     nodes, procs = spec.topology.nodes, spec.topology.procs_per_node
     command = _launch_words(spec_path, overrides, script, script_args,
                             "$(PET_MASTER_ADDR):$(PET_MASTER_PORT)", max_restarts)
+    if setup:  # Kubernetes expands $(VAR) in the string before bash reads it
+        command = ["bash", "-c", f"{setup} && exec " + " ".join(shlex.quote(w) for w in command)]
     device = requested(spec)  # torch_xla's TPU VMs: the host's chips, nothing to request
     limits = {device: procs} if device else {}
-    workdir = "/opt/polyshard"  # the images' WORKDIR (docker/*.Dockerfile): paths are relative to it
     ckpt = spec.checkpoint.dir
     mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
     volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
@@ -150,6 +159,16 @@ def k8s_manifest(spec: Spec, spec_path: str, overrides: list[str], script: str,
                      "pytorchReplicaSpecs": replicas}}
 
 
+def k8s_claim(name: str, size: str) -> dict:
+    """The PersistentVolumeClaim the job mounts at checkpoint.dir: ReadWriteMany, since every pod
+    writes its shards into the one directory (the cluster needs a storage class that offers it:
+    NFS, Filestore, EFS, CephFS); `size`: the storage requested."""
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+            "metadata": {"name": f"{name}-checkpoints",
+                         "labels": {"app.kubernetes.io/created-by": "polyshard"}},
+            "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": size}}}}
+
+
 def json_copy(value: dict) -> dict:
     import json
 
@@ -162,7 +181,8 @@ WORKER_AND_COORDINATOR = ("python3 -c 'from torch_xla._internal import tpu; "
 
 
 def tpu_vm_command(spec_path: str, overrides: list[str], script: str, script_args: list[str],
-                   tpu: str, zone: str, workdir: str, nodes: int = 1, device: str = "auto") -> str:
+                   tpu: str, zone: str, workdir: str, nodes: int = 1, device: str = "auto",
+                   setup: str | None = None) -> str:
     """The gcloud command that runs this job on every worker of a TPU VM pod slice, each running
     `polyshard launch` with the same spec.
     - torch_xla (backend xla_fsdp): one process per host, PJRT drives the host's chips; with several
@@ -171,10 +191,12 @@ def tpu_vm_command(spec_path: str, overrides: list[str], script: str, script_arg
     - TorchTPU (topology.device: tpu): procs_per_node ranks per host, one per chip, as on a GPU host;
       `polyshard launch` has TorchTPU's own set_tpu_launch_env decide the slice's addresses, the
       node rank and the rendezvous (parallel/kits/device.py), so the command is the same on every
-      worker."""
+      worker.
+    The job runs detached (nohup; its output in `workdir`/polyshard-HOST.log): it outlives the ssh
+    session. `workdir` is a checkout every worker has; `setup` runs first (an environment)."""
     words = ["polyshard", "launch", *[w for o in overrides for w in ("--set", o)], spec_path,
              script, *script_args]
-    launch = " ".join(shlex.quote(w) for w in words)
+    launch = "nohup " + " ".join(shlex.quote(w) for w in words)
     if nodes > 1 and device != "tpu":
         launch = launch.replace("polyshard launch", "polyshard launch --node-rank \"$1\" "
                                 f"--rdzv-endpoint \"$2:{RDZV_PORT}\"", 1)
@@ -182,6 +204,8 @@ def tpu_vm_command(spec_path: str, overrides: list[str], script: str, script_arg
     elif device != "tpu":  # TorchTPU's command is the same on every worker
         launch = f"PJRT_DEVICE=TPU {launch}"
     home, rest = (workdir[2:], "~/") if workdir.startswith("~/") else (workdir, "")
-    remote = f"cd {rest}{shlex.quote(home)} && {launch}"  # ~ outside the quotes, to expand
+    first = f"{setup} && " if setup else ""
+    remote = (f"cd {rest}{shlex.quote(home)} && {first}{launch} > polyshard-$(hostname).log 2>&1 "
+              "< /dev/null &")  # ~ outside the quotes, to expand
     return (f"gcloud compute tpus tpu-vm ssh {shlex.quote(tpu)} --zone={shlex.quote(zone)} "
             f"--worker=all --command={shlex.quote(remote)}")

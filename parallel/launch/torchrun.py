@@ -104,6 +104,7 @@ def launch(spec: Spec, args: LaunchArgs, script: str, script_args: list[str],
     from parallel.kits.device import resolve
     from parallel.registry import local_layout
 
+    check_allocation(spec)  # a scheduler's node count the spec disagrees with: one world each
     kind = resolve(spec.topology.device)  # a device this host lacks: refused before any rank starts
     t = spec.topology
     runtime = device_env(kind, t.nodes, t.procs_per_node)  # TorchTPU's slice, decided here
@@ -133,6 +134,24 @@ def launch(spec: Spec, args: LaunchArgs, script: str, script_args: list[str],
         for relay in relays:
             relay.thread.join(timeout=30)  # the workers' last lines, before we return
         return code
+
+
+def check_allocation(spec: Spec, env=None) -> None:
+    """Under a cluster scheduler, the nodes it started this launch on are the spec's
+    topology.nodes: otherwise each node would run a world of its own into the same checkpoint
+    directory (torchrun takes the --nnodes polyshard passes over Kubeflow's PET_NNODES)."""
+    from parallel.envinfo import scheduler_nodes
+    from parallel.spec.errors import SpecError
+
+    found = scheduler_nodes(env)
+    nodes = spec.topology.nodes
+    if found is None or found[2] == nodes:
+        return
+    name, value, count = found
+    raise SpecError([("topology.nodes", f"{nodes}, but this launch runs under a scheduler that "
+                      f"gave it {count} node(s) ({name}={value}): each node would start a "
+                      f"{nodes}-node world of its own; set topology.nodes: {count} (--nnodes "
+                      f"{count}), or allocate {nodes} node(s)")])
 
 
 def _rendezvous(args: LaunchArgs, runtime: dict[str, str], written: str | None) -> LaunchArgs:

@@ -84,7 +84,9 @@ def test_tpu_vm_command_runs_on_every_worker_of_a_multi_host_slice():
     assert "tpu.worker_id(), tpu.get_worker_ips()[0]" in remote
     assert 'launch --node-rank "$1" --rdzv-endpoint "$2:29500"' in remote
     one = tpu_vm_command("c.yaml", [], "train.py", [], "tpu", "zone", "/opt/p")
-    assert "--node-rank" not in one and "cd /opt/p && PJRT_DEVICE=TPU polyshard launch" in one
+    assert "--node-rank" not in one and "cd /opt/p && PJRT_DEVICE=TPU nohup polyshard launch" in one
+    # detached: it outlives the ssh session, its output in the checkout
+    assert one.endswith("> polyshard-$(hostname).log 2>&1 < /dev/null &'"), one
 
 
 def test_slurm_gives_each_node_task_its_cpus_and_appends_on_requeue():
@@ -112,7 +114,8 @@ def test_torchtpu_jobs_run_one_command_on_every_worker_and_ask_for_tpu_chips():
         text = tpu_vm_command("c.yaml", ["topology.device=tpu"], "train.py", [], "tpu", "zone",
                               "/opt/p", nodes=nodes, device="tpu")
         remote = shlex.split(text)[-1].removeprefix("--command=")
-        assert remote == "cd /opt/p && polyshard launch --set topology.device=tpu c.yaml train.py"
+        assert remote == ("cd /opt/p && nohup polyshard launch --set topology.device=tpu c.yaml "
+                          "train.py > polyshard-$(hostname).log 2>&1 < /dev/null &")
     spec = load_spec({"topology": {"device": "tpu", "nodes": 2, "procs_per_node": 4}})
     assert "gpus-per-node" not in slurm_script(spec, "c.yaml", [], "t.py", [])
     pod = k8s_manifest(spec, "c.yaml", [], "t.py", [], image="i")["spec"][
@@ -126,7 +129,7 @@ def test_cli_emits_parseable_files(tmp_path, capsys):
 
     assert main(["launch", "--emit", "k8s", "--set", "topology.nodes=3", "configs/zero3.yaml",
                  "train.py"]) == 0
-    doc = yaml.safe_load(capsys.readouterr().out)
+    doc = list(yaml.safe_load_all(capsys.readouterr().out))[-1]
     assert doc["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 2
     assert main(["launch", "--emit", "slurm", "configs/zero3.yaml", "train.py"]) == 0
     (tmp_path / "job.sbatch").write_text(capsys.readouterr().out)
@@ -220,3 +223,54 @@ def test_pods_get_the_spec_grace_period():
     job = k8s_manifest(spec, "c.yaml", [], "train.py", [], image="img")
     pods = [r["template"]["spec"] for r in job["spec"]["pytorchReplicaSpecs"].values()]
     assert all(p["terminationGracePeriodSeconds"] == 300 for p in pods), pods
+
+
+def test_every_emitted_file_carries_the_topology_the_flags_gave(capsys):
+    """--nnodes / --nproc reach the launch line, not the header alone (a Slurm file with
+    `--nodes=4` in its header started one-node worlds on every node)."""
+    from parallel.cli.main import main
+
+    for emit in ("slurm", "k8s", "tpu-vm"):
+        assert main(["launch", "--emit", emit, "--nnodes", "4", "--nproc", "8",
+                     "configs/zero3.yaml", "train.py"]) == 0
+        out = capsys.readouterr().out
+        assert "topology.procs_per_node=8" in out and "topology.nodes=4" in out, (emit, out)
+
+
+def test_a_launch_whose_scheduler_gave_other_nodes_than_the_spec_is_refused():
+    from parallel.launch.torchrun import check_allocation
+    from parallel.spec.errors import SpecError
+
+    spec = load_spec(SPEC)  # 4 nodes
+    for env in ({"SLURM_NNODES": "4"}, {"SLURM_STEP_NUM_NODES": "4", "SLURM_NNODES": "9"},
+                {"PET_NNODES": "4"}, {"PET_NNODES": "1:4"}, {}):
+        check_allocation(spec, env)
+    for env, named in (({"SLURM_NNODES": "2"}, "SLURM_NNODES=2"), ({"PET_NNODES": "2"},
+                       "PET_NNODES=2"), ({"TPU_WORKER_HOSTNAMES": "a,b"}, "TPU_WORKER_HOSTNAMES")):
+        with pytest.raises(SpecError) as err:
+            check_allocation(spec, env)
+        (path, message), = err.value.problems
+        assert path == "topology.nodes" and named in message and "set topology.nodes: 2" in message
+
+
+def test_k8s_emits_the_checkpoint_claim_and_setup_and_workdir_reach_every_file(capsys):
+    from parallel.cli.main import main
+
+    args = ["--setup", "source /opt/venv/bin/activate", "--set", "checkpoint.dir=/ckpt/run"]
+    assert main(["launch", "--emit", "k8s", "--workdir", "/work", "--pvc-size", "2Ti", *args,
+                 "configs/zero3.yaml", "train.py"]) == 0
+    claim, job = yaml.safe_load_all(capsys.readouterr().out)
+    assert claim["kind"] == "PersistentVolumeClaim" and claim["spec"]["accessModes"] == [
+        "ReadWriteMany"] and claim["spec"]["resources"]["requests"]["storage"] == "2Ti"
+    pod = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    assert pod["volumes"][1]["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    container = pod["containers"][0]
+    assert container["workingDir"] == "/work" and container["command"][:2] == ["bash", "-c"]
+    assert container["command"][2].startswith("source /opt/venv/bin/activate && exec polyshard "
+                                              "launch --rdzv-endpoint '$(PET_MASTER_ADDR)")
+    assert main(["launch", "--emit", "slurm", *args, "configs/zero3.yaml", "train.py"]) == 0
+    script = capsys.readouterr().out
+    assert script.index("source /opt/venv/bin/activate") < script.index("srun --kill")
+    assert main(["launch", "--emit", "tpu-vm", *args, "configs/xla-v1-tpu.yaml", "train.py"]) == 0
+    assert "cd ~/polyshard && source /opt/venv/bin/activate && PJRT_DEVICE=TPU nohup polyshard " \
+        "launch" in capsys.readouterr().out

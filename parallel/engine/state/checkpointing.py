@@ -30,6 +30,7 @@ from parallel.checkpoint.format.schemas import TrainerState
 from parallel.checkpoint.state.sink import Sink
 from parallel.engine.state import pretrained
 from parallel.engine.state.resuming import resume
+from parallel.engine.state.shared_dir import check_shared
 
 
 class Checkpointed(Protocol):
@@ -40,6 +41,7 @@ class Checkpointed(Protocol):
     name: str
     rank: int
     world_size: int
+    device: object  # where the start-up check's few numbers travel (shared_dir.py)
     is_main: bool
     step: int
     model: object
@@ -71,6 +73,7 @@ class Checkpointer:
         self.started_at = 0  # the step the job started from (a load's): hf_at_end
         self._versions: dict | None = None
         self.side = None  # save_pretrained's gloo group, where the job's cannot sum host tensors
+        check_shared(ckpt.dir, engine.rank, engine.device)  # one directory for every rank
 
     @property
     def versions(self) -> dict:
