@@ -43,12 +43,10 @@ DESCRIPTOR = BackendDescriptor(
     # AutoTP at every ZeRO stage (autotp.py); translate refuses DeepCompile with it. pp: DeepSpeed's
     # pipeline engine at ZeRO-0 in fp32 (pipe_config.py says what else it refuses and why)
     dimensions=frozenset({"tp", "cp", "pp"}),
-    lacking={"ep": "DeepSpeed 0.19.8's AutoEP matches no transformers 4.57.1 mixture-of-experts "
-                   "model by preset (its presets need transformers >= 5.0's fused experts; "
-                   "measured on Mixtral, Qwen2-MoE and Qwen3-MoE) and, given patterns, fuses "
-                   "each block's experts into one tensor, which steps experts no rank used "
-                   "(measured up to 1.6e-4 off one process by step 3) under names that are not "
-                   "the model's; FSDP2 runs it exactly"},
+    # the measurements behind it: docs/moe.md ("What it does not do yet")
+    lacking={"ep": "DeepSpeed 0.19.8's AutoEP fuses each block's experts into one tensor that "
+                   "steps experts no rank used (1.6e-4 off one process by step 3, measured) "
+                   "under names that are not the model's; FSDP2 runs ep exactly"},
     options=Options("deepspeed", DeepSpeedOptions, "DeepSpeed only knobs."),
     flat_optimizer=lambda spec: True,  # ZeRO's flat fp32 partitions (ZeRO-0 too: state.py)
     plan=PlanModel(plan.model_states, plan.comm, plan.transient),

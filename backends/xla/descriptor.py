@@ -57,9 +57,8 @@ DESCRIPTOR = BackendDescriptor(
     packages=("torch_xla",),
     # SPMD (v2) only: the mesh's model and seq axes; translate refuses both on v1
     dimensions=frozenset({"tp", "cp"}),
-    lacking={"ep": "sending tokens to their experts' owners is an all-to-all whose split sizes "
-                   "the routing decides at run time, which torch_xla 2.9 refuses (\"XLA doesn't "
-                   "support specifying non-empty output_split_sizes\"); FSDP2 runs it"},
+    lacking={"ep": "the dispatch is an all-to-all whose split sizes the routing decides at "
+                   "run time, which torch_xla 2.9 refuses; FSDP2 runs ep"},
     options=Options("xla", XlaOptions, "PyTorch/XLA only knobs."),
     variants={"xla1": {"xla": {"fsdp_version": 1}}, "xla2": {"xla": {"fsdp_version": 2}}},
     flat_optimizer=lambda spec: spec.xla.fsdp_version == 1,  # flatten_parameters: one per unit

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from parallel.cli import ckpt as cli_ckpt, interop as cli_interop, plan as cli_plan
-from parallel.cli.parser import build_parser
+from parallel.cli.parser import build_parser, launch_flags
 from parallel.spec.io import SpecError, dump_spec, json_schema, load_spec
 
 
@@ -80,6 +80,10 @@ def _launch(args) -> int:
 
     spec = _spec(args)
     script_args = [a for a in args.script_args if a != "--"]
+    stray = [a for a in script_args if a.split("=", 1)[0] in launch_flags()]
+    if stray:  # argparse hands everything after the script to it
+        print(f"polyshard: {' '.join(stray)} comes after the script, so it goes to {args.script}, "
+              "not to polyshard launch; polyshard's flags go before the spec", file=sys.stderr)
     if args.emit == "tpu-vm":
         print(tpu_vm_command(args.config, _overrides(args), args.script, script_args, args.tpu,
                              args.zone, args.workdir or "~/polyshard", nodes=spec.topology.nodes,

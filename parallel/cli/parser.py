@@ -84,6 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def launch_flags() -> set[str]:
+    """`polyshard launch`'s own option strings (what an argument after the script may be meant as)."""
+    p = argparse.ArgumentParser(add_help=False)
+    _add_launch(p)
+    return {o for a in p._actions for o in a.option_strings}
+
+
 def _add_launch(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=bounded(int, 1, 1 << 10),
                    help="processes per node (sets topology.procs_per_node)")

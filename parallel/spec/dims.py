@@ -124,14 +124,16 @@ class ParallelDims:
         for name, what in MODEL_DIMS.items():
             degree = getattr(self, name)
             if degree > 1 and name not in implemented:
-                has = ", ".join(sorted(implemented)) or "none"
-                why = backend.lacking.get(name)
+                has, why = ", ".join(sorted(implemented)) or "none", backend.lacking.get(name)
+                why = f": {why}" if why else f" (its dimensions beyond data parallelism: {has})"
                 out.append((f"topology.{name}", f"{degree}: backend {backend.name!r} does not implement "
-                            f"{what} (its dimensions beyond data parallelism: {has})"
-                            f"{': ' + why if why else ''}; use {name}: 1 ({DOCS[name]})"))
-        if self.ep > 1 and (self.dp_shard * self.cp) % self.ep:
+                            f"{what}{why}; use {name}: 1 ({DOCS[name]})"))
+        if self.ep > 1 and "ep" in implemented and (self.dp_shard * self.cp) % self.ep:
+            replicas = (f" (dp_replicate {self.dp_replicate}: replicas, which experts are not "
+                        "split over; shard: full, or a larger shard group, gives dp_shard)"
+                        ) if self.dp_replicate > 1 else ""
             out.append(("topology.ep", f"{self.ep} must divide the ranks it borrows from, dp_shard "
-                        f"x cp = {self.dp_shard * self.cp}; pick a divisor of it"))
+                        f"x cp = {self.dp_shard * self.cp}{replicas}; pick a divisor of it"))
         return out
 
 

@@ -241,3 +241,16 @@ def test_ep_borrows_from_dp_shard_x_cp_and_composes_where_fsdp1_cannot():
                   {"fsdp": {"cpu_ram_efficient_loading": True}}):  # each takes its own experts
         load_spec({"topology": {"procs_per_node": 4, "ep": 2}, **extra})
     assert load_spec({"topology": {"procs_per_node": 4, "ep": 2}}).dims.dp_mod_ep == 2
+
+
+def test_an_ep_refusal_says_why_briefly_and_names_replicas_as_what_ep_cannot_borrow():
+    """#80: DeepSpeed's ep refusal was ~900 characters, and it came with a divisibility error that
+    named dp_shard x cp = 1 at 2 ranks (DDP's replicas) as if ep could run there."""
+    for backend in ("deepspeed", "xla_fsdp"):
+        with pytest.raises(SpecError) as err:
+            load_spec({"backend": backend, "topology": {"procs_per_node": 2, "ep": 2}})
+        (path, message), = err.value.problems
+        assert path == "topology.ep" and len(message) < 400, (len(message), message)
+    with pytest.raises(SpecError) as err:
+        load_spec({"shard": "none", "topology": {"procs_per_node": 2, "ep": 2}})
+    assert "dp_replicate 2: replicas, which experts are not split over" in str(err.value)

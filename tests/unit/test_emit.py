@@ -274,3 +274,13 @@ def test_k8s_emits_the_checkpoint_claim_and_setup_and_workdir_reach_every_file(c
     assert main(["launch", "--emit", "tpu-vm", *args, "configs/xla-v1-tpu.yaml", "train.py"]) == 0
     assert "cd ~/polyshard && source /opt/venv/bin/activate && PJRT_DEVICE=TPU nohup polyshard " \
         "launch" in capsys.readouterr().out
+
+
+def test_polyshard_flags_after_the_script_are_named(capsys):
+    """Everything after the script is the script's (argparse.REMAINDER): a --set there is said."""
+    from parallel.cli.main import main
+
+    assert main(["launch", "--emit", "slurm", "configs/zero3.yaml", "train.py", "--set",
+                 "backend=fsdp", "--steps", "3"]) == 0
+    err = capsys.readouterr().err
+    assert "polyshard: --set comes after the script, so it goes to train.py" in err, err
