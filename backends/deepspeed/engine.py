@@ -41,7 +41,7 @@ from parallel.checkpoint.state import portable as ps
 from parallel.checkpoint.state.dcp_state import read_model_optim, write_model_optim
 from parallel.engine.core.engine import Engine
 from parallel.engine.model.tp_plan import resolve_plan
-from parallel.engine.core.step import OptimizerArg, build_optimizer, clip_grad_norm, require_fp32
+from parallel.engine.core.step import OptimizerArg, build_optimizer, check_built, clip_grad_norm
 from parallel.engine.model.wrap import apply_ac, plan_wrap
 from parallel.spec.errors import SpecError
 from parallel.spec.model import Spec
@@ -64,7 +64,7 @@ class DeepSpeedEngine(Engine):
             return self._prepare_stages(model, optimizer)
         zero3 = STAGES[self.spec.shard] == 3
         model = build_model(model, known_config(self.config), zero3, self.spec.deepspeed.zero_init)
-        require_fp32(model)
+        check_built(model)
         self.config, expected = fill_model_autos(self.config, model), None
         if self.dims.tp > 1:  # the plan checked against the model, then AutoTP splits by it
             self.config, expected = apply_autotp_plan(self.config, model, self.dims.tp, resolve_plan(
@@ -104,7 +104,7 @@ class DeepSpeedEngine(Engine):
         from backends.deepspeed.runtime.pipe import DeepSpeedPipeline
 
         model = build_model(model, known_config(self.config), False, False)
-        require_fp32(model)
+        check_built(model)
         self.config = fill_model_autos(self.config, model)
         self._record_params(model)
         view = self._apply_pipeline(model, DeepSpeedPipeline)

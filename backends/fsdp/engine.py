@@ -28,7 +28,7 @@ from backends.fsdp.translate import translate
 from parallel.checkpoint.state.dcp_state import LiveState, read_model_optim, write_model_optim
 from parallel.checkpoint.state.sink import Sink
 from parallel.engine.core.engine import Engine
-from parallel.engine.core.step import OptimizerArg, clip_grad_norm, require_fp32
+from parallel.engine.core.step import OptimizerArg, check_built, clip_grad_norm
 from parallel.engine.model.tp_plan import held_part, resolve_plan
 from parallel.engine.model.wrap import apply_ac, at_unit_places, plan_wrap
 from parallel.engine.model.optim.several import members
@@ -75,7 +75,7 @@ class _TorchFSDP(ModuleStateTensors, Engine):
                 model = model()
         else:
             model = model()
-        require_fp32(model)
+        check_built(model)
         if sync and not lazy:  # the whole model, before any split
             sync_from_rank0(model, self.device)
         self._record_params(model)  # names and groups as built, before sharding replaces them

@@ -14,7 +14,7 @@ from backends.xla.translate import translate
 from parallel.engine.core.engine import Engine
 from parallel.engine.watch.nonfinite import NonfiniteWatch
 from parallel.engine.watch.preempt import AgreedFlag
-from parallel.engine.core.step import require_fp32
+from parallel.engine.core.step import check_built
 from parallel.engine.model.params import aliases, retie
 from parallel.engine.model.wrap import disable_kv_cache, plan_wrap
 from parallel.spec.errors import SpecError
@@ -104,7 +104,7 @@ class _Xla(ModuleStateTensors, Engine):
 
     def _build(self, model) -> tuple[nn.Module, list]:
         model = model if isinstance(model, nn.Module) else model()
-        require_fp32(model)
+        check_built(model)
         plan = self._record_params(model)
         if self.experts:
             self.say(f"{self.experts.summary()} route each step's tokens with data-dependent shapes "

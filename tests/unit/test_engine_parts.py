@@ -202,3 +202,25 @@ def test_close_destroys_only_a_process_group_the_engine_made(one_rank):
     assert dist.is_initialized()
     first.close()
     assert not dist.is_initialized()
+
+
+# ---- a model with nothing to train: refused by name until #84 gives it a place ----
+@pytest.mark.parametrize("backend", ["fsdp", "deepspeed"])
+def test_a_frozen_model_or_no_optimizer_is_refused_naming_its_place(one_rank, backend):
+    if backend == "deepspeed":
+        pytest.importorskip("deepspeed")
+    from parallel.engine.core.step import PrepareError
+
+    def frozen():
+        model = build_llama(llama_config("tiny"))
+        model.requires_grad_(False)
+        return model
+
+    e = create_engine(load_spec({"backend": backend, "micro_batch_size": 2}))
+    for call in (lambda: e.prepare(frozen), lambda: e.prepare(frozen, optimizer=None)):
+        with pytest.raises(PrepareError, match=r"prepare\(model, optimizer=None\): a model without "
+                                               r"trainable parameters .* several models per engine"):
+            call()
+    with pytest.raises(PrepareError, match="model: no parameter requires grad: a model without"):
+        e.prepare(frozen, (torch.optim.AdamW, {"lr": 1e-2}))
+    e.close()

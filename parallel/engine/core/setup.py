@@ -21,7 +21,7 @@ from torch import nn
 from parallel import dist as pdist
 from parallel.engine.core.calls import EngineCalls
 from parallel.kits.objective import CountFn, Objective
-from parallel.engine.core.step import LossFn, OptimizerArg, build_optimizer
+from parallel.engine.core.step import LossFn, OptimizerArg, build_optimizer, require_optimizer
 from parallel.engine.data import packing
 from parallel.engine.data.loaders import Loaders
 from parallel.engine.model.compile import apply_compile
@@ -140,7 +140,7 @@ class EngineSetup(EngineCalls):
                 f"`polyshard launch` (it reads the topology) or fix topology.procs_per_node")
 
     # ---- set-up ----
-    def prepare(self, model: nn.Module | Callable[[], nn.Module], optimizer: OptimizerArg,
+    def prepare(self, model: nn.Module | Callable[[], nn.Module], optimizer: OptimizerArg = None,
                 scheduler: Callable | None = None, loss_fn: LossFn | None = None,
                 param_groups: ParamGroupsHook | None = None,
                 count_fn: CountFn | None = None) -> nn.Module:
@@ -155,8 +155,8 @@ class EngineSetup(EngineCalls):
         `count_fn(micro_batch)`: how many items `loss_fn`'s mean is taken over (a tensor or int), so
         that micro-batches weigh by it (`loss_weighting: tokens`); Hugging Face models with `labels`
         need none (parallel/kits/objective.py)."""
-        self.loss_fn, self._count_fn = loss_fn, count_fn
-        self._param_groups_hook = param_groups
+        require_optimizer(optimizer)  # a frozen model's place is #84's (step.py)
+        self.loss_fn, self._count_fn, self._param_groups_hook = loss_fn, count_fn, param_groups
         self._check_global_batch()
         self.model, self.optimizer = self._prepare(model, optimizer)
         self.scheduler = build_scheduler(scheduler, self._scheduled_optimizer()) if scheduler \

@@ -59,14 +59,33 @@ def build_optimizer(optimizer: OptimizerArg, params) -> torch.optim.Optimizer:
     return optimizer(params)
 
 
-def require_fp32(model: nn.Module) -> None:
-    """Every precision keeps fp32 master weights; a model loaded in 16 bits would silently not."""
+FROZEN = ("a model without trainable parameters (a frozen reference or teacher) has no place of "
+          "its own in an engine yet (issue #84: several models per engine); train one model per "
+          "engine and hold the frozen one beside it (built on each rank, or in a module with the "
+          "trained one, its parameters requires_grad=False)")
+
+
+class PrepareError(ValueError):
+    """What `prepare` was handed cannot be trained as given (the CLI and launch say it plainly)."""
+
+
+def check_built(model: nn.Module) -> None:
+    """The model as built, before sharding: fp32 (every precision keeps fp32 master weights; a
+    model loaded in 16 bits would silently not) and something to train."""
     bad = sorted({str(p.dtype) for p in model.parameters()
                   if p.dtype != torch.float32 and p.device.type != "meta"})
     if bad:
-        raise ValueError(f"model: parameters are {bad}; every precision keeps fp32 master weights, "
-                         "so pass an fp32 model (torch_dtype=torch.float32) and set "
-                         "`precision: bf16` for bf16 compute")
+        raise PrepareError(f"model: parameters are {bad}; every precision keeps fp32 master "
+                           "weights, so pass an fp32 model (torch_dtype=torch.float32) and set "
+                           "`precision: bf16` for bf16 compute")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise PrepareError(f"model: no parameter requires grad: {FROZEN}")
+
+
+def require_optimizer(optimizer) -> None:
+    if optimizer is None:
+        raise PrepareError(f"prepare(model, optimizer=None): {FROZEN}; pass an optimizer, e.g. "
+                           "optimizer=(torch.optim.AdamW, {'lr': 1e-4})")
 
 
 def clip_grad_norm(params, max_norm: float | None, stages=None, experts=None) -> torch.Tensor:
