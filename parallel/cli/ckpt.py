@@ -55,6 +55,8 @@ def add_parser(sub) -> None:
     a.add_argument("--dtype", choices=["fp32", "bf16", "fp16"],
                    help="hf: dtype of the exported weights (default: the run's precision)")
     a.add_argument("--tokenizer", help="hf: a local tokenizer directory, saved beside the weights")
+    a.add_argument("--prefix", help="hf: export the submodule whose names start with PREFIX (e.g. "
+                   "'policy.' of a policy and reference held in one module), names without it")
     a.add_argument("--adapter", help="peft: which adapter (default: the run's active one)")
 
 
@@ -78,7 +80,9 @@ def run(args) -> int:
             return 0
         if args.action == "export":
             if args.to == "hf":
-                print(f"exported {export_hf(args.path, args.out, args.config, args.dtype, args.tokenizer)}")
+                out = export_hf(args.path, args.out, args.config, args.dtype, args.tokenizer,
+                                prefix=args.prefix)
+                print(f"exported {out}")
             elif args.to == "peft":
                 print(f"exported {export_peft(args.path, args.out, args.adapter)}")
             else:

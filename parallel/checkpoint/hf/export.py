@@ -78,11 +78,14 @@ def peft_config_json(model) -> str | None:
 
 def export_hf(path: str | Path, out: str | Path, config: str | Path | None = None,
               dtype: str | None = None, tokenizer: str | Path | None = None,
-              max_shard_bytes: int = MAX_SHARD_BYTES, part: tuple[int, int] = (0, 1)) -> Path:
+              max_shard_bytes: int = MAX_SHARD_BYTES, part: tuple[int, int] = (0, 1),
+              prefix: str | None = None) -> Path:
     """Weights (a LoRA run's merged) as sharded safetensors with config.json, generation config and
     tokenizer: the layout `from_pretrained` reads. `part` (i, n): this process writes the weight
     files i, i + n, ... (engine.save_pretrained: each rank a share, none the whole model); part 0
-    also the index, configs and tokenizer."""
+    also the index, configs and tokenizer. `prefix`: the submodule whose names start with it (a
+    policy and its reference held in one module), its names without it. Names that are not the
+    config's model's are refused: from_pretrained would start those weights fresh."""
     path, out = resolve(path), Path(out)
     manifest = verify_checkpoint(path)
     files = Contents(path, manifest)
@@ -92,6 +95,10 @@ def export_hf(path: str | Path, out: str | Path, config: str | Path | None = Non
         check_tokenizer_dir(Path(tokenizer))  # before anything is written
     peft_cfg = _peft_config(files)
     weights = _merged_weights(path, cfg, peft_cfg) if peft_cfg else plain_weights(path, cfg)
+    if prefix:
+        weights = [(n[len(prefix):], shape, read) for n, shape, read in weights
+                   if n.startswith(prefix)]
+    _check_names(weights, cfg, prefix)
     write_hf(weights, cfg, dtype_name, out, max_shard_bytes, part)
     if tokenizer and not part[0]:
         save_tokenizer(tokenizer, out)  # as data: no code, no link, names inside OUT (tokenizer.py)
@@ -167,6 +174,39 @@ def _merging(path: Path, model, layer: str, shapes: dict, reader) -> Callable[[]
         module.to_empty(device="meta", recurse=True)
         return weight
     return merged
+
+
+def _check_names(weights: Weights, cfg: dict, prefix: str | None) -> None:
+    """The exported names sit under the config's model's own top-level parts (`model.`,
+    `lm_head.`): a policy and its reference held in one module exported `policy.*` under the
+    policy's config, which from_pretrained answered with a freshly initialised model and a
+    warning. Only the first part is compared: below it transformers 5 converts names on load (a
+    listed MoE's `experts.N.w1` into its fused experts). Unchecked where no transformers class
+    builds the config."""
+    import transformers
+
+    cls = model_class(cfg)
+    data = {k: v for k, v in cfg.items() if k not in ("dtype", "torch_dtype")}
+    try:
+        config = transformers.AutoConfig.for_model(data.pop("model_type"), **data)
+        with torch.device("meta"):
+            model = cls(config) if cls is not None else None
+    except (ValueError, TypeError, KeyError, AttributeError):
+        model = None
+    if model is None:
+        return
+    top = {n.split(".", 1)[0] for n in model.state_dict()}
+    unexpected = sorted(n for n, _, _ in weights if n.split(".", 1)[0] not in top)
+    if not unexpected and weights:
+        return
+    heads = sorted({n.split(".", 1)[0] + "." for n in unexpected if "." in n})
+    where = f" under --prefix {prefix!r}" if prefix else ""
+    raise ExportError(
+        f"{len(unexpected)} of the checkpoint's {len(weights)} weights{where} are not under "
+        f"{cls.__name__}'s parts ({', '.join(sorted(top))}), e.g. {unexpected[:2]}: "
+        "from_pretrained would initialise the model fresh. " + (
+            f"To export one submodule, --prefix names it (here: {', '.join(heads[:4])})"
+            if heads and not prefix else "Pass --config with the model's own config.json"))
 
 
 def _meta_peft_model(cfg: dict, peft_cfg: dict, adapter: str):
