@@ -224,3 +224,21 @@ def test_a_frozen_model_or_no_optimizer_is_refused_naming_its_place(one_rank, ba
     with pytest.raises(PrepareError, match="model: no parameter requires grad: a model without"):
         e.prepare(frozen, (torch.optim.AdamW, {"lr": 1e-2}))
     e.close()
+
+
+def test_a_factory_that_finds_no_matrix_names_hidden_matrices():
+    """#80: a user's Muon factory picks `p.dim() == 2` from the model; where the backend shards
+    flat (FSDP1, XLA v1) the parameters are 1-D views at factory time and torch raised its bare
+    'optimizer got an empty parameter list'."""
+    from parallel.engine.core.step import PrepareError, build_optimizer
+
+    flat = [torch.nn.Parameter(torch.zeros(12))]  # a 3 x 4 matrix, as a flat view holds it
+
+    def users_factory(params):
+        return torch.optim.Muon([p for p in flat if p.dim() == 2], lr=0.02)
+
+    with pytest.raises(PrepareError, match=r"param_groups=hidden_matrices\(\)\) with "
+                                           r"muon_with_adamw\(\)"):
+        build_optimizer(users_factory, flat)
+    with pytest.raises(ValueError, match="Invalid learning rate"):  # other errors are torch's
+        build_optimizer((torch.optim.SGD, {"lr": -1.0}), flat)

@@ -51,14 +51,6 @@ class StepResult:
         return None if self.grad_norm_tensor is None else float(self.grad_norm_tensor)
 
 
-def build_optimizer(optimizer: OptimizerArg, params) -> torch.optim.Optimizer:
-    """Optimizers are built after sharding (they must see the sharded parameters)."""
-    if isinstance(optimizer, tuple):
-        cls, kwargs = optimizer
-        return cls(params, **kwargs)
-    return optimizer(params)
-
-
 FROZEN = ("a model without trainable parameters (a frozen reference or teacher) has no place of "
           "its own in an engine yet (issue #84: several models per engine); train one model per "
           "engine and hold the frozen one beside it (built on each rank, or in a module with the "
@@ -67,6 +59,25 @@ FROZEN = ("a model without trainable parameters (a frozen reference or teacher) 
 
 class PrepareError(ValueError):
     """What `prepare` was handed cannot be trained as given (the CLI and launch say it plainly)."""
+
+
+def build_optimizer(optimizer: OptimizerArg, params) -> torch.optim.Optimizer:
+    """Optimizers are built after sharding (they must see the sharded parameters)."""
+    try:
+        if isinstance(optimizer, tuple):
+            cls, kwargs = optimizer
+            return cls(params, **kwargs)
+        return optimizer(params)
+    except ValueError as err:
+        if "empty parameter list" not in str(err):
+            raise
+        raise PrepareError(
+            "optimizer: it was built over no parameter (torch: 'optimizer got an empty parameter "
+            "list'). A factory that picks parameters from the model by shape (p.dim() == 2) "
+            "finds none where the backend shards flat (FSDP1, XLA FSDP v1: after sharding each "
+            "parameter is a 1-D view). Pick them by their shapes as built: prepare(..., "
+            "param_groups=hidden_matrices()) with muon_with_adamw() (docs/optimizers.md), or "
+            "build the optimizer over the parameters the factory is handed") from None
 
 
 def check_built(model: nn.Module) -> None:
