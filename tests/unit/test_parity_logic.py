@@ -20,3 +20,16 @@ def test_within_and_beyond_tolerance():
 def test_missing_steps_and_failed_runs_are_not_ok():
     summary = compare(REF, {"short": run(0.0, steps=1), "dead": {"error": "boom"}}, tol=1e-5)
     assert not summary["short"]["ok"] and not summary["dead"]["ok"]
+
+
+def test_an_error_with_brackets_is_printed_as_text(tmp_path, capsys):
+    """#80: gloo's message ("[/pytorch/third_party/gloo/...]") in a failed cell, parsed as rich
+    markup, ended bench and parity with a MarkupError traceback."""
+    from parallel.tools.bench.table import render as bench_render
+    from parallel.tools.parity.report import render as parity_render
+
+    error = "RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error"
+    bench_render({"fsdp2/full/w2": {"error": error}}, tmp_path)
+    parity_render([], {"zero3": {"error": error}}, {"zero3": {"error": error}}, 1e-5)
+    out = capsys.readouterr().out
+    assert out.count("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:534]") == 2, out

@@ -98,7 +98,8 @@ def render(results: dict, out_dir: Path, wide: bool = False) -> None:
     for label, r in results.items():  # in full: a reason cut to a column's width helps nobody
         if "median_s" not in r:
             note = r.get("skipped") or "error: " + r.get("error", "")[-600:]
-            console.print(f"{label}: {note}", highlight=False, soft_wrap=True)
+            # markup=False: an error's own brackets (gloo's "[/path...]") are text, not rich tags
+            console.print(f"{label}: {note}", highlight=False, soft_wrap=True, markup=False)
     if not wide:
         console.print("MiB/rank: parameters + gradients + optimizer state; Δ loss: largest loss "
                       "difference from the native loop; x native: median over steps of polyshard's "
@@ -108,10 +109,11 @@ def render(results: dict, out_dir: Path, wide: bool = False) -> None:
     if planned and not wide:
         console.print("peak tensors per rank, measured MiB (polyshard plan's, its error): " +
                       "; ".join(f"{label}: {text}" for label, text in planned.items()),
-                      highlight=False, soft_wrap=True)
+                      highlight=False, soft_wrap=True, markup=False)
     compiled = {label: compile_text(r) for label, r in results.items() if r.get("compile")}
     if compiled and not wide:
         console.print("compile (steady-state steps above; the first step compiles): " + "; ".join(
-            f"{label}: {text}" for label, text in compiled.items()))
+            f"{label}: {text}" for label, text in compiled.items()), markup=False)
     figure = plot(results, out_dir)
-    console.print(f"results: {out_dir / 'bench.json'}, {out_dir / 'bench.csv'}; figure: {figure}")
+    console.print(f"results: {out_dir / 'bench.json'}, {out_dir / 'bench.csv'}; figure: {figure}",
+                  markup=False)

@@ -68,6 +68,7 @@ def compare(ref: list[dict], runs: dict[str, dict], tol: float) -> dict[str, dic
 
 def render(ref: list[dict], runs: dict[str, dict], summary: dict, tol: float) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title=f"parity against one process (loss tolerance {tol:g})")
@@ -88,7 +89,8 @@ def render(ref: list[dict], runs: dict[str, dict], summary: dict, tol: float) ->
     console.print(table)
     for name, result in summary.items():
         if "error" in result:
-            console.print(f"[red]{name}: failed to run[/]\n{result['error']}")
+            console.print(f"[red]{name}: failed to run[/]\n{escape(result['error'])}")  # its
+            # own brackets (gloo's "[/path...]") are text, not rich tags
         else:
             mark = "[green]ok[/]" if result["ok"] else "[red]BEYOND TOLERANCE[/]"
             console.print(f"{name} ({runs[name]['launch']}): max |Δ loss| {result['loss']:.2e}, "
