@@ -5,6 +5,7 @@ backend imports may import this module (errors.py holds what they share)."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import yaml
@@ -28,9 +29,37 @@ def load_spec(source: str | Path | dict | Spec | None = None, overrides: list[st
         data = read_document(Path(source))
     for item in overrides:
         apply_override(data, item)
+    for notice in drop_irrelevant(data, overrides):
+        print(f"polyshard: {notice}", file=sys.stderr, flush=True)
     if world is not None:
         data = over_world(data, world)
     return validate(data)
+
+
+# A section read only under its gate's values: (the gate's path, the values under which the section
+# means nothing, what reads it)
+GATES = {"pipeline": ("topology.pp", lambda v: v in (None, 1), "topology.pp > 1"),
+         "float8": ("precision", lambda v: v != "fp8", "precision: fp8")}
+
+
+def drop_irrelevant(data: dict, overrides: list[str]) -> list[str]:
+    """A section that an override's new value makes irrelevant is dropped, saying so: moving a pp 2
+    job to pp 1, or an fp8 job to bf16, is the one --set that says it (a file that holds both
+    is still refused: it was written that way). Returns the notices."""
+    paths = [item.split("=", 1)[0].strip() for item in overrides]
+    notices = []
+    for section, (gate, idle, reader) in GATES.items():
+        if gate not in paths or section not in data or any(
+                p == section or p.startswith(section + ".") for p in paths):
+            continue
+        value = data
+        for part in gate.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if idle(value):
+            data.pop(section)
+            notices.append(f"{section}: dropped, since --set {gate}={value} leaves it unread (it "
+                           f"is read with {reader})")
+    return notices
 
 
 def over_world(data: dict, world: int) -> dict:

@@ -241,3 +241,22 @@ def test_a_pipelined_spec_is_not_exported_to_files_that_carry_no_stages(fmt, bac
     with pytest.raises(SpecError) as err:
         export(load_spec({**pp(), "backend": backend, "shard": "none"}), fmt)
     assert "no pipeline stages" in dict(err.value.problems)["topology.pp"]
+
+
+def test_a_section_an_override_makes_irrelevant_is_dropped_saying_so(capsys):
+    """#80: moving a pp 2 job to pp 1 took `pipeline.microbatches=null` too, and an fp8 job to bf16
+    a float8 section removed by hand. The one --set now says it; a file written with both is still
+    refused (it says what its author wrote)."""
+    base = {"topology": {"procs_per_node": 4, "pp": 2}, "micro_batch_size": 4,
+            "pipeline": {"microbatches": 4, "schedule": "interleaved_1f1b"}}
+    spec = load_spec(base, ["topology.pp=1", "backend=deepspeed"])
+    assert spec.topology.pp == 1 and "pipeline" not in spec.model_fields_set
+    fp8 = {"precision": "fp8", "float8": {"recipe": "rowwise"}}
+    assert load_spec(fp8, ["precision=bf16"]).precision == "bf16"
+    err = capsys.readouterr().err
+    assert "polyshard: pipeline: dropped, since --set topology.pp=1 leaves it unread" in err
+    assert "polyshard: float8: dropped, since --set precision=bf16" in err
+    with pytest.raises(SpecError, match="float8: is read only with precision: fp8"):
+        load_spec({"precision": "bf16", "float8": {"recipe": "rowwise"}})
+    with pytest.raises(SpecError, match="pipeline: .* set, but topology.pp is 1"):
+        load_spec(base, ["topology.pp=1", "pipeline.schedule=gpipe"])  # named again: kept
