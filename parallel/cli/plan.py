@@ -67,6 +67,24 @@ def ep_line(spec, cfg, seq: int) -> str:
     return expert_line(moe, spec, seq)
 
 
+def cells(spec, r, best, budget: float | None) -> list[str]:
+    """One row of plan's table: the estimate, and whether it is the spec as written, fits, or is
+    the best that fits."""
+    fits = "" if budget is None else ("fits" if r.total <= budget else "[red]over[/]")
+    act = "n/a" if r.activations is None else f"{r.activations / GiB:.2f}"
+    marks = ["this spec"] if is_spec(spec, r) else []
+    marks += ["[bold green]<- least comm that fits[/]"] if r is best else [fits] if fits else []
+    return [r.backend, r.shard, r.offload, f"{r.state / GiB:.2f}",
+            f"{(r.gathered + r.buffers) / GiB:.2f}", act, f"{r.margin / GiB:.2f}",
+            f"{r.total / GiB:.2f}", f"{r.host_per_node / GiB:.1f}", f"{r.step_comm_s * 1e3:.1f}",
+            ", ".join(marks)]
+
+
+def is_spec(spec, r) -> bool:
+    """The row of the spec as written (its backend, shard and offload)."""
+    return (r.backend, r.shard, r.offload) == (spec.backend, spec.shard, spec.offload)
+
+
 def as_json(spec, args, rows, best, psi, unit, links, margin, longest, cfg=None) -> str:
     from parallel.tools.stages import pipeline_of
 
@@ -76,7 +94,7 @@ def as_json(spec, args, rows, best, psi, unit, links, margin, longest, cfg=None)
                                               "gathered", "buffers", "margin", "host_per_node",
                                               "comm_s", "offload_s")},
                 "peak": r.total, "fits": None if args.budget is None else
-                r.total <= args.budget * GiB, "best": r is best}
+                r.total <= args.budget * GiB, "best": r is best, "spec": is_spec(spec, r)}
 
     return json.dumps({"parameters": psi, "tp": spec.topology.tp, "cp": spec.topology.cp,
                        "longest_seq": longest, "largest_unit": unit,
@@ -121,14 +139,8 @@ def run_plan(spec, args) -> int:
                 "peak GiB", "host GiB/node", "comm ms/step", ""):
         table.add_column(col, justify="left" if col in ("backend", "shard", "offload") else "right",
                          no_wrap=True)
-    for r in rows:
-        fits = "" if budget is None else ("fits" if r.total <= budget else "[red]over[/]")
-        act = "n/a" if r.activations is None else f"{r.activations / GiB:.2f}"
-        table.add_row(r.backend, r.shard, r.offload, f"{r.state / GiB:.2f}",
-                      f"{(r.gathered + r.buffers) / GiB:.2f}", act, f"{r.margin / GiB:.2f}",
-                      f"{r.total / GiB:.2f}", f"{r.host_per_node / GiB:.1f}",
-                      f"{r.step_comm_s * 1e3:.1f}",
-                      "[bold green]<- least comm that fits[/]" if r is best else fits)
+    for r in sorted(rows, key=lambda r: not is_spec(spec, r)):  # the spec as written first
+        table.add_row(*cells(spec, r, best, budget))
     console = Console(width=None if sys.stdout.isatty() else 250)  # a log keeps every column
     console.print(table)
     console.print(

@@ -229,3 +229,15 @@ def test_ep_over_transformers_5s_fused_experts_is_refused_as_the_engine_refuses_
     err = capsys.readouterr().err
     assert code == 2 and "topology.ep" in err and "fused in 3-D tensors" in err, err
     assert "topology.ep: 1" in err and "Traceback" not in err
+
+def test_plan_starts_from_the_spec_as_written(capsys, config):
+    """#80: the spec's own backend, shard and offload are the first row, marked, beside every
+    other candidate."""
+    code, data, rows = rows_of(capsys, "--model", config, "--world", "64", "--set",
+                               "backend=deepspeed", "--set", "shard=grad_op")
+    assert [k for k, r in rows.items() if r["spec"]] == [("deepspeed", "grad_op", "none")]
+    assert main(["plan", "configs/demo.yaml", "--set", "backend=deepspeed", "--model", config,
+                 "--world", "64"]) == 0
+    table = capsys.readouterr().out
+    first = next(line for line in table.splitlines() if "deepspeed" in line or "fsdp" in line)
+    assert "deepspeed" in first and "full" in first and "this spec" in first, table
