@@ -72,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, default, what in (("intra-gbps", 300.0, "GB/s between ranks of a node"),
                                 ("inter-gbps", 50.0, "GB/s per rank across nodes"),
                                 ("pcie-gbps", 25.0, "GB/s host <-> device (offload)"),
+                                ("disk-gbps", 1.0, "GB/s one rank writes a checkpoint at"),
                                 ("context-gib", 0.5, "GiB the CUDA context takes"),
                                 ("fragmentation", 0.10, "allocator fragmentation, a fraction")):
         kind = bounded(float, 0.0, 0.99) if flag == "fragmentation" else GBPS

@@ -77,7 +77,7 @@ def cells(spec, r, best, budget: float | None) -> list[str]:
     return [r.backend, r.shard, r.offload, f"{r.state / GiB:.2f}",
             f"{(r.gathered + r.buffers) / GiB:.2f}", act, f"{r.margin / GiB:.2f}",
             f"{r.total / GiB:.2f}", f"{r.host_per_node / GiB:.1f}", f"{r.step_comm_s * 1e3:.1f}",
-            ", ".join(marks)]
+            f"{r.ckpt_bytes / GiB:.2f}", f"{r.ckpt_s:.1f}", ", ".join(marks)]
 
 
 def is_spec(spec, r) -> bool:
@@ -92,7 +92,7 @@ def as_json(spec, args, rows, best, psi, unit, links, margin, longest, cfg=None)
         return {"backend": r.backend, "shard": r.shard, "offload": r.offload,
                 **{k: getattr(r, k) for k in ("params", "grads", "optimizer", "activations",
                                               "gathered", "buffers", "margin", "host_per_node",
-                                              "comm_s", "offload_s")},
+                                              "comm_s", "offload_s", "ckpt_bytes", "ckpt_s")},
                 "peak": r.total, "fits": None if args.budget is None else
                 r.total <= args.budget * GiB, "best": r is best, "spec": is_spec(spec, r)}
 
@@ -118,7 +118,7 @@ def run_plan(spec, args) -> int:
 
     shapes, cfg, unit = facts_of(args.model, spec, stage_keep(spec))
     budget = args.budget * GiB if args.budget else None
-    links = Links(args.intra_gbps, args.inter_gbps, args.pcie_gbps)
+    links = Links(args.intra_gbps, args.inter_gbps, args.pcie_gbps, args.disk_gbps)
     margin = Margin(args.context_gib, args.fragmentation)
     rows, best = plan(spec, shapes, cfg, args.world, args.seq, args.optimizer, budget_bytes=budget,
                       unit=unit, links=links, margin=margin, per_node=args.per_node)
@@ -136,7 +136,7 @@ def run_plan(spec, args) -> int:
     table = Table(title=f"per-rank peak, {params}, world {args.world} ({nodes}), "
                   f"micro-batch {spec.micro_batch_size} x seq {args.seq}, {spec.precision}")
     for col in ("backend", "shard", "offload", "states", "transient", "activations", "margin",
-                "peak GiB", "host GiB/node", "comm ms/step", ""):
+                "peak GiB", "host GiB/node", "comm ms/step", "ckpt GiB/rank", "save s", ""):
         table.add_column(col, justify="left" if col in ("backend", "shard", "offload") else "right",
                          no_wrap=True)
     for r in sorted(rows, key=lambda r: not is_spec(spec, r)):  # the spec as written first
@@ -151,7 +151,8 @@ def run_plan(spec, args) -> int:
     console.print(f"margin: CUDA context {margin.context_gib} GiB + {margin.fragmentation:.0%} "
                   f"fragmentation; comm: ring collectives at {links.intra} GB/s in a node, "
                   f"{links.inter} GB/s across nodes, offload over PCIe at {links.pcie} GB/s, no "
-                  "overlap (an upper bound); --json for every number", highlight=False, soft_wrap=True)
+                  f"overlap (an upper bound); ckpt: fp32 weights + optimizer state a rank writes, "
+                  f"saved at {links.disk} GB/s; --json for every number", highlight=False, soft_wrap=True)
     notes = [pipeline_line(spec, cfg, args.seq, psi) if spec.topology.pp > 1 else None,
              ep_line(spec, cfg, args.seq) if spec.topology.ep > 1 else None,
              longest_line(spec, args.budget, longest) if longest is not None else None]

@@ -17,6 +17,7 @@ class Links:
     intra: float = 300.0
     inter: float = 50.0
     pcie: float = 25.0
+    disk: float = 1.0  # what one rank writes a checkpoint at (a shared file system's share)
 
 
 def comm_seconds(spec, psi: float, links: Links, output_share: float = 0.0,

@@ -63,6 +63,8 @@ class Estimate:
     host_per_node: float = 0.0  # what offload keeps in host memory, every rank of a node
     comm_s: float = 0.0  # collectives per step at the stated link bandwidths
     offload_s: float = 0.0  # PCIe copies per step
+    ckpt_bytes: float = 0.0  # what the rank writes of a checkpoint (the most any rank writes)
+    ckpt_s: float = 0.0  # its save at the stated disk bandwidth
 
     @property
     def state(self) -> float:
@@ -133,6 +135,16 @@ def states_of(spec, shapes, cfg: dict | None, optimizer: str = "adamw",
     return tuple(sum(values) for values in zip(*parts))
 
 
+def checkpoint_bytes(spec, shapes, cfg: dict | None, optimizer: str = "adamw") -> float:
+    """What the rank that writes most writes of one checkpoint: the fp32 weights and the optimizer
+    state (the portable format's model and optim sections). With state_dict: sharded each rank
+    writes 1/N of them (its shards; DCP spreads a replicated tensor's one copy over the ranks by
+    size); with full, rank 0 writes them all."""
+    total = float(numel(shapes)) * (4 + optimizer_bytes(shapes, optimizer,
+                                                        (cfg or {}).get("vocab_size")))
+    return total if spec.state_dict == "full" else total / spec.world_size
+
+
 def transient(spec, psi: float, unit: float, hidden: int | None = None) -> tuple[float, float]:
     """(gathered, buffers) bytes at the peak, from the backend's plan model (FULL_SHARD's rule
     where it has none)."""
@@ -193,6 +205,8 @@ def plan(spec, shapes, cfg: dict | None, world: int, seq: int, optimizer: str = 
         gathered = moe["gathered"] if moe else psi  # ep: each rank gathers its own experts
         est.comm_s = comm_seconds(s, gathered, links, float8=float8_gathered(s, shapes, cfg))
         est.offload_s = offload_seconds(s, psi, links)
+        est.ckpt_bytes = checkpoint_bytes(s, shapes, cfg, optimizer)
+        est.ckpt_s = est.ckpt_bytes / (links.disk * 1e9)
         ep = s.topology.ep  # an all-to-all moves (ep - 1) / ep of its input; ep sits inside hosts
         est.comm_s += (ep - 1) / ep * all_to_all_bytes(moe, s, seq) / (
             (links.intra if ep <= s.topology.procs_per_node else links.inter) * 1e9)
