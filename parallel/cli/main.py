@@ -196,6 +196,9 @@ def _bench(args) -> int:
 
 
 def _plan(args) -> int:
+    if args.sweep:
+        return cli_plan.run_sweep(args, lambda extra: load_spec(
+            Path(args.config), _overrides(args) + extra, world=args.world))
     return cli_plan.run_plan(_spec(args), args)
 
 

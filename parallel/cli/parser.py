@@ -66,6 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="optimizer state and its collectives: muon is Muon on the hidden matrices "
                    "and AdamW on the rest (parallel/engine/model/optim/recipes.py)")
     p.add_argument("--json", action="store_true", help="every number as JSON on stdout")
+    p.add_argument("--sweep", metavar="DIM=V1,V2,...", help="one table of the spec as written at "
+                   "each value of a parallel dimension (tp, cp, pp or ep), e.g. ep=1,2,4,8")
     p.add_argument("--per-node", type=bounded(int, 1, 1 << 10), default=8,
                    help="devices per node: which collectives "
                    "cross nodes (default 8)")

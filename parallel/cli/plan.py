@@ -80,6 +80,49 @@ def cells(spec, r, best, budget: float | None) -> list[str]:
             f"{r.ckpt_bytes / GiB:.2f}", f"{r.ckpt_s:.1f}", ", ".join(marks)]
 
 
+SWEPT = ("tp", "cp", "pp", "ep")
+
+
+def run_sweep(args, spec_at) -> int:
+    """`plan --sweep DIM=V1,V2,...`: the spec as written at each value (`spec_at([override])`), one
+    row each: its peak, states, communication and checkpoint per rank; a value the spec's rules
+    refuse is shown with why."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from parallel.spec.errors import SpecError
+    from parallel.tools.facts import facts_of
+    from parallel.tools.plan import Links, Margin, plan
+    from parallel.tools.stages import stage_keep
+
+    dim, _, values = args.sweep.partition("=")
+    if dim not in SWEPT or not values or not all(v.strip().isdigit() for v in values.split(",")):
+        raise SpecError([("--sweep", f"{args.sweep!r}: DIM=V1,V2,... with DIM one of "
+                          f"{', '.join(SWEPT)} and whole numbers, e.g. ep=1,2,4,8")])
+    links = Links(args.intra_gbps, args.inter_gbps, args.pcie_gbps, args.disk_gbps)
+    table = Table(title=f"the spec at each {dim}, world {args.world}, seq {args.seq}")
+    for col in (dim, "states", "transient", "activations", "peak GiB", "comm ms/step",
+                "ckpt GiB/rank", "save s"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for value in (int(v) for v in values.split(",")):
+        try:  # the spec's rules, and the model's (ep over fused experts: facts_of)
+            spec = spec_at([f"topology.{dim}={value}"])
+            shapes, cfg, unit = facts_of(args.model, spec, stage_keep(spec))
+        except SpecError as err:
+            table.add_row(str(value), f"refused: {err.problems[0][1][:90]}", *[""] * 6)
+            continue
+        rows, _ = plan(spec, shapes, cfg, args.world, args.seq, args.optimizer, unit=unit,
+                       links=links, margin=Margin(args.context_gib, args.fragmentation),
+                       per_node=args.per_node)
+        r = next(r for r in rows if is_spec(spec, r))
+        act = "n/a" if r.activations is None else f"{r.activations / GiB:.2f}"
+        table.add_row(str(value), f"{r.state / GiB:.2f}", f"{(r.gathered + r.buffers) / GiB:.2f}",
+                      act, f"{r.total / GiB:.2f}", f"{r.step_comm_s * 1e3:.1f}",
+                      f"{r.ckpt_bytes / GiB:.2f}", f"{r.ckpt_s:.1f}")
+    Console(width=None if sys.stdout.isatty() else 250).print(table)
+    return 0
+
+
 def is_spec(spec, r) -> bool:
     """The row of the spec as written (its backend, shard and offload)."""
     return (r.backend, r.shard, r.offload) == (spec.backend, spec.shard, spec.offload)

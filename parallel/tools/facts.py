@@ -61,6 +61,7 @@ def model_facts(source: str, wrap, tp: int = 1, tp_plan: dict | None = None, cp:
     units = unit_sizes(model, wrap, local, ep)
     cfg = model.config.to_dict()  # which attention runs sizes activations; to_dict() leaves it out
     cfg["_attn_implementation"] = getattr(model.config, "_attn_implementation", None)
+    cfg["_params"] = sum(p.numel() for p in model.parameters())  # the whole model's (checkpoints)
     if ep > 1:
         cfg["_moe"] = moe_facts(model, ep, None if keep is None else set(local))
     return list(local.values()), cfg, float(max(units)) if units else None

@@ -137,11 +137,13 @@ def states_of(spec, shapes, cfg: dict | None, optimizer: str = "adamw",
 
 def checkpoint_bytes(spec, shapes, cfg: dict | None, optimizer: str = "adamw") -> float:
     """What the rank that writes most writes of one checkpoint: the fp32 weights and the optimizer
-    state (the portable format's model and optim sections). With state_dict: sharded each rank
-    writes 1/N of them (its shards; DCP spreads a replicated tensor's one copy over the ranks by
-    size); with full, rank 0 writes them all."""
-    total = float(numel(shapes)) * (4 + optimizer_bytes(shapes, optimizer,
-                                                        (cfg or {}).get("vocab_size")))
+    state (the portable format's model and optim sections) of the whole model (`cfg`'s `_params`;
+    a bare count: one tp x pp rank's `shapes` times tp x pp). With state_dict: sharded each rank
+    writes 1/N (its shards; DCP writes a tensor held whole by several ranks once, spreading such
+    tensors over the ranks by size); with full, rank 0 writes it all."""
+    t = spec.topology
+    whole = float((cfg or {}).get("_params") or numel(shapes) * t.tp * t.pp)
+    total = whole * (4 + optimizer_bytes(shapes, optimizer, (cfg or {}).get("vocab_size")))
     return total if spec.state_dict == "full" else total / spec.world_size
 
 

@@ -269,3 +269,20 @@ def test_plans_checkpoint_bytes_are_a_real_checkpoints(tmp_path):
     # moments and its step): measured 1,577 B a tensor, 554,529 B written for 419,712 planned over
     # 4 x 21 tensors; a real model's megabyte tensors dwarf it
     assert planned <= written <= planned + 2048 * 4 * len(shapes), (planned, written)
+
+
+def test_a_sweep_is_one_table_of_the_spec_at_each_value(capsys, config):
+    """#80: `plan --sweep tp=1,2,8,3`: the spec as written at each degree, one row each; the
+    checkpoint a rank writes is the whole model's share whatever the split; a degree the spec's
+    rules refuse says why."""
+    assert main(["plan", "configs/demo.yaml", "--set", "precision=bf16", "--model", config,
+                 "--world", "64", "--sweep", "tp=1,2,8,3"]) == 0
+    rows = [[c.strip() for c in line.split("│")[1:-1]]
+            for line in capsys.readouterr().out.splitlines() if line.startswith("│")]
+    assert [r[0] for r in rows] == ["1", "2", "8", "3"], rows
+    assert len({r[6] for r in rows[:3]}) == 1 and float(rows[0][6]) == pytest.approx(
+        8.03e9 * 12 / 64 / 2 ** 30, rel=1e-2)  # fp32 weights + AdamW's moments, 1/64 each
+    assert float(rows[0][5]) > float(rows[2][5])  # tp 8 moves less over FSDP's shard group
+    assert rows[3][1].startswith("refused: 3 does not divide the world size 64")
+    assert main(["plan", "configs/demo.yaml", "--model", config, "--world", "8",
+                 "--sweep", "dp=1,2"]) == 2
