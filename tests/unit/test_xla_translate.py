@@ -74,7 +74,9 @@ def test_tpu_vm_command_runs_the_same_spec_on_every_worker():
     remote = next(w for w in words if w.startswith("--command=")).removeprefix("--command=")
     inner = shlex.split(remote)
     assert inner[inner.index("polyshard"):][:4] == ["polyshard", "launch", "--set", "precision=bf16"]
-    assert "PJRT_DEVICE=TPU" in inner and inner[-3:] == ["examples/train_lm.py", "--steps", "100"]
+    launched = inner[:inner.index(">")]  # then its log, detached (nohup ... &)
+    assert "PJRT_DEVICE=TPU" in inner and launched[-3:] == ["examples/train_lm.py", "--steps", "100"]
+    assert inner[-1] == "&" and "nohup" in inner
 
 
 def test_preemption_sync_is_spmd_with_sigterm_and_a_checkpoint_dir():
