@@ -63,6 +63,7 @@ class Port:
     def __init__(self, spec):
         self.spec, self.name, self.rank, self.world_size, self.is_main = spec, "port", 0, 1, True
         self.step, self.model, self.background_save = 7, torch.nn.Linear(2, 2), True
+        self.device = torch.device("cpu")  # where the start-up check's numbers travel
         self.user_state, self.said, self.loaded, self.checked = UserState(), [], None, []
 
     def trainer_state(self):
