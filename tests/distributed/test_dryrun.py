@@ -45,7 +45,11 @@ def test_llama3_8b_at_1024_ranks_tp8_holds_what_plan_says():
     sbh = SEQ * spec.micro_batch_size * h * 2
     tp_reduce = (32 * 8 + 1) * sbh
     reduces = got["collectives"]["all_reduce"]
-    assert 0 <= reduces["bytes"] - tp_reduce <= 64, reduces
+    # and torch 2.15's per-tensor norm vectors: one float per gradient tensor and mesh dimension it
+    # is partial over, 7 split matrices a layer over (dp_shard, tp), the other 67 tensors over
+    # dp_shard: 2 x 224 + 67 floats (measured 2,076 B over the TP bytes: those and 4 scalars)
+    norms = 4 * (2 * 7 * 32 + 67)
+    assert 0 <= reduces["bytes"] - tp_reduce <= 64 + norms, reduces
     logits = 4 * SEQ * spec.micro_batch_size * vocab
     assert tp_comm_bytes({"hidden_size": h, "vocab_size": vocab, "num_hidden_layers": 32},
                          spec.model_copy(update={"topology": spec.topology.model_copy(
