@@ -186,7 +186,13 @@ def _full_name(name: str) -> str:
 def _read_whole(files: list[Path], trust: bool):
     """torch_xla's consolidate_sharded_state_dicts of every rank's file at once, applied to the
     weights and to each optimizer entry (which is sharded exactly like its parameter)."""
-    from torch_xla.distributed.fsdp import consolidate_sharded_state_dicts
+    try:
+        from torch_xla.distributed.fsdp import consolidate_sharded_state_dicts
+    except ImportError:
+        raise CheckpointImportError("stream=False consolidates with torch_xla's own "
+                                    "consolidate_sharded_state_dicts, which needs torch_xla: run it "
+                                    "in the XLA lane (docs/lanes.md), or stream (the default), "
+                                    "which needs no torch_xla") from None
 
     shards = [torch_load(f, WHAT, trust=trust) for f in files]  # data only
     meta = _metadata(shards[0], files)

@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 import pytest
-from harness import ROOT, needs_both, torchrun
+from harness import ROOT, lane, needs_both, torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.full]
 DIST = ROOT / "tests" / "distributed"
@@ -38,8 +38,11 @@ MEASURE = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); 
 
 
 def import_rss(kind, src, out, stream: bool) -> int:
-    """Peak RSS in bytes of one import, in a process of its own."""
-    done = subprocess.run([sys.executable, "-c", MEASURE, sys.executable, "-c", IMPORT[kind] + RUN,
+    """Peak RSS in bytes of one import, in a process of its own. XLA's whole-model path is
+    torch_xla's own consolidation: it runs in the XLA lane (torch 2.9), where torch_xla is."""
+    python = (lane("torch_xla") or sys.executable) if kind == "xla" and not stream else \
+        sys.executable
+    done = subprocess.run([python, "-c", MEASURE, python, "-c", IMPORT[kind] + RUN,
                            str(src), str(out), "1" if stream else "0", kind], cwd=ROOT,
                           capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
