@@ -3,6 +3,25 @@
 # its outcome (and OUT/NAME/bench.json's cells) recorded the moment it ends by
 # benchmarks/gpu_report.py into OUT/$CHECK.json and OUT/$CHECK.md. Needs: PY, CHECK, budget, start, out.
 
+# check_args MODE OUT "$@": the scripts' flags into mode (MODE, dry or prepare), budget and out
+# (--out, else $OUT, else OUT); --help prints the calling script's header
+check_args() {
+    mode="$1" budget="" out="${OUT:-$2}"; shift 2
+    while [ $# -gt 0 ]; do
+        case "$1" in
+            --dry) mode=dry ;;
+            --prepare) mode=prepare ;;
+            --budget) budget="$2"; shift ;;
+            --out) out="$2"; shift ;;
+            -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+            *) echo "$(basename "$0"): unknown argument '$1' (--dry, --prepare, --budget SECONDS," \
+                    "--out DIR)" >&2
+               exit 2 ;;
+        esac
+        shift
+    done
+}
+
 # step NAME LIMIT WHAT -- COMMAND...: run COMMAND under min(LIMIT, what the budget has left), then
 # record it; one with under 20 s left is recorded as skipped, saying so
 step() {

@@ -19,19 +19,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-mode=gpu budget="" out="${OUT:-runs/gpu_check}"
-while [ $# -gt 0 ]; do
-    case "$1" in
-        --dry) mode=dry ;;
-        --prepare) mode=prepare ;;
-        --budget) budget="$2"; shift ;;
-        --out) out="$2"; shift ;;
-        -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
-        *) echo "gpu_check.sh: unknown argument '$1' (--dry, --prepare, --budget SECONDS, --out DIR)" >&2
-           exit 2 ;;
-    esac
-    shift
-done
+source benchmarks/check_steps.sh  # check_args, step, skip
+check_args gpu runs/gpu_check "$@"
 
 if [ "$mode" = prepare ]; then  # the GPU machine has no network: its own torch, these carried
     printf '/.whl/\n/.gpu/\n' >> .git/info/exclude
@@ -78,7 +67,6 @@ mkdir -p "$out"
 start=$(date +%s)
 
 CHECK=gpu_check
-source benchmarks/check_steps.sh  # step, skip
 
 bench=("$PY" -m parallel.cli bench "$spec" --wide "${small[@]}")  # each step adds --out OUT/<step>
 

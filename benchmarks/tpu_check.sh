@@ -20,19 +20,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-mode=tpu budget="" out="${OUT:-runs/tpu_check}"
-while [ $# -gt 0 ]; do
-    case "$1" in
-        --dry) mode=dry ;;
-        --prepare) mode=prepare ;;
-        --budget) budget="$2"; shift ;;
-        --out) out="$2"; shift ;;
-        -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
-        *) echo "tpu_check.sh: unknown argument '$1' (--dry, --prepare, --budget SECONDS, --out DIR)" >&2
-           exit 2 ;;
-    esac
-    shift
-done
+source benchmarks/check_steps.sh  # check_args, step, skip
+check_args tpu runs/tpu_check "$@"
 
 if [ "$mode" = prepare ]; then  # TPU VMs have the network; torch's CPU wheel, TorchTPU beside it
     python3 -m venv .venv-tpu || exit 1
@@ -61,7 +50,6 @@ mkdir -p "$out"
 start=$(date +%s)
 
 CHECK=tpu_check
-source benchmarks/check_steps.sh  # step, skip
 
 on=(--set "topology.device=$device" --set micro_batch_size=2)
 bench=("$PY" -m parallel.cli bench "$spec" --wide "${on[@]}")  # each step adds --out OUT/<step>

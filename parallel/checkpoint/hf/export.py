@@ -183,17 +183,14 @@ def _check_names(weights: Weights, cfg: dict, prefix: str | None) -> None:
     warning. Only the first part is compared: below it transformers 5 converts names on load (a
     listed MoE's `experts.N.w1` into its fused experts). Unchecked where no transformers class
     builds the config."""
-    import transformers
-
     cls = model_class(cfg)
-    data = {k: v for k, v in cfg.items() if k not in ("dtype", "torch_dtype")}
+    if cls is None:
+        return
     try:
-        config = transformers.AutoConfig.for_model(data.pop("model_type"), **data)
+        config = _config_object(cfg)
         with torch.device("meta"):
-            model = cls(config) if cls is not None else None
+            model = cls(config)
     except (ValueError, TypeError, KeyError, AttributeError):
-        model = None
-    if model is None:
         return
     top = {n.split(".", 1)[0] for n in model.state_dict()}
     unexpected = sorted(n for n, _, _ in weights if n.split(".", 1)[0] not in top)
@@ -209,12 +206,19 @@ def _check_names(weights: Weights, cfg: dict, prefix: str | None) -> None:
             if heads and not prefix else "Pass --config with the model's own config.json"))
 
 
+def _config_object(cfg: dict):
+    """transformers' config object for the config's data (its dtype left out: the export's own)."""
+    import transformers
+
+    data = {k: v for k, v in cfg.items() if k not in ("dtype", "torch_dtype")}
+    return transformers.AutoConfig.for_model(data.pop("model_type"), **data)
+
+
 def _meta_peft_model(cfg: dict, peft_cfg: dict, adapter: str):
     """The run's PEFT model on the meta device (no memory): what peft's own functions need."""
     import peft
     import transformers
 
-    data = {k: v for k, v in cfg.items() if k not in ("dtype", "torch_dtype")}
     cls = model_class(cfg)
     if cls is None:
         raise ExportError(f"hf_config.json: architectures {str(cfg.get('architectures'))[:80]} "
@@ -223,7 +227,7 @@ def _meta_peft_model(cfg: dict, peft_cfg: dict, adapter: str):
     if adapter not in peft_cfg["adapters"]:
         raise ExportError(f"--adapter {adapter!r}: the run has {sorted(peft_cfg['adapters'])}")
     try:
-        config = transformers.AutoConfig.for_model(data.pop("model_type"), **data)
+        config = _config_object(cfg)
         peft_config = peft.PeftConfig.from_peft_type(**peft_cfg["adapters"][adapter])
     except (ValueError, TypeError, KeyError, AttributeError) as err:
         raise ExportError(f"peft_config.json / hf_config.json: transformers or peft cannot build "

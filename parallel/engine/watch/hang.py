@@ -200,7 +200,7 @@ def timeout_error(rank: int, world: int, what: str, timeout_s: float, progress: 
     mine = progress.describe()
     head = (f"rank {rank}: {what}: a collective did not complete (timeout_s {timeout_s:g} s, or a "
             f"peer went away) while this rank was at '{mine}'")
-    collector, status = _collector(rank), flight_status()
+    collector = _collector(rank)
     if collector is not None and collector != rank:
         return CollectiveTimeout(head + f"; rank {collector} gathered every rank's report: see its "
                                  "error and the hang-report file it names")
@@ -208,7 +208,9 @@ def timeout_error(rank: int, world: int, what: str, timeout_s: float, progress: 
     if reports is None:
         return CollectiveTimeout(head + "; the job's store is unreachable (the rank hosting it, "
                                  "usually rank 0, has exited): see that rank's error")
-    place, theirs = positions(status, reports)
+    # this rank's own watcher reported its record beside the others' (read once, not again here)
+    own = (reports.get(rank) or {}).get("collectives")
+    place, theirs = positions(own if own is not None else flight_status(), reports)
     head += f", in {place}; " if place else "; "
     lagging = [f"rank {r} last reported '{e['progress']}' at {e['frames']}"
                + (f" ({theirs[r]})" if r in theirs else "")
